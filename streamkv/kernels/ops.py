@@ -1,0 +1,184 @@
+"""The kernel seam: every KV-cache operation the model needs, with one signature.
+
+CUDA tensors go to the NVRTC-compiled kernels in ``kernels_cu/`` (see ``cuda_ops.py``);
+anything else runs the pure-torch reference below. Both paths use the same logical layout:
+
+    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size]
+
+One (block, kv head) tile is therefore ``block_size * head_size`` contiguous elements, so a
+decode kernel that walks a block table reads each tile as one coalesced burst and every KV
+block is read once per KV head, whatever the GQA ratio (docs/kernels.md).
+
+A flat slot is ``block_id * block_size + offset``; slot -1 marks padding and is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _use_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+) -> None:
+    """Write each token's K/V into its slot."""
+    if _use_cuda(key):
+        from streamkv.kernels import cuda_ops
+
+        return cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
+    num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # Advanced indexing on (block, :, offset) puts the token axis first: [n, kv_heads, head].
+    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, padded with any valid id
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending over its whole paged context."""
+    if _use_cuda(query):
+        from streamkv.kernels import cuda_ops
+
+        return cuda_ops.paged_attention_decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+        )
+    return paged_attention_decode_ref(
+        query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+    )
+
+
+def gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> torch.Tensor:
+    """[num_seqs, num_kv_heads, num_blocks * block_size, head_size] view of each context."""
+    _, num_kv_heads, block_size, head_size = cache.shape
+    bt = block_tables[:, :num_blocks].long()
+    tiles = cache.index_select(0, bt.reshape(-1))  # [S * nb, kvh, bs, hd]
+    tiles = tiles.view(bt.shape[0], num_blocks, num_kv_heads, block_size, head_size)
+    return tiles.permute(0, 2, 1, 3, 4).reshape(
+        bt.shape[0], num_kv_heads, num_blocks * block_size, head_size
+    )
+
+
+def paged_attention_decode_ref(
+    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None
+) -> torch.Tensor:
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if num_seqs else 0
+    num_blocks = (max_context_len + block_size - 1) // block_size
+    k = gather_kv(key_cache, block_tables, num_blocks)
+    v = gather_kv(value_cache, block_tables, num_blocks)
+    group = num_heads // num_kv_heads
+    # [S, kvh, group, hd] @ [S, kvh, hd, T] -> [S, kvh, group, T]: no K/V repeat for GQA.
+    q = query.view(num_seqs, num_kv_heads, group, head_size).to(k.dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    mask = positions[None, :] >= context_lens[:, None].to(positions.dtype)
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [S, kvh, group, hd]
+    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,  # [q_len, num_heads, head_size] for one sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_blocks_of_seq] int32
+    context_len: int,  # tokens in the cache after this step, the query's included
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for the last ``q_len`` tokens of a sequence over its paged context.
+
+    Used for prompts, prompt chunks, recompute after preemption and prefix-cache hits: the
+    cached prefix and the new tokens are read the same way, through the block table. Both
+    devices use torch's SDPA on the gathered K/V (docs/kernels.md).
+    """
+    q_len, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    num_blocks = (context_len + block_size - 1) // block_size
+    bt = block_table[:num_blocks].view(1, -1)
+    k = gather_kv(key_cache, bt, num_blocks)[0, :, :context_len]  # [kvh, ctx, hd]
+    v = gather_kv(value_cache, bt, num_blocks)[0, :, :context_len]
+    group = num_heads // num_kv_heads
+    q = query.transpose(0, 1).to(k.dtype)  # [H, q_len, hd]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    if q_len == context_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        prefix = context_len - q_len
+        rows = torch.arange(q_len, device=query.device)[:, None] + prefix
+        cols = torch.arange(context_len, device=query.device)[None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows, scale=scale)
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,  # [n, 2] int64 (src, dst)
+) -> None:
+    """Copy-on-write: copy every (src, dst) block pair in every layer."""
+    if block_mapping.numel() == 0:
+        return
+    if _use_cuda(key_caches[0]):
+        from streamkv.kernels import cuda_ops
+
+        return cuda_ops.copy_blocks(key_caches, value_caches, block_mapping)
+    copy_blocks_ref(key_caches, value_caches, block_mapping)
+
+
+def copy_blocks_ref(key_caches, value_caches, block_mapping) -> None:
+    src = block_mapping[:, 0].to(key_caches[0].device)
+    dst = block_mapping[:, 1].to(key_caches[0].device)
+    for cache in (*key_caches, *value_caches):
+        cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def swap_blocks(
+    src_caches: list[torch.Tensor],
+    dst_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,  # [n, 2] int64 (src block in src pool, dst block in dst pool)
+) -> None:
+    """Move blocks between the device pool and the (pinned) CPU pool, all layers."""
+    if block_mapping.numel() == 0:
+        return
+    if src_caches[0].is_cuda or dst_caches[0].is_cuda:
+        from streamkv.kernels import cuda_ops
+
+        return cuda_ops.swap_blocks(src_caches, dst_caches, block_mapping)
+    swap_blocks_ref(src_caches, dst_caches, block_mapping)
+
+
+def swap_blocks_ref(src_caches, dst_caches, block_mapping) -> None:
+    src = block_mapping[:, 0].to(src_caches[0].device)
+    dst = block_mapping[:, 1].to(dst_caches[0].device)
+    for s, d in zip(src_caches, dst_caches):
+        d.index_copy_(0, dst, s.index_select(0, src).to(d.device))
