@@ -1,0 +1,87 @@
+"""Engine configuration, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory (gpu_memory_utilization / CPU RAM)
+    swap_space: float = 4.0  # GiB of CPU swap
+    num_swap_blocks: int | None = None
+    enable_prefix_caching: bool = False
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float = 2.0  # GiB for the KV pool when the model runs on the CPU
+
+    def verify(self) -> None:
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1].")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    preemption_mode: str = "auto"
+    max_model_len: int = 2048
+
+    def verify(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1.")
+
+    @property
+    def token_budget(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(2048, self.max_model_len)
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # None = the embedded default
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+
+    def verify(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype {self.dtype!r} is not supported.")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format {self.load_format!r} is not supported.")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not implemented yet.")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+    def verify(self) -> None:
+        self.model.verify()
+        self.cache.verify()
+        self.scheduler.verify()

@@ -1,0 +1,233 @@
+"""Block tables: the logical-to-physical map of every sequence's KV cache.
+
+Every decoding algorithm is expressed with the same few calls: ``allocate`` maps a prompt
+(reusing cached prefix blocks), ``ensure_slots`` grows a table one block at a time and copies
+a shared last block before it is written (copy-on-write), ``fork`` shares a table, ``free``
+drops one, and ``swap_out`` / ``swap_in`` move a whole group between device and CPU pools.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from streamkv.core.block_pool import BlockPool, block_key
+from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(
+        self,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        enable_prefix_caching: bool = False,
+        watermark: float = 0.01,
+    ) -> None:
+        self.block_size = block_size
+        self.device = BlockPool(num_device_blocks, enable_caching=enable_prefix_caching)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self.tables: dict[int, list[int]] = {}  # device tables
+        self.cpu_tables: dict[int, list[int]] = {}  # tables of swapped-out sequences
+        # Content keys of each sequence's full blocks, in order (prefix caching).
+        self._keys: dict[int, list[bytes]] = {}
+        self.num_cow_copies = 0
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # -- prompt allocation --------------------------------------------------------------
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks covering a prefix of ``seq``; never the block of its last token,
+        which must be computed to produce logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        key = None
+        tokens = seq.all_token_ids
+        for i in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            key = block_key(key, chunk)
+            block = self.device.lookup(key, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        needed = 0
+        for seq in group.live_seqs(SequenceStatus.WAITING):
+            total = _cdiv(len(seq), self.block_size)
+            if total > self.device.num_blocks - self.watermark_blocks:
+                return AllocStatus.NEVER
+            hits = self._prefix_hits(seq)
+            # Hits on evictable blocks take them out of the free count too.
+            needed += total - len(hits) + sum(1 for b in hits if self.device.ref_counts[b] == 0)
+        if self.device.num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, seq: Sequence) -> int:
+        """Map ``seq``'s tokens to blocks; returns how many tokens were prefix-cache hits."""
+        if seq.seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
+        hits = self._prefix_hits(seq)
+        for block in hits:
+            self.device.incref(block)
+        table = list(hits)
+        for _ in range(_cdiv(len(seq), self.block_size) - len(hits)):
+            table.append(self.device.allocate())
+        self.tables[seq.seq_id] = table
+        self._keys[seq.seq_id] = self._chain_keys(seq, len(hits))
+        hit_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(seq)
+            self.prefix_cache_hits += hit_tokens
+        seq.num_computed_tokens = hit_tokens
+        return hit_tokens
+
+    def _chain_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        keys: list[bytes] = []
+        key = None
+        for i in range(num_blocks):
+            chunk = [seq.token_at(j) for j in range(i * self.block_size, (i + 1) * self.block_size)]
+            key = block_key(key, chunk)
+            keys.append(key)
+        return keys
+
+    # -- growth and copy-on-write -------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        table = self.tables[seq.seq_id]
+        first = seq.num_computed_tokens // self.block_size
+        grow = max(0, _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table))
+        cow = 1 if first < len(table) and self.device.ref_counts[table[first]] > 1 else 0
+        return grow + cow
+
+    def can_append_slots(self, demands: Iterable[tuple[Sequence, int]]) -> bool:
+        needed = sum(self._blocks_needed(seq, n) for seq, n in demands)
+        return needed <= self.device.num_free
+
+    def ensure_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Give ``seq`` slots for its next ``num_new_tokens`` tokens.
+
+        Returns the (src, dst) block copies needed first: only the block holding the first
+        new token can be shared (full blocks are never written again), so at most one.
+        """
+        table = self.tables[seq.seq_id]
+        copies: list[tuple[int, int]] = []
+        first = seq.num_computed_tokens // self.block_size
+        if first < len(table) and self.device.ref_counts[table[first]] > 1:
+            src = table[first]
+            dst = self.device.allocate()
+            self.device.decref(src)
+            table[first] = dst
+            copies.append((src, dst))
+            self.num_cow_copies += 1
+        while len(table) * self.block_size < seq.num_computed_tokens + num_new_tokens:
+            table.append(self.device.allocate())
+        return copies
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        keys = self._keys[seq.seq_id]
+        table = self.tables[seq.seq_id]
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        while len(keys) < full:
+            i = len(keys)
+            chunk = tuple(seq.token_at(j) for j in range(i * self.block_size, (i + 1) * self.block_size))
+            key = block_key(keys[-1] if keys else None, chunk)
+            keys.append(key)
+            self.device.register(table[i], key, chunk)
+
+    # -- sharing ------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        table = self.tables[parent.seq_id]
+        for block in table:
+            self.device.incref(block)
+        self.tables[child.seq_id] = list(table)
+        self._keys[child.seq_id] = list(self._keys.get(parent.seq_id, []))
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, None)
+        if table is not None:
+            for block in table:
+                self.device.decref(block)
+        cpu_table = self.cpu_tables.pop(seq.seq_id, None)
+        if cpu_table is not None:
+            for block in cpu_table:
+                self.cpu.decref(block)
+        self._keys.pop(seq.seq_id, None)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
+    # -- swapping (whole groups) --------------------------------------------------------
+    def _unique_blocks(self, tables: Iterable[list[int]]) -> set[int]:
+        return {b for t in tables for b in t}
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        seqs = group.live_seqs(SequenceStatus.RUNNING)
+        return len(self._unique_blocks(self.tables[s.seq_id] for s in seqs)) <= self.cpu.num_free
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move every running sequence of ``group`` to the CPU pool; returns (device, cpu)."""
+        mapping: dict[int, int] = {}
+        for seq in group.live_seqs(SequenceStatus.RUNNING):
+            cpu_table = []
+            for block in self.tables.pop(seq.seq_id):
+                if block not in mapping:
+                    mapping[block] = self.cpu.allocate()
+                else:
+                    self.cpu.incref(mapping[block])
+                cpu_table.append(mapping[block])
+                self.device.decref(block)
+            self.cpu_tables[seq.seq_id] = cpu_table
+            seq.status = SequenceStatus.SWAPPED
+        return list(mapping.items())
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        seqs = group.live_seqs(SequenceStatus.SWAPPED)
+        needed = len(self._unique_blocks(self.cpu_tables[s.seq_id] for s in seqs)) + len(seqs)
+        return self.device.num_free - needed >= self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Bring a swapped group back to the device pool; returns (cpu, device)."""
+        mapping: dict[int, int] = {}
+        for seq in group.live_seqs(SequenceStatus.SWAPPED):
+            table = []
+            for block in self.cpu_tables.pop(seq.seq_id):
+                if block not in mapping:
+                    mapping[block] = self.device.allocate()
+                else:
+                    self.device.incref(mapping[block])
+                table.append(mapping[block])
+                self.cpu.decref(block)
+            self.tables[seq.seq_id] = table
+            seq.status = SequenceStatus.RUNNING
+        return list(mapping.items())
+
+    # -- accounting ---------------------------------------------------------------------
+    def num_shared_blocks(self) -> int:
+        return sum(1 for rc in self.device.ref_counts if rc > 1)
+
+    def num_logical_blocks(self) -> int:
+        return sum(len(t) for t in self.tables.values())
+
+    def check_no_leaks(self) -> None:
+        if self.tables or self.cpu_tables:
+            raise AssertionError(f"tables left: {list(self.tables)} {list(self.cpu_tables)}")
+        self.device.check_whole()
+        self.cpu.check_whole()

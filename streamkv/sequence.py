@@ -1,0 +1,166 @@
+"""Sequences, sequence groups (one request), and the outputs handed to users."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from streamkv.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+}
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    # Index within its group: seeds per-sample random streams so they do not depend on the
+    # batch a sample runs in.
+    sample_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V is in the cache. Prefill, chunked prefill, recompute after preemption
+    # and prefix-cache hits all reduce to "compute tokens [num_computed_tokens, len)".
+    num_computed_tokens: int = 0
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    # Detokenizer state (see engine/detokenizer.py).
+    tokens_text_offset: int = 0
+    prefix_offset: int = -1
+    read_offset: int = -1
+    emitted_text_len: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def append_token(self, token_id: int, logprob: float, logprobs: dict[int, Logprob] | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+
+    def fork(self, new_seq_id: int, sample_index: int) -> Sequence:
+        child = Sequence(
+            seq_id=new_seq_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sample_index=sample_index,
+            output_token_ids=list(self.output_token_ids),
+            output_logprobs=list(self.output_logprobs),
+            cumulative_logprob=self.cumulative_logprob,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            output_text=self.output_text,
+            tokens_text_offset=self.tokens_text_offset,
+            prefix_offset=self.prefix_offset,
+            read_offset=self.read_offset,
+            emitted_text_len=self.emitted_text_len,
+        )
+        return child
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its sequences are gang-scheduled and preempted together."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    error: str | None = None
+    # Beam search: finished hypotheses kept for the final ranking.
+    finished_beams: list[Sequence] = field(default_factory=list)
+    # Set by the scheduler on preemption (metrics, tests).
+    num_preemptions: int = 0
+
+    def live_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return [s for s in self.seqs if not s.status.finished]
+        return [s for s in self.seqs if s.status == status]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.seqs[0].prompt_token_ids)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

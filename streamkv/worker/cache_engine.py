@@ -1,0 +1,62 @@
+"""The KV pools of one worker: per layer a K and a V tensor on the device, and a CPU twin
+(pinned when the device is a GPU) for swapping."""
+
+from __future__ import annotations
+
+import torch
+
+from streamkv.kernels import ops
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_kv_heads, block_size, head_dim)
+        self.device_cache = [
+            (
+                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=device),
+                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        pin = device.type == "cuda"
+        self.cpu_cache = [
+            (
+                torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin),
+                torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(num_layers)
+        ]
+
+    def _flat(self, caches):
+        return [k for k, _ in caches] + [v for _, v in caches]
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            ops.swap_blocks(self._flat(self.device_cache), self._flat(self.cpu_cache), torch.tensor(mapping))
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            ops.swap_blocks(self._flat(self.cpu_cache), self._flat(self.device_cache), torch.tensor(mapping))
+
+    def copy(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            device = self.device_cache[0][0].device
+            ops.copy_blocks(
+                [k for k, _ in self.device_cache],
+                [v for _, v in self.device_cache],
+                torch.tensor(mapping, dtype=torch.int64, device=device),
+            )

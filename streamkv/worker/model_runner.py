@@ -1,0 +1,83 @@
+"""Builds one step's tensors (input ids, positions, slot mapping, block tables), runs the
+model and samples. Decode sequences (one new token) go first so they form one batched
+paged-decode call; prompt spans follow."""
+
+from __future__ import annotations
+
+import torch
+
+from streamkv.layers.attention import AttentionMetadata, PrefillSpan
+from streamkv.layers.sampler import Sampler
+from streamkv.worker.messages import SeqInput, StepOutput
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(seed, device)
+
+    def _slots(self, s: SeqInput) -> list[int]:
+        bs, table = self.block_size, s.block_table
+        return [table[p // bs] * bs + p % bs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+
+    def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[SeqInput]]:
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        prefills = [s for s in seqs if len(s.token_ids) > 1]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in ordered:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            slots.extend(self._slots(s))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+        if decodes:
+            width = max(len(s.block_table) for s in decodes)
+            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+            lens = [s.start_pos + 1 for s in decodes]
+            meta.num_decode = len(decodes)
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            meta.decode_max_context_len = max(lens)
+        row = len(decodes)
+        for s in prefills:
+            n = len(s.token_ids)
+            meta.prefills.append(
+                PrefillSpan(
+                    start=row,
+                    end=row + n,
+                    block_table=torch.tensor(s.block_table, dtype=torch.int32, device=dev),
+                    context_len=s.start_pos + n,
+                )
+            )
+            row += n
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, ordered
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput], kv_caches) -> StepOutput:
+        out = StepOutput()
+        if not seqs:
+            return out
+        input_ids, positions, meta, ordered = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, kv_caches, meta)
+        # Only the last row of each sampling sequence needs logits.
+        rows, reqs, ids = [], [], []
+        end = 0
+        for s in ordered:
+            end += len(s.token_ids)
+            if s.sample is not None:
+                rows.append(end - 1)
+                reqs.append(s.sample)
+                ids.append(s.seq_id)
+        if not rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        for seq_id, result in zip(ids, self.sampler(logits, reqs)):
+            out.results[seq_id] = result
+        return out

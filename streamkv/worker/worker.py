@@ -1,0 +1,98 @@
+"""One rank: owns a model shard and its KV pools, executes StepInputs. It decides nothing
+about memory: swaps, copies and slots all come from the scheduler."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from streamkv.config import EngineConfig
+from streamkv.models.loader import load_config, resolve_model_dir
+from streamkv.models.registry import build_model
+from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from streamkv.worker.messages import StepInput, StepOutput
+from streamkv.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPU matmuls in half precision are slow and far from the reference numerics.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        mc = config.model
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.model_dir = resolve_model_dir(mc.model)
+        self.hf_config = load_config(self.model_dir)
+        torch.manual_seed(mc.seed)
+        self.model = build_model(
+            self.model_dir, self.dtype, self.device, mc.load_format,
+            tp_rank=rank, tp_size=mc.tensor_parallel_size, seed=mc.seed,
+        )
+        self.cache: CacheEngine | None = None
+        self.runner = ModelRunner(self.model, config.cache.block_size, self.device, seed=mc.seed)
+
+    def block_bytes(self) -> int:
+        s = self.model.shape
+        kv_heads = max(1, s.num_kv_heads // self.config.model.tensor_parallel_size)
+        return kv_bytes_per_block(s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size, self.dtype)
+
+    def num_available_blocks(self) -> tuple[int, int]:
+        """(device blocks, cpu swap blocks) that fit the configured memory."""
+        cc = self.config.cache
+        per_block = self.block_bytes()
+        if cc.num_kv_blocks is not None:
+            device_blocks = cc.num_kv_blocks
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of the largest step (a rough, measured-safe margin).
+            budget = free - (1 - cc.gpu_memory_utilization) * total - 2 * 2**30
+            device_blocks = max(int(budget // per_block), 0)
+        else:
+            device_blocks = int(cc.cpu_kv_cache_space * 2**30 // per_block)
+        if cc.num_swap_blocks is not None:
+            cpu_blocks = cc.num_swap_blocks
+        else:
+            cpu_blocks = int(cc.swap_space * 2**30 // per_block)
+        # The CPU pool never needs more blocks than the device pool.
+        return device_blocks, min(cpu_blocks, device_blocks)
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        s = self.model.shape
+        kv_heads = max(1, s.num_kv_heads // self.config.model.tensor_parallel_size)
+        self.cache = CacheEngine(
+            s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size,
+            num_device_blocks, num_cpu_blocks, self.dtype, self.device,
+        )
+
+    def execute(self, step: StepInput) -> StepOutput:
+        # Order matters: blocks swapped out this step may be reused by copies and new slots.
+        self.cache.swap_out(step.swap_out)
+        self.cache.swap_in(step.swap_in)
+        self.cache.copy(step.copies)
+        return self.runner.execute(step.seqs, self.cache.device_cache)
