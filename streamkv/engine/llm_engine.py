@@ -1,0 +1,166 @@
+"""The synchronous engine: add_request / step / abort. One step is three calls —
+schedule, execute, postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from streamkv.config import EngineConfig
+from streamkv.core.block_manager import BlockManager
+from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.engine.detokenizer import Detokenizer
+from streamkv.engine.output_processor import OutputProcessor
+from streamkv.engine.stats import EngineStats
+from streamkv.executor.base import Executor
+from streamkv.sampling_params import SamplingParams
+from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
+from streamkv.worker.messages import SampleRequest, SeqInput, StepInput, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        config.verify()
+        self.config = config
+        if executor is None:
+            from streamkv.executor.inprocess import InProcessExecutor
+
+            executor = InProcessExecutor(config)
+        self.executor = executor
+        self.tokenizer = load_tokenizer(executor.model_dir)
+        hf = executor.hf_config
+        model_max = hf.get("max_position_embeddings") or 2048
+        mml = config.model.max_model_len or model_max
+        if mml > model_max:
+            raise ValueError(f"max_model_len {mml} exceeds the model's context length {model_max}")
+        config.scheduler.max_model_len = mml
+        num_device, num_cpu = executor.num_available_blocks()
+        if num_device < 1:
+            raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
+        executor.init_cache(num_device, num_cpu)
+        self.block_manager = BlockManager(
+            config.cache.block_size, num_device, num_cpu, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = eos_ids(self.tokenizer, hf, executor.model_dir)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.outputs = OutputProcessor(self, self.detokenizer, self.eos_token_ids)
+        self.stats_ = EngineStats(self.block_manager, self.scheduler)
+        self._seq_ids = itertools.count()
+        self.groups: dict[str, SequenceGroup] = {}
+        logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("either prompt or prompt_token_ids is required")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.executor.hf_config["vocab_size"]
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
+        group = SequenceGroup(request_id, [seq], params, prompt=prompt)
+        if arrival_time is not None:
+            group.arrival_time = arrival_time
+        self.groups[request_id] = group
+        self.scheduler.add(group)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self.scheduler.abort(request_id)
+        self.groups.pop(request_id, None)
+        return self.outputs.make_output(group) if group is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    # -- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.executor.execute(self._step_input(sched)) if not sched.is_empty else StepOutput()
+        outputs = self.outputs.process(sched, result)
+        self.stats_.record_step(sched)
+        for out in outputs:
+            if out.finished:
+                self.groups.pop(out.request_id, None)
+        return outputs
+
+    def _step_input(self, sched: SchedulerOutput) -> StepInput:
+        seqs = []
+        for s in sched.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            tokens = [seq.token_at(i) for i in range(start, start + s.num_new_tokens)]
+            sample = self._sample_request(s.group, seq) if s.do_sample else None
+            seqs.append(SeqInput(seq.seq_id, tokens, start, list(self.block_manager.block_table(seq)), sample))
+        return StepInput(seqs, sched.swap_in, sched.swap_out, sched.copies)
+
+    def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:
+        p = group.sampling_params
+        first = not seq.output_token_ids and len(group.seqs) == 1
+        req = SampleRequest(
+            num_samples=p.best_of if first and not p.use_beam_search else 1,
+            temperature=0.0 if p.greedy else p.temperature,
+            top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+            sample_index=seq.sample_index, output_pos=len(seq.output_token_ids),
+            logprobs=p.logprobs,
+            num_candidates=2 * p.best_of if p.use_beam_search else 0,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+        )
+        if p.needs_penalties:
+            req.prompt_token_ids = seq.prompt_token_ids
+            req.output_token_ids = seq.output_token_ids
+        if len(seq.output_token_ids) < p.min_tokens:
+            req.banned_token_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        return req
+
+    def stats(self) -> dict:
+        return self.stats_.as_dict()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        logger.warning("no tokenizer in %s (%s): only prompt_token_ids input will work", model_dir, e)
+        return None
+
+
+def eos_ids(tokenizer, hf_config: dict, model_dir) -> set[int]:
+    ids: set[int] = set()
+    for value in (hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        import json
+
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else value or [])
+    return ids

@@ -1,0 +1,149 @@
+"""After a step: advance each sequence's computed count, append sampled tokens (forking
+parallel samples off a prompt), detokenize, apply stop conditions, free what finished, and
+build RequestOutputs."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from streamkv.core.scheduler import SchedulerOutput
+from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
+from streamkv.sequence import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+from streamkv.worker.messages import SampleResult, StepOutput
+
+if TYPE_CHECKING:
+    from streamkv.engine.llm_engine import LLMEngine
+
+
+class OutputProcessor:
+    def __init__(self, engine: LLMEngine, detokenizer: Detokenizer | None, eos_token_ids: set[int]) -> None:
+        self.engine = engine
+        self.detokenizer = detokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        bm = self.engine.block_manager
+        touched: dict[str, SequenceGroup] = {}
+        now = time.monotonic()
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            bm.mark_computed(s.seq)
+            touched[s.group.request_id] = s.group
+        for s in sched.scheduled:
+            res = result.results.get(s.seq.seq_id)
+            if res is None or s.seq.status.finished:
+                continue
+            if s.group.first_token_time is None:
+                s.group.first_token_time = now
+            if s.group.sampling_params.use_beam_search:
+                from streamkv.engine.beam_search import beam_step
+
+                beam_step(self, s.group, s.seq, res)
+            else:
+                self._append_samples(s.group, s.seq, res)
+        for group in sched.failed:
+            touched[group.request_id] = group
+        self.engine.scheduler.free_finished_seqs()
+        outputs = []
+        for group in touched.values():
+            if group.finished and group.finished_time is None:
+                group.finished_time = now
+            outputs.append(self.make_output(group))
+        return outputs
+
+    def _append_samples(self, group: SequenceGroup, seq: Sequence, res: SampleResult) -> None:
+        """Append one token per sample; a prompt's n>1 samples fork the sequence."""
+        for j in range(1, len(res.token_ids)):
+            child = seq.fork(self.engine.new_seq_id(), sample_index=seq.sample_index + j)
+            self.engine.block_manager.fork(seq, child)
+            group.seqs.append(child)
+            self.append_token(group, child, res, j)
+        self.append_token(group, seq, res, 0)
+
+    def append_token(self, group: SequenceGroup, seq: Sequence, res: SampleResult, j: int) -> None:
+        params = group.sampling_params
+        token = res.token_ids[j]
+        top = None
+        if params.logprobs is not None:
+            top = {token: Logprob(res.logprobs[j])}
+            for rank, (tid, lp) in enumerate((res.top_logprobs or [[]])[j], start=1):
+                if tid == token:
+                    top[token].rank = rank
+                else:
+                    top.setdefault(tid, Logprob(lp, rank))
+        seq.append_token(token, res.logprobs[j], top)
+        self.check_stop(group, seq)
+
+    def check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        params = group.sampling_params
+        token = seq.output_token_ids[-1]
+        n_out = len(seq.output_token_ids)
+        old_len = len(seq.output_text)
+        if self.detokenizer is not None:
+            self.detokenizer.update(seq, params.skip_special_tokens)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                return
+            if params.stop:
+                hit = find_stop(seq.output_text, params.stop, old_len)
+                if hit is not None:
+                    i, stop = hit
+                    seq.output_text = seq.output_text[: i + len(stop) if params.include_stop_str_in_output else i]
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                    return
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        elif len(seq) >= self.engine.config.scheduler.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+
+    def make_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        seqs = group.seqs
+        if params.use_beam_search:
+            from streamkv.engine.beam_search import ranked_beams
+
+            seqs = ranked_beams(group)
+        elif group.finished and params.best_of > params.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        completions = []
+        for i, seq in enumerate(seqs if group.finished else group.seqs):
+            text = seq.output_text
+            if not seq.status.finished and params.stop:
+                text = text[: len(text) - holdback(text, params.stop)]
+            completions.append(
+                CompletionOutput(
+                    index=i if group.finished else seq.sample_index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        if group.finished_time is not None:
+            metrics["finished_time"] = group.finished_time
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.seqs[0].prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            error=group.error,
+            metrics=metrics,
+        )

@@ -1,0 +1,75 @@
+"""Engine counters and time-averaged memory figures (the paper's utilization and sharing
+metrics), sampled once per step."""
+
+from __future__ import annotations
+
+from streamkv.core.block_manager import BlockManager
+from streamkv.core.scheduler import Scheduler, SchedulerOutput
+
+
+class EngineStats:
+    def __init__(self, bm: BlockManager, scheduler: Scheduler) -> None:
+        self.bm, self.scheduler = bm, scheduler
+        self.peak_kv_blocks_used = 0
+        self.steps = 0
+        self._util_sum = 0.0
+        self._util_steps = 0
+        self._saving_sum = 0.0
+        self._saving_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def record_step(self, sched: SchedulerOutput) -> None:
+        self.steps += 1
+        for s in sched.scheduled:
+            if s.do_sample and s.num_new_tokens == 1 and s.seq.output_token_ids:
+                self.num_generation_tokens += 1
+            else:
+                self.num_prompt_tokens += s.num_new_tokens
+        used = self.bm.device.num_used
+        self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, used)
+        if not self.bm.tables:
+            return
+        block_size = self.bm.block_size
+        fill: dict[int, int] = {}
+        for group in self.scheduler.running:
+            for seq in group.seqs:
+                table = self.bm.tables.get(seq.seq_id)
+                if table is None:
+                    continue
+                seq_len = seq.num_computed_tokens
+                for i, block in enumerate(table):
+                    filled = min(max(seq_len - i * block_size, 0), block_size)
+                    if filled >= fill.get(block, 0):
+                        fill[block] = filled
+        if fill:
+            self._util_sum += sum(fill.values()) / (len(fill) * block_size)
+            self._util_steps += 1
+        logical = self.bm.num_logical_blocks()
+        if logical:
+            self._saving_sum += 1 - len(fill) / logical
+            self._saving_steps += 1
+
+    def as_dict(self) -> dict:
+        bm = self.bm
+        return {
+            "num_kv_blocks": bm.device.num_blocks,
+            "num_free_kv_blocks": bm.device.num_free,
+            "num_swap_blocks": bm.cpu.num_blocks,
+            "num_free_swap_blocks": bm.cpu.num_free,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped_out_blocks": self.scheduler.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.scheduler.num_swapped_in_blocks,
+            "peak_kv_blocks_used": self.peak_kv_blocks_used,
+            "kv_utilization": self._util_sum / self._util_steps if self._util_steps else 0.0,
+            "num_cow_copies": bm.num_cow_copies,
+            "num_shared_blocks": bm.num_shared_blocks(),
+            "sharing_savings": self._saving_sum / self._saving_steps if self._saving_steps else 0.0,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+        }

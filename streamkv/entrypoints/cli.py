@@ -1,0 +1,124 @@
+"""The ``streamkv`` command: ``generate`` (stream one completion to the terminal) and
+``serve`` (the HTTP/WebSocket server)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space")
+    g.add_argument("--num-swap-blocks", type=int, default=None)
+    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--cpu-kv-cache-space", type=float, default=2.0, help="GiB of KV pool on CPU")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "load_format": args.load_format,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "swap_space": args.swap_space,
+        "num_swap_blocks": args.num_swap_blocks,
+        "preemption_mode": args.preemption_mode,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "cpu_kv_cache_space": args.cpu_kv_cache_space,
+        "seed": args.seed,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from streamkv import SamplingParams
+    from streamkv.entrypoints.llm import LLM
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with tqdm(total=1, desc="loading model", file=sys.stderr, leave=False) as bar:
+        llm = LLM(args.model, **engine_kwargs(args))
+        bar.update(1)
+    engine = llm.engine
+    prompt = args.prompt
+    if args.chat:
+        tok = llm.get_tokenizer()
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(prompt, add_special_tokens=False)
+    else:
+        ids = None
+    engine.add_request("cli", prompt, params, prompt_token_ids=ids)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text if out.outputs else ""
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+            if out.finished and out.error:
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamkv", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="local HF directory or .gguf (default: embedded SmolLM2)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    try:
+        from streamkv.entrypoints.server import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The offline API, with vLLM's names: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from streamkv.engine.llm_engine import LLMEngine
+from streamkv.sampling_params import BeamSearchParams, SamplingParams
+from streamkv.sequence import RequestOutput
+
+
+def engine_config(
+    model: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    swap_space: float = 4.0,
+    num_swap_blocks: int | None = None,
+    preemption_mode: str = "auto",
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
+    enable_prefix_caching: bool = False,
+    seed: int = 0,
+    load_format: str = "auto",
+    gpu_memory_utilization: float = 0.9,
+    cpu_kv_cache_space: float = 2.0,
+    tensor_parallel_size: int = 1,
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model, dtype, device, load_format, seed, max_model_len, tensor_parallel_size),
+        cache=CacheConfig(
+            block_size, num_kv_blocks, swap_space, num_swap_blocks, enable_prefix_caching,
+            gpu_memory_utilization, cpu_kv_cache_space,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode),
+    )
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompt_token_ids: Seq[Seq[int]] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("generate() needs prompts or prompt_token_ids")
+        count = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != count:
+            raise ValueError("prompts and prompt_token_ids differ in length")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+        ids = []
+        for i in range(count):
+            rid = str(next(self._ids))
+            self.engine.add_request(
+                rid,
+                prompts[i] if prompts is not None else None,
+                sampling_params[i],
+                list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
+            )
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = [
+            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        # The template already holds the BOS/special tokens: do not add them twice.
+        ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(prompts, sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams) -> list[RequestOutput]:
+        sp = params.to_sampling_params()
+        if prompts and isinstance(prompts[0], list):
+            return self.generate(None, sp, prompt_token_ids=prompts)
+        return self.generate(prompts, sp)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,21 @@
+"""Where workers live. The engine only sees this interface."""
+
+from __future__ import annotations
+
+import abc
+
+from streamkv.worker.messages import StepInput, StepOutput
+
+
+class Executor(abc.ABC):
+    @abc.abstractmethod
+    def num_available_blocks(self) -> tuple[int, int]: ...
+
+    @abc.abstractmethod
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def execute(self, step: StepInput) -> StepOutput: ...
+
+    def shutdown(self) -> None:
+        pass

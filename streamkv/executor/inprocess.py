@@ -1,0 +1,31 @@
+"""Tensor-parallel size 1: the worker lives in this process (the async engine calls
+``execute`` from a background thread, so the event loop never runs model code)."""
+
+from __future__ import annotations
+
+from streamkv.config import EngineConfig
+from streamkv.executor.base import Executor
+from streamkv.worker.messages import StepInput, StepOutput
+from streamkv.worker.worker import Worker
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+
+    @property
+    def model_dir(self):
+        return self.worker.model_dir
+
+    @property
+    def hf_config(self) -> dict:
+        return self.worker.hf_config
+
+    def num_available_blocks(self) -> tuple[int, int]:
+        return self.worker.num_available_blocks()
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.init_cache(num_device_blocks, num_cpu_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.worker.execute(step)
