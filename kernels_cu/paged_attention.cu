@@ -1,0 +1,410 @@
+// Paged decode attention: one query token per sequence over its K/V in the block pool.
+//
+// Layout (streamkv/kernels/ops.py): key_cache, value_cache [num_blocks, kv_heads, BLOCK, HEAD],
+// so one (block, kv head) tile is BLOCK * HEAD contiguous elements and each token's row of
+// HEAD elements is contiguous. docs/kernels.md explains the choice and the design below.
+//
+// Grid: x = partition of the context, y = kv head (x head chunk), z = sequence.
+// One CTA serves every query head of its kv head (up to GPAD of them), so each K/V tile
+// is read from memory once per kv head whatever the GQA ratio. A token's row is read by a
+// group of TG threads with 16-byte loads; consecutive groups take consecutive tokens, so a
+// warp reads whole rows of one tile. Two passes over the partition: q.k into shared
+// logits, softmax, then p.v. Partitions longer contexts are split into are merged by
+// paged_attention_reduce_kernel (flash-decoding style), so the context length is bounded
+// by nothing but the block table.
+#include "dtypes.cuh"
+
+namespace streamkv {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxPartition = 512;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kNegInf = -3.402823466e38f;  // -FLT_MAX: finite, so exp(x - max) never sees inf - inf
+
+__host__ __device__ constexpr int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+template <typename T, int HEAD>
+struct RowShape {
+  static constexpr int VEC = Traits<T>::VEC;          // elements per 16-byte vector
+  static constexpr int NV = HEAD / VEC;               // vectors per token row
+  static constexpr int TG = NV >= 32 ? 32 : next_pow2(NV);  // threads per token
+  static constexpr int NVT = (NV + TG - 1) / TG;      // vectors per thread per token
+  static constexpr int NG = kThreads / TG;            // tokens a CTA reads per step
+  static constexpr int UNROLL = NVT == 1 ? 8 : 4;     // steps whose loads are in flight together
+  static_assert(HEAD % VEC == 0, "head size must be a multiple of 16 bytes");
+};
+
+// Sums N per-head partial dot products over the lanes of a token group. While a lane still
+// carries more than one head it keeps half of them and sends the other half (a
+// reduce-scatter), so the group needs N-1+log2(TG/N) shuffles instead of N*log2(TG).
+// On return v[0..N/min(N,TG)) hold heads head..; lanes that differ only in the bits of the
+// plain-sum levels hold the same values.
+template <int N, int OFFSET>
+__device__ __forceinline__ void group_reduce(float* v, int lane, int& head) {
+  if constexpr (OFFSET >= 1) {
+    if constexpr (N > 1) {
+      const bool upper = (lane & OFFSET) != 0;
+#pragma unroll
+      for (int j = 0; j < N / 2; ++j) {
+        const float send = upper ? v[j] : v[j + N / 2];
+        const float keep = upper ? v[j + N / 2] : v[j];
+        v[j] = keep + __shfl_xor_sync(kFullMask, send, OFFSET);
+      }
+      if (upper) head += N / 2;
+      group_reduce<N / 2, OFFSET / 2>(v, lane, head);
+    } else {
+      v[0] += __shfl_xor_sync(kFullMask, v[0], OFFSET);
+      group_reduce<1, OFFSET / 2>(v, lane, head);
+    }
+  }
+}
+
+template <int GPAD>
+__device__ __forceinline__ void load_probs(const float* row, float* p) {
+  if constexpr (GPAD % 4 == 0) {
+#pragma unroll
+    for (int g = 0; g < GPAD; g += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(row + g);
+      p[g] = x.x;
+      p[g + 1] = x.y;
+      p[g + 2] = x.z;
+      p[g + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < GPAD; ++g) p[g] = row[g];
+  }
+}
+
+template <int GPAD>
+__device__ __forceinline__ float block_reduce_max(float v, float (*red)[GPAD], int h) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o >= GPAD; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  if (lane < GPAD) red[warp][lane] = v;
+  __syncthreads();
+  v = red[0][h];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) v = fmaxf(v, red[w][h]);
+  return v;
+}
+
+template <int GPAD>
+__device__ __forceinline__ float block_reduce_sum(float v, float (*red)[GPAD], int h) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o >= GPAD; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  if (lane < GPAD) red[warp][lane] = v;
+  __syncthreads();
+  v = red[0][h];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) v += red[w][h];
+  return v;
+}
+
+// Dynamic shared memory: max(partition_size, kWarps * HEAD) * GPAD floats (the host computes it).
+template <typename T, int HEAD, int BLOCK, int GPAD>
+__global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
+    T* __restrict__ out,              // [seqs, heads, HEAD] (single-partition launches)
+    float* __restrict__ part_out,     // [seqs, heads, max_partitions, HEAD]
+    float* __restrict__ part_max,     // [seqs, heads, max_partitions]
+    float* __restrict__ part_sum,     // [seqs, heads, max_partitions]
+    const T* __restrict__ query,      // [seqs, heads, HEAD], seq stride q_stride
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
+    long long q_stride, int block_table_stride, int num_kv_heads, int group_size,
+    int partition_size, int max_partitions) {
+  using R = RowShape<T, HEAD>;
+  using Tr = Traits<T>;
+  static_assert(kMaxPartition % BLOCK == 0, "partition must hold whole blocks");
+  static_assert(GPAD <= 32 && (GPAD & (GPAD - 1)) == 0, "GPAD is a power of two <= 32");
+
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  __shared__ int blk_s[kMaxPartition / BLOCK];
+  __shared__ float red_max[kWarps][GPAD];
+  __shared__ float red_sum[kWarps][GPAD];
+  __shared__ float max_s[GPAD];
+  __shared__ float sum_s[GPAD];
+
+  const int part = blockIdx.x;
+  const int chunks = (group_size + GPAD - 1) / GPAD;
+  const int kvh = blockIdx.y / chunks;
+  const int chunk = blockIdx.y - kvh * chunks;
+  const int seq = blockIdx.z;
+  const int num_heads = num_kv_heads * group_size;
+  const int head0 = kvh * group_size + chunk * GPAD;
+  const int n_heads = min(GPAD, group_size - chunk * GPAD);
+  const int ctx = context_lens[seq];
+  const int start = part * partition_size;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  if (start >= ctx) {
+    // An empty context (a padded batch slot) gets zeros rather than garbage.
+    if (ctx <= 0 && part == 0 && max_partitions == 1) {
+      for (int i = tid; i < n_heads * HEAD; i += kThreads)
+        out[((long long)seq * num_heads + head0) * HEAD + i] = Tr::from_float(0.f);
+    }
+    return;
+  }
+  const int n_tok = min(partition_size, ctx - start);
+  const int n_blk = (n_tok + BLOCK - 1) / BLOCK;
+  const int* bt = block_tables + (long long)seq * block_table_stride + start / BLOCK;
+  for (int i = tid; i < n_blk; i += kThreads) blk_s[i] = bt[i];
+
+  const int lg = tid % R::TG;  // this thread's vectors in a row: lg, lg + TG, ...
+  const int grp = tid / R::TG;  // token group
+
+  // q for every head of the group in registers, pre-scaled; padded heads are zero.
+  float q[GPAD][R::NVT][R::VEC];
+#pragma unroll
+  for (int g = 0; g < GPAD; ++g) {
+#pragma unroll
+    for (int j = 0; j < R::NVT; ++j) {
+      const int c = lg + j * R::TG;
+      if (g < n_heads && c < R::NV) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(
+            query + seq * q_stride + (long long)(head0 + g) * HEAD + c * R::VEC);
+        Tr::to_float(raw, q[g][j]);
+#pragma unroll
+        for (int e = 0; e < R::VEC; ++e) q[g][j][e] *= scale;
+      } else {
+#pragma unroll
+        for (int e = 0; e < R::VEC; ++e) q[g][j][e] = 0.f;
+      }
+    }
+  }
+  __syncthreads();
+
+  const long long blk_stride = (long long)num_kv_heads * BLOCK * HEAD;
+  const long long head_off = (long long)kvh * BLOCK * HEAD;
+  float* logits = smem;  // [partition][GPAD]
+
+  // Pass 1: logits. The loop bound is uniform over the CTA so every lane reaches the
+  // shuffles; tokens past the end load zeros and are not stored.
+  constexpr int kSplit = GPAD < R::TG ? GPAD : R::TG;
+  constexpr int kHeld = GPAD / kSplit;                // heads a lane holds after the reduce
+  constexpr int kDupMask = R::TG / kSplit - 1;        // lanes holding duplicate sums
+  for (int base = 0; base < n_tok; base += R::NG * R::UNROLL) {
+    uint4 kv[R::UNROLL][R::NVT];
+#pragma unroll
+    for (int u = 0; u < R::UNROLL; ++u) {
+      const int t = base + u * R::NG + grp;
+      const bool ok = t < n_tok;
+      const T* row = key_cache + (ok ? (long long)blk_s[t / BLOCK] * blk_stride : 0) +
+                     head_off + (t % BLOCK) * HEAD;
+#pragma unroll
+      for (int j = 0; j < R::NVT; ++j) {
+        const int c = lg + j * R::TG;
+        kv[u][j] = (ok && c < R::NV) ? __ldg(reinterpret_cast<const uint4*>(row + c * R::VEC))
+                                      : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < R::UNROLL; ++u) {
+      float acc[GPAD];
+#pragma unroll
+      for (int g = 0; g < GPAD; ++g) acc[g] = 0.f;
+#pragma unroll
+      for (int j = 0; j < R::NVT; ++j) {
+        float kf[R::VEC];
+        Tr::to_float(kv[u][j], kf);
+#pragma unroll
+        for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+          for (int e = 0; e < R::VEC; ++e) acc[g] = fmaf(q[g][j][e], kf[e], acc[g]);
+      }
+      int h = 0;
+      group_reduce<GPAD, R::TG / 2>(acc, lane, h);
+      const int t = base + u * R::NG + grp;
+      if (t < n_tok && (lg & kDupMask) == 0) {
+#pragma unroll
+        for (int j = 0; j < kHeld; ++j) logits[t * GPAD + h + j] = acc[j];
+      }
+    }
+  }
+  __syncthreads();
+
+  // Softmax over the partition, per head; thread tid works on head tid % GPAD.
+  {
+    const int h = tid % GPAD;
+    float m = kNegInf;
+    for (int t = tid / GPAD; t < n_tok; t += kThreads / GPAD) m = fmaxf(m, logits[t * GPAD + h]);
+    m = block_reduce_max<GPAD>(m, red_max, h);
+    float s = 0.f;
+    for (int t = tid / GPAD; t < n_tok; t += kThreads / GPAD) {
+      const float p = __expf(logits[t * GPAD + h] - m);
+      logits[t * GPAD + h] = p;
+      s += p;
+    }
+    s = block_reduce_sum<GPAD>(s, red_sum, h);  // its barrier also publishes the p's
+    if (tid < GPAD) {
+      max_s[tid] = m;
+      sum_s[tid] = s;
+    }
+  }
+
+  // Pass 2: unnormalised p.v, each thread owning vectors lg, lg + TG, ... of the row.
+  float acc[GPAD][R::NVT][R::VEC];
+#pragma unroll
+  for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+    for (int j = 0; j < R::NVT; ++j)
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) acc[g][j][e] = 0.f;
+
+  for (int base = 0; base < n_tok; base += R::NG * R::UNROLL) {
+    uint4 vv[R::UNROLL][R::NVT];
+#pragma unroll
+    for (int u = 0; u < R::UNROLL; ++u) {
+      const int t = base + u * R::NG + grp;
+      const bool ok = t < n_tok;
+      const T* row = value_cache + (ok ? (long long)blk_s[t / BLOCK] * blk_stride : 0) +
+                     head_off + (t % BLOCK) * HEAD;
+#pragma unroll
+      for (int j = 0; j < R::NVT; ++j) {
+        const int c = lg + j * R::TG;
+        vv[u][j] = (ok && c < R::NV) ? __ldg(reinterpret_cast<const uint4*>(row + c * R::VEC))
+                                      : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < R::UNROLL; ++u) {
+      const int t = base + u * R::NG + grp;
+      if (t < n_tok) {
+        float p[GPAD];
+        load_probs<GPAD>(logits + t * GPAD, p);
+#pragma unroll
+        for (int j = 0; j < R::NVT; ++j) {
+          float vf[R::VEC];
+          Tr::to_float(vv[u][j], vf);
+#pragma unroll
+          for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+            for (int e = 0; e < R::VEC; ++e) acc[g][j][e] = fmaf(p[g], vf[e], acc[g][j][e]);
+        }
+      }
+    }
+  }
+
+  // Sum the token groups: first the groups sharing a warp, then the warps through smem
+  // (which reuses the logits, hence the barrier first).
+#pragma unroll
+  for (int o = R::TG; o < 32; o <<= 1)
+#pragma unroll
+    for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+      for (int j = 0; j < R::NVT; ++j)
+#pragma unroll
+        for (int e = 0; e < R::VEC; ++e)
+          acc[g][j][e] += __shfl_xor_sync(kFullMask, acc[g][j][e], o);
+  __syncthreads();
+  float* outs = smem;  // [kWarps][GPAD][HEAD]
+  if (lane < R::TG) {
+#pragma unroll
+    for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+      for (int j = 0; j < R::NVT; ++j) {
+        const int c = lg + j * R::TG;
+        if (c < R::NV) {
+#pragma unroll
+          for (int e = 0; e < R::VEC; ++e)
+            outs[(warp * GPAD + g) * HEAD + c * R::VEC + e] = acc[g][j][e];
+        }
+      }
+  }
+  __syncthreads();
+
+  for (int i = tid; i < n_heads * HEAD; i += kThreads) {
+    const int g = i / HEAD, d = i - g * HEAD;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += outs[(w * GPAD + g) * HEAD + d];
+    v /= sum_s[g];
+    const long long row = (long long)seq * num_heads + head0 + g;
+    if (max_partitions == 1) {
+      out[row * HEAD + d] = Tr::from_float(v);
+    } else {
+      part_out[(row * max_partitions + part) * HEAD + d] = v;
+    }
+  }
+  if (max_partitions > 1 && tid < n_heads) {
+    const long long idx = ((long long)seq * num_heads + head0 + tid) * max_partitions + part;
+    part_max[idx] = max_s[tid];
+    part_sum[idx] = sum_s[tid];
+  }
+}
+
+// Merges the per-partition results of one (sequence, head): each partition's normalised
+// output is weighted by its share exp(max_p - max) * sum_p of the softmax denominator.
+// Dynamic shared memory: max_partitions floats.
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(
+    T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_max,
+    const float* __restrict__ part_sum, const int* __restrict__ context_lens, int num_heads,
+    int partition_size, int max_partitions) {
+  extern __shared__ float4 smem4[];
+  float* w_s = reinterpret_cast<float*>(smem4);
+  __shared__ float red[kWarps];
+  __shared__ float total_s[2];
+
+  const int head = blockIdx.x, seq = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int ctx = context_lens[seq];
+  const int n = (max(ctx, 0) + partition_size - 1) / partition_size;
+  const long long row = (long long)seq * num_heads + head;
+  T* o = out + row * HEAD;
+  if (n == 0) {
+    for (int d = tid; d < HEAD; d += kThreads) o[d] = Traits<T>::from_float(0.f);
+    return;
+  }
+  const float* pm = part_max + row * max_partitions;
+  const float* ps = part_sum + row * max_partitions;
+
+  float m = kNegInf;
+  for (int p = tid; p < n; p += kThreads) m = fmaxf(m, pm[p]);
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  if (tid == 0) {
+    float x = red[0];
+    for (int w = 1; w < kWarps; ++w) x = fmaxf(x, red[w]);
+    total_s[0] = x;
+  }
+  __syncthreads();
+  const float gmax = total_s[0];
+
+  float s = 0.f;
+  for (int p = tid; p < n; p += kThreads) {
+    const float w = ps[p] * __expf(pm[p] - gmax);
+    w_s[p] = w;
+    s += w;
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
+  __syncthreads();  // everyone has read red[] for the max
+  if (lane == 0) red[warp] = s;
+  __syncthreads();
+  if (tid == 0) {
+    float x = 0.f;
+    for (int w = 0; w < kWarps; ++w) x += red[w];
+    total_s[1] = x;
+  }
+  __syncthreads();
+  const float inv_total = 1.f / total_s[1];
+
+  const float* po = part_out + row * max_partitions * HEAD;
+  for (int d = tid; d < HEAD; d += kThreads) {
+    float acc = 0.f;
+    for (int p = 0; p < n; ++p) acc = fmaf(w_s[p], po[(long long)p * HEAD + d], acc);
+    o[d] = Traits<T>::from_float(acc * inv_total);
+  }
+}
+
+}  // namespace streamkv
