@@ -13,7 +13,9 @@ class ParallelLinear(nn.Module):
     """``y = x W^T + b`` holding this rank's shard.
 
     ``out_splits`` lists the logical outputs fused into one matrix (e.g. q, k, v): each is
-    sharded separately so every rank gets whole heads of each.
+    sharded separately so every rank gets whole heads of each. With ``tp_size > 1`` a
+    row-parallel layer all-reduces its output and a column-parallel one with
+    ``gather_output`` all-gathers it (the default process group must be initialized).
     """
 
     def __init__(
@@ -26,12 +28,14 @@ class ParallelLinear(nn.Module):
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        gather_output: bool = False,
     ) -> None:
         super().__init__()
         if parallel not in ("column", "row"):
             raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
         self.parallel, self.tp_rank, self.tp_size = parallel, tp_rank, tp_size
         self.out_splits = out_splits
+        self.gather_output = gather_output
         if parallel == "column":
             if any(o % tp_size for o in out_splits):
                 raise ValueError(f"output sizes {out_splits} do not divide by tp_size {tp_size}")
@@ -40,10 +44,13 @@ class ParallelLinear(nn.Module):
             if in_features % tp_size:
                 raise ValueError(f"in_features {in_features} does not divide by tp_size {tp_size}")
             out_local, in_local = sum(out_splits), in_features // tp_size
+        # torch.empty, not nn.Linear: default init of an 8B model on the CPU takes minutes and
+        # is overwritten by the checkpoint (or by dummy init) anyway.
         self.weight = nn.Parameter(
             torch.empty(out_local, in_local, dtype=dtype, device=device), requires_grad=False
         )
-        # Row-parallel bias is added once, after the reduction (rank 0 holds it).
+        # A row-parallel bias must enter the sum once: rank 0 holds it and adds it before the
+        # all-reduce, so every rank ends with the same output.
         has_bias = bias and (parallel == "column" or tp_rank == 0)
         self.bias = (
             nn.Parameter(torch.empty(out_local, dtype=dtype, device=device), requires_grad=False)
@@ -61,6 +68,31 @@ class ParallelLinear(nn.Module):
         size = full.shape[1] // self.tp_size
         return full[:, self.tp_rank * size : (self.tp_rank + 1) * size]
 
+    def _rows(self, part: int) -> slice:
+        if self.parallel == "row":
+            return slice(0, self.weight.shape[0])
+        start = sum(self.out_splits[:part]) // self.tp_size
+        return slice(start, start + self.out_splits[part] // self.tp_size)
+
+    def load_part(self, part: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        """Copy this rank's shard of the full weight (or bias) of logical output ``part``
+        into place, so a checkpoint streams in one tensor at a time."""
+        if not 0 <= part < len(self.out_splits):
+            raise ValueError(f"part {part} out of range for outputs {self.out_splits}")
+        expected = (self.out_splits[part],) if is_bias else None
+        if is_bias and tuple(tensor.shape) != expected:
+            raise ValueError(f"bias shape {tuple(tensor.shape)} != expected {expected}")
+        target = self.bias if is_bias else self.weight
+        if target is None:
+            if is_bias and self.parallel == "row":
+                return  # ranks > 0 of a row-parallel layer hold no bias
+            raise ValueError("this layer was built without a bias")
+        dst = target.data[self._rows(part)]
+        src = self.shard(tensor, part)
+        if src.shape != dst.shape:
+            raise ValueError(f"shard shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+        dst.copy_(src)
+
     def load(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
         """Load the full weights of each logical output (in ``out_splits`` order)."""
         w = torch.cat([self.shard(t, i) for i, t in enumerate(weights)], dim=0)
@@ -73,4 +105,21 @@ class ParallelLinear(nn.Module):
             self.bias.data.copy_(torch.cat([self.shard(b, i) for i, b in enumerate(biases)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        import torch.distributed as dist
+
+        out = F.linear(x, self.weight, self.bias)
+        if self.parallel == "row":
+            dist.all_reduce(out)
+            return out
+        if not self.gather_output:
+            return out
+        parts = [torch.empty_like(out) for _ in range(self.tp_size)]
+        dist.all_gather(parts, out.contiguous())
+        # Each rank's shard holds its slice of every logical output: put outputs back whole.
+        if len(self.out_splits) == 1:
+            return torch.cat(parts, dim=-1)
+        local = [o // self.tp_size for o in self.out_splits]
+        pieces = [p.split(local, dim=-1) for p in parts]
+        return torch.cat([pc[i] for i in range(len(local)) for pc in pieces], dim=-1)

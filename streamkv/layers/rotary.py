@@ -41,7 +41,9 @@ class RotaryEmbedding(nn.Module):
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type not in ("default", None):
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+            )
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)

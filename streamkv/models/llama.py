@@ -1,6 +1,14 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2; Qwen2 through ``attention_bias``) on
-block tables: RoPE, RMSNorm, SwiGLU, grouped-query attention, optional tied embeddings.
-Attention heads and the MLP are split column/row-wise for tensor parallelism."""
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2) on block tables: RoPE,
+RMSNorm, SwiGLU, grouped-query attention, optional tied embeddings. Attention heads and the
+MLP are split column/row-wise for tensor parallelism; embeddings are replicated.
+
+Family differences, all read from config.json:
+- Qwen2 has biases on q/k/v (not on o); Llama's ``attention_bias`` puts them on q/k/v/o,
+  ``mlp_bias`` on the three MLP projections.
+- Mistral's sliding window is handled by capping the context at the window
+  (``common.limit_context_to_window``), where full attention is exact.
+- Llama 3.1+ ``rope_scaling`` of type llama3 (and linear) lives in ``layers/rotary.py``.
+"""
 
 from __future__ import annotations
 
@@ -14,23 +22,39 @@ from streamkv.layers.attention import AttentionMetadata, PagedAttention
 from streamkv.layers.linear import ParallelLinear
 from streamkv.layers.norm import RMSNorm
 from streamkv.layers.rotary import RotaryEmbedding
-from streamkv.models.common import ModelShape, rope_settings
+from streamkv.models.common import ModelShape, embedding, load_checkpoint, rope_settings
+
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def tp_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """Heads per rank; every rank must hold whole query and KV heads."""
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} must divide the {num_heads} attention heads "
+            f"and the {num_kv_heads} KV heads"
+        )
+    return num_heads // tp_size, num_kv_heads // tp_size
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, s: ModelShape, bias: bool, **kw) -> None:
+    def __init__(self, s: ModelShape, qkv_bias: bool, o_bias: bool, **kw) -> None:
         super().__init__()
-        tp = kw["tp_size"]
-        self.num_heads = s.num_heads // tp
-        self.num_kv_heads = max(1, s.num_kv_heads // tp)
+        self.num_heads, self.num_kv_heads = tp_heads(s.num_heads, s.num_kv_heads, kw["tp_size"])
         self.head_dim = s.head_dim
         self.qkv_proj = ParallelLinear(
             s.hidden_size,
             [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim],
-            bias=bias,
+            bias=qkv_bias,
             **kw,
         )
-        self.o_proj = ParallelLinear(s.num_heads * s.head_dim, [s.hidden_size], parallel="row", **kw)
+        self.o_proj = ParallelLinear(s.num_heads * s.head_dim, [s.hidden_size], bias=o_bias, parallel="row", **kw)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, s.head_dim, s.head_dim**-0.5)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata, rotary: RotaryEmbedding):
@@ -46,10 +70,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, s: ModelShape, **kw) -> None:
+    def __init__(self, s: ModelShape, bias: bool, **kw) -> None:
         super().__init__()
-        self.gate_up_proj = ParallelLinear(s.hidden_size, [s.intermediate_size] * 2, **kw)
-        self.down_proj = ParallelLinear(s.intermediate_size, [s.hidden_size], parallel="row", **kw)
+        self.gate_up_proj = ParallelLinear(s.hidden_size, [s.intermediate_size] * 2, bias=bias, **kw)
+        self.down_proj = ParallelLinear(s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -57,13 +81,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, s: ModelShape, bias: bool, **kw) -> None:
+    def __init__(self, s: ModelShape, biases: tuple[bool, bool, bool], **kw) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
+        qkv_bias, o_bias, mlp_bias = biases
         self.input_layernorm = RMSNorm(s.hidden_size, s.norm_eps, **dd)
-        self.self_attn = LlamaAttention(s, bias, **kw)
+        self.self_attn = LlamaAttention(s, qkv_bias, o_bias, **kw)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.norm_eps, **dd)
-        self.mlp = LlamaMLP(s, **kw)
+        self.mlp = LlamaMLP(s, mlp_bias, **kw)
 
     def forward(self, positions, x, kv_cache, meta, rotary):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, rotary)
@@ -73,21 +98,27 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: dict, shape: ModelShape, tp_rank=0, tp_size=1, dtype=torch.float32, device="cpu"):
         super().__init__()
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported for {config.get('architectures')}; only silu")
         kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
         self.config, self.shape, self.tp_size = config, shape, tp_size
-        bias = bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2"
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, bias, **kw) for _ in range(shape.num_layers))
+        attention_bias = bool(config.get("attention_bias", False))
+        qwen2 = config.get("model_type") == "qwen2"
+        biases = (attention_bias or qwen2, attention_bias, bool(config.get("mlp_bias", False)))
+        self.embed_tokens = embedding(shape.vocab_size, shape.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, biases, **kw) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps, dtype=dtype, device=device)
         self.tie = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie else ParallelLinear(shape.hidden_size, [shape.vocab_size], **kw)
+        self.lm_head = (
+            None if self.tie else ParallelLinear(shape.hidden_size, [shape.vocab_size], gather_output=True, **kw)
+        )
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, theta, scaling, device=device)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches):
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(positions, x, kv, meta, self.rotary)
         return self.norm(x)
 
@@ -98,37 +129,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face names, fusing q/k/v and gate/up into one matrix each."""
-        pending: dict[str, torch.Tensor] = {}
-        loaded: set[str] = set()
-        for name, tensor in weights:
+
+        def rename(name: str) -> str | None:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            pending[name] = tensor
-        params = dict(self.named_parameters())
-        for i, layer in enumerate(self.layers):
-            p = f"layers.{i}."
-            attn = p + "self_attn."
-            qkv = [pending.pop(attn + f"{n}_proj.weight") for n in "qkv"]
-            qkv_b = [pending.pop(attn + f"{n}_proj.bias") for n in "qkv"] if layer.self_attn.qkv_proj.bias is not None else None
-            layer.self_attn.qkv_proj.load(qkv, qkv_b)
-            layer.self_attn.o_proj.load([pending.pop(attn + "o_proj.weight")])
-            mlp = p + "mlp."
-            layer.mlp.gate_up_proj.load([pending.pop(mlp + "gate_proj.weight"), pending.pop(mlp + "up_proj.weight")])
-            layer.mlp.down_proj.load([pending.pop(mlp + "down_proj.weight")])
-            loaded |= {n for n in params if n.startswith(p) and "layernorm" not in n}
-        if self.lm_head is not None:
-            self.lm_head.load([pending.pop("lm_head.weight")])
-            loaded.add("lm_head.weight")
-        else:
-            pending.pop("lm_head.weight", None)
-        if self.tp_size > 1:
-            raise NotImplementedError("sharded embeddings for tensor parallelism")
-        for name, tensor in pending.items():
-            if name not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
+            if "rotary_emb" in name or (self.tie and name == "lm_head.weight"):
+                return None
+            return name
+
+        load_checkpoint(self, weights, rename, _FUSED)

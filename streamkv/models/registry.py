@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
+from streamkv.layers.linear import ParallelLinear
 from streamkv.models.common import ModelShape
 from streamkv.models.llama import LlamaForCausalLM
-from streamkv.models.loader import iter_safetensors, load_config
+from streamkv.models.loader import is_gguf_conversion, is_preset, iter_safetensors, load_config
+from streamkv.models.opt import OPTForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +20,10 @@ ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
 }
+
+DUMMY_STD = 0.02
 
 
 def model_class(config: dict) -> type[torch.nn.Module]:
@@ -29,6 +34,34 @@ def model_class(config: dict) -> type[torch.nn.Module]:
         f"unsupported architecture {config.get('architectures')!r}; "
         f"streamkv supports {sorted(ARCHITECTURES)}"
     )
+
+
+def effective_load_format(model_dir: Path, load_format: str) -> str:
+    """Resolve "auto" and refuse a format that does not fit the directory."""
+    if is_preset(model_dir):
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(
+                f"{model_dir.name} is a built-in shape preset without weights: it only supports "
+                f"load_format='dummy', not {load_format!r}"
+            )
+        return "dummy"
+    if load_format == "gguf" and not is_gguf_conversion(model_dir):
+        raise ValueError(f"load_format='gguf' needs a .gguf file, but {model_dir} is a Hugging Face directory")
+    if load_format == "safetensors" and is_gguf_conversion(model_dir):
+        raise ValueError("load_format='safetensors' was asked for, but the model is a .gguf file")
+    return "dummy" if load_format == "dummy" else "safetensors"
+
+
+def init_dummy(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Random N(0, 0.02) weights and biases drawn in place on the device, in the model's
+    dtype; norms keep their constructed ones/zeros so activations stay finite in fp16."""
+    if torch.device(device).type == "meta":
+        return
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, (ParallelLinear, torch.nn.Embedding)):
+            for p in module.parameters(recurse=False):
+                p.data.normal_(0.0, DUMMY_STD, generator=gen)
 
 
 def build_model(
@@ -43,20 +76,30 @@ def build_model(
     config = load_config(model_dir)
     cls = model_class(config)
     shape = ModelShape.from_config(config)
+    load_format = effective_load_format(model_dir, load_format)
     start = time.perf_counter()
+    # Parameters are allocated directly on the device (torch.empty, no default init).
     with torch.device(device):
         model = cls(config, shape, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
     if load_format == "dummy":
-        gen = torch.Generator(device=device).manual_seed(seed)
-        for p in model.parameters():
-            p.data.normal_(0.0, 0.02, generator=gen)
+        init_dummy(model, device, seed)
     else:
         model.load_weights(iter_safetensors(model_dir))
     model.eval()
-    n = sum(p.numel() for p in model.parameters())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)  # so the load time below includes the async init
+    n = num_parameters(model)
     logger.info(
-        "loaded %s: %.1fM parameters, %s, %.2f GiB in %.1fs",
-        cls.__name__, n / 1e6, dtype, nbytes / 2**30, time.perf_counter() - start,
+        "loaded %s (%s weights): %.1fM parameters, %s, %.2f GiB in %.1fs",
+        cls.__name__, load_format, n / 1e6, dtype, parameter_bytes(model) / 2**30,
+        time.perf_counter() - start,
     )
     return model
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

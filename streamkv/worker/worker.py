@@ -80,7 +80,16 @@ class Worker:
         else:
             cpu_blocks = int(cc.swap_space * 2**30 // per_block)
         # The CPU pool never needs more blocks than the device pool.
-        return device_blocks, min(cpu_blocks, device_blocks)
+        cpu_blocks = min(cpu_blocks, device_blocks)
+        params = list(self.model.parameters())
+        logger.info(
+            "%s on %s: %.1fM parameters, %s, %.2f GiB of weights; %d KV blocks of %d tokens "
+            "fit (%.2f GiB, %d tokens), %d CPU swap blocks",
+            type(self.model).__name__, self.device, sum(p.numel() for p in params) / 1e6, self.dtype,
+            sum(p.numel() * p.element_size() for p in params) / 2**30, device_blocks, cc.block_size,
+            device_blocks * per_block / 2**30, device_blocks * cc.block_size, cpu_blocks,
+        )
+        return device_blocks, cpu_blocks
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         s = self.model.shape
