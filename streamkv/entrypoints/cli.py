@@ -104,12 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    try:
-        from streamkv.entrypoints.server import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
+    from streamkv.entrypoints.server import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

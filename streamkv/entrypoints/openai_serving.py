@@ -1,0 +1,390 @@
+"""/v1/completions and /v1/chat/completions: validated requests in, engine streams out,
+OpenAI responses back — whole, or as SSE chunks (one choice per chunk, ``data: [DONE]`` last).
+
+A request with several prompts (completions) or n > 1 samples interleaves its choices in
+one stream; choice ``index`` = prompt_index * n + sample_index, and every choice ends with
+exactly one ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from streamkv.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestStream,
+)
+from streamkv.entrypoints.openai_protocol import (
+    APIError,
+    ChatRequest,
+    StreamOptions,
+    parse_chat,
+    parse_completion,
+)
+from streamkv.sampling_params import SamplingParams
+from streamkv.sequence import Logprob, RequestOutput
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    index: int
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Delta:
+    choice: ChoiceState
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+def deltas(states: list[ChoiceState], prompt_index: int, n: int, out: RequestOutput):
+    """What each choice of ``out`` added since the last call (outputs are cumulative)."""
+    for c in out.outputs:
+        st = states[prompt_index * n + c.index]
+        if st.done:
+            continue
+        text, ids = c.text[st.text_len:], c.token_ids[st.num_tokens:]
+        if not text and not ids and c.finish_reason is None:
+            continue
+        lps = c.logprobs[st.num_tokens:] if c.logprobs is not None else None
+        st.text_len, st.num_tokens, st.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+        yield Delta(st, text, ids, lps, c.finish_reason, c.stop_reason)
+
+
+async def watch(streams: list[RequestStream], notify: asyncio.Event) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, newest output) from several streams sharing one ``notify`` event."""
+    pending = list(range(len(streams)))
+    while pending:
+        progressed = False
+        for i in list(pending):
+            out = streams[i].take()
+            if out is not None:
+                progressed = True
+                yield i, out
+                if out.finished:
+                    pending.remove(i)
+        if pending and not progressed:
+            notify.clear()
+            await notify.wait()
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _clamp(lp: float) -> float:
+    return max(lp, -9999.0) if not math.isnan(lp) else -9999.0
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_queue_len: int | None = None,
+                 sse_keepalive: float = 15.0) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.max_queue_len, self.sse_keepalive = max_queue_len, sse_keepalive
+        self._token_text: dict[int, str] = {}
+
+    # -- admission ------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        info = self.engine.info
+        if not ids:
+            raise APIError("the prompt is empty", param=param)
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
+        want = len(ids) + (params.max_tokens or 1)
+        if want > info.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {info.max_model_len} tokens. However, you "
+                f"requested {want} tokens ({len(ids)} in the prompt, {params.max_tokens or 1} for the "
+                f"completion). Please reduce the length of the prompt or the completion.",
+                param="max_tokens" if params.max_tokens else param, code="context_length_exceeded",
+            )
+        if -(-(len(ids) + 1) // info.block_size) > info.usable_kv_blocks:
+            raise APIError(f"the prompt needs more KV-cache blocks than this server has ({info.num_kv_blocks})",
+                           param=param, code="context_length_exceeded")
+        if params.best_of > info.max_num_seqs:
+            raise APIError(f"best_of/n may be at most the server's max_num_seqs ({info.max_num_seqs})", param="n")
+
+    def check_queue(self) -> None:
+        if self.max_queue_len is not None and self.engine.num_queued >= self.max_queue_len:
+            raise APIError("the server's request queue is full; retry later", 429, "rate_limit_error",
+                           code="queue_full", headers={"retry-after": "1"})
+
+    async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams) -> tuple[list[RequestStream], asyncio.Event]:
+        self.check_queue()
+        notify, now = asyncio.Event(), time.monotonic()
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, p, params, notify=notify, arrival=now) for rid, p in zip(ids, prompts, strict=True)),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in results:
+                if isinstance(r, RequestStream):
+                    self.engine.abort(r.request_id)
+            if isinstance(errors[0], ValueError):
+                raise APIError(str(errors[0])) from None
+            raise errors[0]
+        return results, notify
+
+    def abort_all(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request_id)
+
+    async def collect(self, request: Request | None, streams: list[RequestStream], notify: asyncio.Event) -> list[RequestOutput] | None:
+        """Final outputs; None if the client went away first (its requests are aborted)."""
+        final: list[RequestOutput | None] = [None] * len(streams)
+
+        async def gather() -> None:
+            async for i, out in watch(streams, notify):
+                final[i] = out
+
+        work = asyncio.ensure_future(gather())
+        tasks = {work}
+        if request is not None:
+            tasks.add(asyncio.ensure_future(wait_disconnect(request)))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                return None
+            work.result()
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.abort_all(streams)
+        for out in final:
+            if out.error:
+                raise APIError(f"the engine could not finish the request: {out.error}", 503,
+                               "service_unavailable_error", code="engine_capacity")
+        return final
+
+    def sse(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> EventSourceResponse:
+        # The background task aborts even if the client left before the stream started.
+        return EventSourceResponse(chunks, ping=self.sse_keepalive,
+                                   background=BackgroundTask(self.abort_all, streams))
+
+    # -- token text for logprobs ----------------------------------------------------------
+    def token_text(self, tid: int) -> str:
+        text = self._token_text.get(tid)
+        if text is None:
+            tok = self.engine.tokenizer
+            text = tok.decode([tid]) if tok is not None else ""
+            self._token_text[tid] = text
+        return text
+
+    def completion_logprobs(self, st: ChoiceState, token_ids: list[int], lps: list[dict[int, Logprob]]) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, d in zip(token_ids, lps, strict=True):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_lps.append(_clamp(d[tid].logprob))
+            tops.append({self.token_text(t): _clamp(lp.logprob) for t, lp in d.items()})
+            offsets.append(st.text_offset)
+            st.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
+        def entry(tid: int, lp: float) -> dict:
+            text = self.token_text(tid)
+            return {"token": text, "logprob": _clamp(lp), "bytes": list(text.encode())}
+
+        content = []
+        for tid, d in zip(token_ids, lps, strict=True):
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None)[:k]
+            content.append({**entry(tid, d[tid].logprob), "top_logprobs": [entry(t, lp) for _, t, lp in ranked]})
+        return {"content": content}
+
+    # -- /v1/completions ------------------------------------------------------------------
+    async def completions(self, request: Request, body: dict) -> Response:
+        req = parse_completion(body)
+        self.check_model(req.model)
+        self.engine.check_alive()
+        tok = self.engine.tokenizer
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        if texts and tok is None:
+            raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+        encoded = iter(await self.engine.run_tokenizer(
+            lambda: [tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]) if texts else [])
+        prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
+        for ids in prompts:
+            self.check_prompt(ids, req.params, "prompt")
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else "" for p in req.prompts]
+            if tok is not None:
+                decoded = await self.engine.run_tokenizer(lambda: [tok.decode(p) for p in req.prompts if not isinstance(p, str)])
+                it = iter(decoded)
+                echo = [p if isinstance(p, str) else next(it) for p in req.prompts]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        streams, notify = await self.start(rid, prompts, req.params)
+        n, want_lp = req.params.n, req.params.logprobs is not None
+        num_prompt = sum(len(p) for p in prompts)
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        if req.stream.stream:
+            return self.sse(self._completion_stream(head, streams, notify, n, echo, want_lp, req.stream, num_prompt), streams)
+        final = await self.collect(request, streams, notify)
+        if final is None:
+            return Response(status_code=499)
+        choices, num_out = [], 0
+        for i, out in enumerate(final):
+            for c in out.outputs:
+                num_out += len(c.token_ids)
+                lp = self.completion_logprobs(ChoiceState(0), c.token_ids, c.logprobs) if want_lp else None
+                choices.append({"index": i * n + c.index, "text": (echo[i] if echo else "") + c.text,
+                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({**head, "choices": choices, "usage": _usage(num_prompt, num_out)})
+
+    async def _completion_stream(self, head, streams, notify, n, echo, want_lp, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
+        states = [ChoiceState(k) for k in range(len(streams) * n)]
+        try:
+            async for i, out in watch(streams, notify):
+                if out.error:
+                    yield _error_event(out.error)
+                    break
+                for d in deltas(states, i, n, out):
+                    if not d.text and d.finish_reason is None and not want_lp:
+                        continue
+                    text = d.text
+                    if echo and not d.choice.started:
+                        text = echo[i] + text
+                    d.choice.started = True
+                    choice = {"index": d.choice.index, "text": text,
+                              "logprobs": self.completion_logprobs(d.choice, d.token_ids, d.logprobs) if want_lp else None,
+                              "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                    yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
+            else:
+                if opts.include_usage:
+                    yield sse_event({**head, "choices": [], "usage": _usage(num_prompt, _num_out(states))})
+        except (EngineDeadError, RequestAbortedError) as e:
+            yield _error_event(_stream_error(e))
+        finally:
+            self.abort_all(streams)
+        yield DONE
+
+    # -- /v1/chat/completions -------------------------------------------------------------
+    async def chat_prompt(self, req: ChatRequest) -> list[int]:
+        self.check_model(req.model)
+        self.engine.check_alive()
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer, so no chat template", param="messages")
+        ids = await self.engine.run_tokenizer(render_chat, tok, req.messages, req.add_generation_prompt, req.add_special_tokens)
+        self.check_prompt(ids, req.params, "messages")
+        return ids
+
+    async def chat(self, request: Request, body: dict) -> Response:
+        req = parse_chat(body)
+        ids = await self.chat_prompt(req)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        streams, notify = await self.start(rid, [ids], req.params)
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        top = req.params.logprobs if req.logprobs else None
+        if req.stream.stream:
+            head["object"] = "chat.completion.chunk"
+            return self.sse(self._chat_stream(head, streams, notify, req.params.n, top, req.stream, len(ids)), streams)
+        final = await self.collect(request, streams, notify)
+        if final is None:
+            return Response(status_code=499)
+        choices = [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for c in final[0].outputs
+        ]
+        num_out = sum(len(c.token_ids) for c in final[0].outputs)
+        return JSONResponse({**head, "choices": choices, "usage": _usage(len(ids), num_out)})
+
+    async def _chat_stream(self, head, streams, notify, n, top, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
+        states = [ChoiceState(k) for k in range(n)]
+        try:
+            for st in states:
+                choice = {"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
+            async for _, out in watch(streams, notify):
+                if out.error:
+                    yield _error_event(out.error)
+                    break
+                for d in deltas(states, 0, n, out):
+                    if not d.text and d.finish_reason is None and top is None:
+                        continue
+                    choice = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
+                              "logprobs": self.chat_logprobs(d.token_ids, d.logprobs, top) if top is not None else None,
+                              "finish_reason": d.finish_reason}
+                    if d.finish_reason is not None:
+                        choice["stop_reason"] = d.stop_reason
+                    yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
+            else:
+                if opts.include_usage:
+                    yield sse_event({**head, "choices": [], "usage": _usage(num_prompt, _num_out(states))})
+        except (EngineDeadError, RequestAbortedError) as e:
+            yield _error_event(_stream_error(e))
+        finally:
+            self.abort_all(streams)
+        yield DONE
+
+
+def render_chat(tok, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+    """Runs on the tokenizer thread: a long conversation never blocks the event loop."""
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja2 errors, templates that raise on bad role order, ...
+        raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _usage(num_prompt: int, num_out: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
+
+
+def _num_out(states: list[ChoiceState]) -> int:
+    return sum(st.num_tokens for st in states)
+
+
+def _with_usage(chunk: dict, opts: StreamOptions, num_prompt: int, states: list[ChoiceState]) -> dict:
+    if opts.include_usage:
+        chunk["usage"] = _usage(num_prompt, _num_out(states)) if opts.continuous_usage else None
+    return chunk
+
+
+def _stream_error(e: Exception) -> str:
+    return "the request was aborted" if isinstance(e, RequestAbortedError) else str(e)
+
+
+def _error_event(message: str) -> bytes:
+    return sse_event(APIError(message, 503, "service_unavailable_error", code="engine_error").body())
+

@@ -1,0 +1,285 @@
+"""``streamkv serve``: the Starlette app (OpenAI HTTP API with SSE, WebSocket chat, metrics,
+the demo page) on uvicorn with uvloop. The model loads on the engine thread after the
+server is up; until then /health answers 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from streamkv import __version__
+from streamkv.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from streamkv.entrypoints.metrics import ServerMetrics
+from streamkv.entrypoints.openai_protocol import APIError, Fields, parse_json_body, parse_messages
+from streamkv.entrypoints.openai_serving import OpenAIServing, render_chat
+from streamkv.entrypoints.security import check_api_key, check_origin
+from streamkv.entrypoints.websocket import chat_ws
+
+logger = logging.getLogger(__name__)
+
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+_PAGE_HEADERS = {
+    "content-security-policy": "default-src 'self'; connect-src 'self' ws: wss:; frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+}
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 2 * 2**20
+    max_queue_len: int | None = None
+    sse_keepalive: float = 15.0
+    ws_max_active: int = 8
+    web_dir: Path | None = WEB_DIR
+    on_load_failure: Callable[[], None] | None = field(default=None, repr=False)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+        chunks.append(chunk)
+    return parse_json_body(b"".join(chunks))
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
+    serving = OpenAIServing(engine, config.model_name, config.max_queue_len, config.sse_keepalive)
+    metrics = ServerMetrics(engine, config.model_name)
+
+    def api(handler, auth: bool = True, body: bool = True):
+        async def endpoint(request: Request) -> Response:
+            try:
+                if request.method == "POST":
+                    check_origin(request.headers, request.url.scheme, config.allowed_origins)
+                if auth:
+                    check_api_key(config.api_key, request.headers)
+                if body:
+                    return await handler(request, await read_json(request, config.max_body_bytes))
+                return await handler(request)
+            except APIError as e:
+                return error_response(e)
+            except (EngineDeadError, EngineNotReadyError) as e:
+                return error_response(APIError(str(e), 503, "service_unavailable_error"))
+            except ClientDisconnect:
+                return Response(status_code=499)
+
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        if engine.ready:
+            return Response(status_code=200)
+        why = f"the engine is dead: {engine.dead}" if engine.dead else "the model is loading"
+        return error_response(APIError(why, 503, "service_unavailable_error"))
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def models(request: Request) -> Response:
+        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "streamkv"}
+        if engine.info is not None:
+            card["max_model_len"] = engine.info.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(request: Request, body: dict) -> Response:
+        f = Fields(body)
+        serving.check_model(f.get("model", "str"))
+        add_special = f.get("add_special_tokens", "bool")
+        add_gen = f.get("add_generation_prompt", "bool", True)
+        messages = parse_messages(f) if "messages" in body else None
+        prompt = f.get("prompt", "str", required=messages is None)
+        f.finish()
+        engine.check_alive()
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer")
+        if messages is not None:
+            ids = await engine.run_tokenizer(render_chat, tok, messages, add_gen, bool(add_special))
+        else:
+            ids = await engine.run_tokenizer(tok.encode, prompt, add_special_tokens=add_special is not False)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids})
+
+    async def detokenize(request: Request, body: dict) -> Response:
+        f = Fields(body)
+        serving.check_model(f.get("model", "str"))
+        tokens = f.get("tokens", "list", required=True)
+        f.finish()
+        engine.check_alive()
+        vocab = engine.info.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+            raise APIError(f"'tokens' must be token ids in [0, {vocab})", param="tokens")
+        if engine.tokenizer is None:
+            raise APIError("this model has no tokenizer")
+        return JSONResponse({"prompt": await engine.run_tokenizer(engine.tokenizer.decode, tokens)})
+
+    async def index(request: Request) -> Response:
+        page = config.web_dir / "index.html" if config.web_dir else None
+        if page is None or not page.exists():
+            return error_response(APIError("the demo page is not installed", 404, "not_found_error"))
+        return FileResponse(page, headers=_PAGE_HEADERS)
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(str(exc.detail), exc.status_code, kind))
+
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        # Logged with its traceback here; the client only learns that it was our fault.
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(APIError("internal server error", 500, "internal_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine.start()
+        lag = asyncio.create_task(metrics.watch_loop_lag())
+        watch = asyncio.create_task(_watch_load(engine, config.on_load_failure))
+        try:
+            yield
+        finally:
+            lag.cancel()
+            watch.cancel()
+            await engine.stop()
+
+    routes = [
+        Route("/", index),
+        Route("/health", health),
+        Route("/version", version),
+        Route("/metrics", prometheus),
+        Route("/v1/models", api(models, body=False)),
+        Route("/v1/completions", api(serving.completions), methods=["POST"]),
+        Route("/v1/chat/completions", api(serving.chat), methods=["POST"]),
+        Route("/tokenize", api(tokenize), methods=["POST"]),
+        Route("/detokenize", api(detokenize), methods=["POST"]),
+        WebSocketRoute("/v1/chat/ws", chat_ws),
+    ]
+    if config.web_dir is not None and config.web_dir.is_dir():
+        routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
+    middleware = []
+    cross = [o for o in config.allowed_origins if o]
+    if cross:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=cross, allow_methods=["GET", "POST"],
+                                     allow_headers=["authorization", "content-type"]))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: on_http_error, Exception: on_crash})
+    app.state.engine, app.state.serving, app.state.metrics, app.state.config = engine, serving, metrics, config
+    return app
+
+
+async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None) -> None:
+    try:
+        await engine.wait_ready()
+    except EngineDeadError:
+        if on_failure is not None:
+            on_failure()
+
+
+# -- the CLI ----------------------------------------------------------------------------
+def add_serve_parser(sub) -> None:
+    from streamkv.entrypoints.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server",
+                       description="Serve a model over an OpenAI-compatible HTTP API (with SSE "
+                                   "streaming) and a WebSocket chat; see docs/api.md.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="local HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
+    s.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY; none = open)")
+    s.add_argument("--allowed-origins", action="append", default=[],
+                   help="browser origins allowed besides the server's own (comma list, repeatable; '*' = any)")
+    s.add_argument("--max-request-body-bytes", type=int, default=2 * 2**20, help="larger bodies get 413")
+    s.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="larger request heads are refused")
+    s.add_argument("--max-queue-len", type=int, default=None,
+                   help="answer 429 while this many requests wait to start (default: no limit)")
+    s.add_argument("--sse-keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments")
+    s.add_argument("--ws-max-active", type=int, default=8, help="concurrent generations per WebSocket")
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def served_name(model: str | None) -> str:
+    from streamkv.models.loader import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from streamkv.engine.llm_engine import LLMEngine
+    from streamkv.entrypoints.cli import engine_kwargs
+    from streamkv.entrypoints.llm import engine_config
+
+    for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        raise SystemExit("--max-queue-len must be >= 0")
+    config = engine_config(args.model, **engine_kwargs(args))
+    engine = AsyncEngine(lambda: LLMEngine(config))
+    origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
+    failed: list[bool] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_failure() -> None:
+        failed.append(True)
+        server.should_exit = True
+
+    app = build_app(engine, ServerConfig(
+        model_name=args.served_model_name or served_name(args.model), api_key=args.api_key or None,
+        allowed_origins=origins, max_body_bytes=args.max_request_body_bytes, max_queue_len=args.max_queue_len,
+        sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
+    ))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, loop=loop, http="h11", ws="websockets-sansio",
+        h11_max_incomplete_event_size=args.max_header_bytes, ws_max_size=args.max_request_body_bytes,
+        log_level=args.log_level.lower(), access_log=args.access_log, timeout_graceful_shutdown=5,
+        lifespan="on",
+    ))
+    server.run()
+    return 1 if failed else 0

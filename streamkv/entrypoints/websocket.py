@@ -1,0 +1,150 @@
+"""/v1/chat/ws: chat over one WebSocket, several generations at once (protocol: docs/api.md).
+
+Client → ``{"type":"chat","id",…,"messages":[…],"params":{…}}`` and ``{"type":"cancel","id"}``;
+server → ``delta`` / ``done`` / ``error`` messages carrying the same ``id``. Each chat runs in
+its own task; cancel aborts that one, and closing the socket aborts them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from starlette.responses import JSONResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from streamkv.engine.async_engine import EngineDeadError, EngineNotReadyError, RequestAbortedError
+from streamkv.entrypoints.openai_protocol import APIError, parse_chat, parse_json_body
+from streamkv.entrypoints.openai_serving import OpenAIServing
+from streamkv.entrypoints.security import check_api_key, check_origin
+
+logger = logging.getLogger(__name__)
+
+SUBPROTOCOL = "streamkv"
+_CHAT_KEYS = {"type", "id", "messages", "params"}
+_PARAMS_NOT_ALLOWED = ("messages", "stream", "stream_options", "n", "best_of", "use_beam_search")
+
+
+class ChatSocket:
+    def __init__(self, ws: WebSocket, serving: OpenAIServing, max_active: int) -> None:
+        self.ws, self.serving, self.max_active = ws, serving, max_active
+        self.tasks: dict[str | int, asyncio.Task] = {}
+        self.cancelled: set[str | int] = set()
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, msg: dict) -> None:
+        text = json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+        try:
+            async with self._send_lock:
+                await self.ws.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass  # the socket is closing; run() cancels everything
+
+    async def error(self, mid, e: APIError) -> None:
+        await self.send({"type": "error", "id": mid, **e.body()})
+
+    async def run(self) -> None:
+        try:
+            while True:
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                raw = msg.get("bytes") if msg.get("text") is None else msg["text"].encode("utf-8", "surrogatepass")
+                await self.handle(raw or b"")
+        finally:
+            for task in self.tasks.values():
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def handle(self, raw: bytes) -> None:
+        try:
+            msg = parse_json_body(raw)
+        except APIError as e:
+            return await self.error(None, e)
+        mid, kind = msg.get("id"), msg.get("type")
+        if isinstance(mid, bool) or not isinstance(mid, (str, int)) or (isinstance(mid, str) and not 0 < len(mid) <= 200):
+            return await self.error(None, APIError("'id' must be a non-empty string (at most 200 characters) or an integer", param="id"))
+        if kind == "cancel":
+            task = self.tasks.get(mid)
+            if task is None:
+                return await self.error(mid, APIError("no running generation has this id", param="id", code="unknown_id"))
+            self.cancelled.add(mid)
+            task.cancel()
+        elif kind == "chat":
+            if mid in self.tasks:
+                return await self.error(mid, APIError("a generation with this id is already running", param="id", code="duplicate_id"))
+            if len(self.tasks) >= self.max_active:
+                return await self.error(mid, APIError(f"at most {self.max_active} generations may run on one socket",
+                                                      429, "rate_limit_error", code="too_many_generations"))
+            extra = sorted(set(msg) - _CHAT_KEYS)
+            if extra:
+                return await self.error(mid, APIError(f"unrecognized field: '{extra[0]}'", param=extra[0]))
+            self.tasks[mid] = asyncio.create_task(self.generate(mid, msg.get("messages"), msg.get("params")))
+        else:
+            await self.error(mid, APIError("'type' must be \"chat\" or \"cancel\"", param="type"))
+
+    async def generate(self, mid, messages, params) -> None:
+        streams, num_prompt, last = [], 0, None
+        try:
+            if params is None:
+                params = {}
+            if not isinstance(params, dict):
+                raise APIError("'params' must be an object", param="params")
+            bad = next((k for k in _PARAMS_NOT_ALLOWED if k in params), None)
+            if bad is not None:
+                raise APIError(f"'params.{bad}' is not available on the WebSocket", param=f"params.{bad}")
+            req = parse_chat({**params, "messages": messages, "stream": True})
+            ids = await self.serving.chat_prompt(req)
+            num_prompt = len(ids)
+            streams, _ = await self.serving.start(f"ws-{uuid.uuid4().hex}", [ids], req.params)
+            sent = 0
+            async for out in streams[0]:
+                last = out
+                if out.error:
+                    raise APIError(f"the engine could not finish the request: {out.error}", 503,
+                                   "service_unavailable_error", code="engine_capacity")
+                text = out.outputs[0].text if out.outputs else ""
+                if len(text) > sent:
+                    await self.send({"type": "delta", "id": mid, "text": text[sent:]})
+                    sent = len(text)
+            c = last.outputs[0]
+            await self.send({"type": "done", "id": mid, "finish_reason": c.finish_reason,
+                             "usage": _usage(num_prompt, len(c.token_ids))})
+        except asyncio.CancelledError:
+            if mid not in self.cancelled:
+                raise  # the socket closed
+            num_out = len(last.outputs[0].token_ids) if last is not None and last.outputs else 0
+            await self.send({"type": "done", "id": mid, "finish_reason": "abort", "usage": _usage(num_prompt, num_out)})
+        except APIError as e:
+            await self.error(mid, e)
+        except (EngineDeadError, EngineNotReadyError, RequestAbortedError) as e:
+            await self.error(mid, APIError(str(e) or "the request was aborted", 503, "service_unavailable_error"))
+        except Exception:
+            logger.exception("websocket generation %r failed", mid)
+            await self.error(mid, APIError("internal error", 500, "internal_error"))
+        finally:
+            self.serving.abort_all(streams)
+            self.tasks.pop(mid, None)
+            self.cancelled.discard(mid)
+
+
+def _usage(num_prompt: int, num_out: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
+
+
+async def chat_ws(ws: WebSocket) -> None:
+    state = ws.app.state
+    try:
+        check_origin(ws.headers, ws.url.scheme, state.config.allowed_origins)
+        check_api_key(state.config.api_key, ws.headers, ws.scope.get("subprotocols", ()))
+        state.engine.check_alive()
+    except (APIError, EngineDeadError, EngineNotReadyError) as e:
+        if not isinstance(e, APIError):
+            e = APIError(str(e), 503, "service_unavailable_error")
+        await ws.send_denial_response(JSONResponse(e.body(), e.status))
+        return
+    offered = ws.scope.get("subprotocols", ())
+    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    await ChatSocket(ws, state.serving, state.config.ws_max_active).run()

@@ -1,0 +1,101 @@
+"""A model-free stand-in for LLMEngine with the same surface the AsyncEngine uses: each step
+appends one character per running request. Lets the async layer and the HTTP app be tested
+in milliseconds, including failure modes a real model cannot be made to produce on demand."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from streamkv.sampling_params import SamplingParams
+from streamkv.sequence import CompletionOutput, Logprob, RequestOutput
+
+CRASH_TOKEN = 666  # a prompt holding this token id makes step() raise
+
+
+class FakeTokenizer:
+    all_special_ids: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 1000 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+        if any(m["role"] == "assistant" for m in messages[:1]):
+            raise ValueError("conversation must start with a user or system message")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    def __init__(self, step_delay: float = 0.002, num_blocks: int = 64, max_model_len: int = 256) -> None:
+        self.step_delay = step_delay
+        self.tokenizer = FakeTokenizer()
+        self.executor = SimpleNamespace(hf_config={"vocab_size": 1000})
+        self.config = SimpleNamespace(
+            scheduler=SimpleNamespace(max_model_len=max_model_len, max_num_seqs=8),
+            cache=SimpleNamespace(enable_prefix_caching=False),
+        )
+        self.block_manager = SimpleNamespace(
+            block_size=16, watermark_blocks=0,
+            device=SimpleNamespace(num_blocks=num_blocks), cpu=SimpleNamespace(num_blocks=0),
+        )
+        self.requests: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt, params: SamplingParams, prompt_token_ids=None, arrival_time=None):
+        self.thread_ids.add(threading.get_ident())
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.requests[request_id] = {"ids": prompt_token_ids, "params": params, "out": [[] for _ in range(params.n)]}
+
+    def abort_request(self, request_id):
+        self.thread_ids.add(threading.get_ident())
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        time.sleep(self.step_delay)
+        self.steps += 1
+        outputs = []
+        for rid, r in list(self.requests.items()):
+            if CRASH_TOKEN in r["ids"]:
+                raise RuntimeError("simulated device failure")
+            p: SamplingParams = r["params"]
+            for sample in r["out"]:
+                sample.append(97 + (len(sample) + len(r["ids"])) % 26)
+            done = len(r["out"][0]) >= (p.max_tokens or 8)
+            outs = [
+                CompletionOutput(
+                    index=i, text="".join(chr(t) for t in toks), token_ids=list(toks), cumulative_logprob=-1.0,
+                    logprobs=[{t: Logprob(-0.5, 1), 98: Logprob(-1.5, 2)} for t in toks] if p.logprobs is not None else None,
+                    finish_reason="length" if done else None,
+                )
+                for i, toks in enumerate(r["out"])
+            ]
+            outputs.append(RequestOutput(rid, None, r["ids"], outs, finished=done))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.requests), "num_waiting": 0, "num_swapped": 0,
+            "num_kv_blocks": 64, "num_free_kv_blocks": 64 - len(self.requests),
+            "num_swap_blocks": 0, "num_free_swap_blocks": 0, "num_preemptions": 0,
+            "num_prompt_tokens": 0, "num_generation_tokens": self.steps,
+        }
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,147 @@
+"""AsyncEngine on a fake engine: streams, aborts between steps, coalescing, engine death."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from streamkv.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotReadyError,
+    RequestAbortedError,
+)
+from streamkv.sampling_params import SamplingParams
+from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def started(fake: FakeEngine | None = None) -> tuple[AsyncEngine, FakeEngine]:
+    fake = fake or FakeEngine()
+    engine = AsyncEngine(lambda: fake)
+    engine.start()
+    await engine.wait_ready()
+    return engine, fake
+
+
+def test_stream_yields_cumulative_outputs_until_finished():
+    async def main():
+        engine, fake = await started()
+        stream = await engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=5))
+        outs = [out async for out in stream]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+        assert all(not o.finished for o in outs[:-1])
+        lengths = [len(o.outputs[0].text) for o in outs]
+        assert lengths == sorted(lengths)
+        # Every engine call came from one thread, and not the event loop's.
+        assert len(fake.thread_ids) == 1 and threading.get_ident() not in fake.thread_ids
+        await engine.stop()
+
+    run(main())
+
+
+def test_bad_input_raises_value_error_and_engine_keeps_serving():
+    async def main():
+        engine, _ = await started()
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request("bad", [], SamplingParams())
+        stream = await engine.add_request("ok", [1], SamplingParams(max_tokens=2))
+        assert [o async for o in stream][-1].finished
+        await engine.stop()
+
+    run(main())
+
+
+def test_abort_reaches_engine_before_next_steps_and_ends_stream():
+    async def main():
+        engine, fake = await started(FakeEngine(step_delay=0.01))
+        stream = await engine.add_request("r", [1], SamplingParams(max_tokens=10_000))
+        it = stream.__aiter__()
+        await it.__anext__()
+        engine.abort("r")
+        with pytest.raises(RequestAbortedError):
+            await it.__anext__()
+        steps_at_abort = fake.steps
+        for _ in range(100):
+            if "r" in fake.aborted:
+                break
+            await asyncio.sleep(0.005)
+        assert fake.aborted == ["r"] and not fake.requests
+        assert fake.steps - steps_at_abort <= 1  # at most the step already running
+        await engine.stop()
+
+    run(main())
+
+
+def test_cancelled_add_is_aborted_once_accepted():
+    async def main():
+        engine, fake = await started(FakeEngine(step_delay=0.05))
+        busy = await engine.add_request("busy", [1], SamplingParams(max_tokens=10_000))
+        task = asyncio.ensure_future(engine.add_request("gone", [1], SamplingParams(max_tokens=10_000)))
+        await asyncio.sleep(0)  # queued; the engine thread is inside a 50 ms step
+        task.cancel()
+        for _ in range(200):
+            if "gone" in fake.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert "gone" in fake.aborted
+        engine.abort(busy.request_id)
+        await engine.stop()
+
+    run(main())
+
+
+def test_slow_reader_gets_coalesced_outputs():
+    async def main():
+        engine, _ = await started(FakeEngine(step_delay=0.001))
+        stream = await engine.add_request("r", [1], SamplingParams(max_tokens=60))
+        seen = []
+        async for out in stream:
+            seen.append(out)
+            await asyncio.sleep(0.02)
+        assert seen[-1].finished and len(seen[-1].outputs[0].text) == 60
+        assert len(seen) < 60  # the reader skipped intermediate outputs instead of queueing them
+        await engine.stop()
+
+    run(main())
+
+
+def test_engine_death_fails_streams_and_later_requests():
+    async def main():
+        engine, _ = await started()
+        alive = await engine.add_request("a", [1], SamplingParams(max_tokens=10_000))
+        await engine.add_request("crash", [CRASH_TOKEN], SamplingParams())
+        with pytest.raises(EngineDeadError):
+            async for _ in alive:
+                pass
+        assert engine.dead is not None and not engine.ready
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("after", [1], SamplingParams())
+        await engine.stop()
+
+    run(main())
+
+
+def test_load_failure_and_not_ready():
+    async def main():
+        gate = threading.Event()
+
+        def build():
+            gate.wait(5)
+            raise OSError("no such model")
+
+        engine = AsyncEngine(build)
+        engine.start()
+        with pytest.raises(EngineNotReadyError):
+            engine.check_alive()
+        gate.set()
+        with pytest.raises(EngineDeadError, match="no such model"):
+            await engine.wait_ready()
+        await engine.stop()
+
+    run(main())
