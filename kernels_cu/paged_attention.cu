@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     m = block_reduce_max<GPAD>(m, red_max, h);
     float s = 0.f;
     for (int t = tid / GPAD; t < n_tok; t += kThreads / GPAD) {
-      const float p = __expf(logits[t * GPAD + h] - m);
+      const float p = expf(logits[t * GPAD + h] - m);
       logits[t * GPAD + h] = p;
       s += p;
     }
@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(
 
   float s = 0.f;
   for (int p = tid; p < n; p += kThreads) {
-    const float w = ps[p] * __expf(pm[p] - gmax);
+    const float w = ps[p] * expf(pm[p] - gmax);
     w_s[p] = w;
     s += w;
   }
