@@ -33,6 +33,7 @@ from streamkv.kernels import cuda_ops, nvrtc, ops
 HEAD, Q_HEADS, KV_HEADS, BLOCK = 128, 32, 8, 16
 DTYPE = torch.bfloat16
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs until one timed replay touches this much
+SWEEP_STAGES = (0, 2, 3, 4, 6)
 
 
 def gpu_time_ms(fn: Callable[[], object], iters: int, graph: bool = True) -> float:
@@ -132,24 +133,26 @@ def checks() -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     limits = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-    for dtype, group, partition in [
-        (torch.bfloat16, 4, None),
-        (torch.bfloat16, 8, 128),
-        (torch.float16, 1, 256),
-        (torch.float32, 4, 512),
-        (torch.bfloat16, 4, 128),
+    for dtype, group, partition, stages in [(torch.bfloat16, 4, 512, st) for st in SWEEP_STAGES] + [
+        (torch.bfloat16, 4, None, cuda_ops.DECODE_STAGES),
+        (torch.bfloat16, 8, 128, cuda_ops.DECODE_STAGES),
+        (torch.float16, 1, 256, cuda_ops.DECODE_STAGES),
+        (torch.float32, 4, 512, cuda_ops.DECODE_STAGES),
+        (torch.bfloat16, 4, 128, cuda_ops.DECODE_STAGES),
     ]:
         ctx = [1, 127, 128, 129, 513, 1500, 4100, 37]
         q, k, v, bt, lens = paged_inputs(len(ctx), ctx, gen, dtype, group, extra=1000)
         out = torch.full_like(q, math.nan)
-        cuda_ops.paged_attention_decode(q, k, v, bt, lens, HEAD**-0.5, max(ctx), partition, out=out)
+        cuda_ops.paged_attention_decode(
+            q, k, v, bt, lens, HEAD**-0.5, max(ctx), partition, out=out, stages=stages
+        )
         ref = ops.paged_attention_decode_ref(
             q.double(), k.double(), v.double(), bt, lens, HEAD**-0.5
         )
         err = rel_err(out, ref)
         results.append(
             {
-                "check": f"decode {dtype} group {group} partition {partition}",
+                "check": f"decode {dtype} group {group} partition {partition} stages {stages}",
                 "rel_err": err,
                 "ok": err <= limits[dtype],
             }
@@ -231,18 +234,20 @@ def bench_attention(batch: int, ctx: int, iters: int, copy_gbs: float, sweep: bo
     inputs = [paged_inputs(batch, [ctx] * batch, gen) for _ in range(sets)]
     row: dict = {"batch": batch, "context": ctx, "bytes": io_bytes, "rotated_sets": sets}
 
-    def ours(partition=None):
+    def ours(partition=None, stages=cuda_ops.DECODE_STAGES):
         return lambda: [
-            cuda_ops.paged_attention_decode(q, k, v, bt, lens, scale, ctx, partition)
+            cuda_ops.paged_attention_decode(q, k, v, bt, lens, scale, ctx, partition, stages=stages)
             for q, k, v, bt, lens in inputs
         ]
 
     ms = gpu_time_ms(ours(), iters) / sets
     row.update(ours_us=ms * 1e3, ours_gbs=io_bytes / ms / 1e6)
     row["ours_eager_us"] = gpu_time_ms(ours(), iters, graph=False) / sets * 1e3
-    if sweep:
-        row["partition_us"] = {
-            p: gpu_time_ms(ours(p), iters) / sets * 1e3 for p in cuda_ops.PARTITION_SIZES
+    if sweep:  # every ring depth x partition size (None: the automatic choice)
+        row["sweep_us"] = {
+            f"stages {st} partition {p}": gpu_time_ms(ours(p, st), iters) / sets * 1e3
+            for st in SWEEP_STAGES
+            for p in (None, *cuda_ops.PARTITION_SIZES)
         }
 
     # SDPA on contiguous copies of exactly the same K/V.

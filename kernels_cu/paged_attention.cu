@@ -28,15 +28,106 @@ __host__ __device__ constexpr int next_pow2(int x) {
   return p;
 }
 
-template <typename T, int HEAD>
+template <typename T, int HEAD, int STAGES>
 struct RowShape {
   static constexpr int VEC = Traits<T>::VEC;          // elements per 16-byte vector
   static constexpr int NV = HEAD / VEC;               // vectors per token row
   static constexpr int TG = NV >= 32 ? 32 : next_pow2(NV);  // threads per token
   static constexpr int NVT = (NV + TG - 1) / TG;      // vectors per thread per token
   static constexpr int NG = kThreads / TG;            // tokens a CTA reads per step
-  static constexpr int UNROLL = NVT == 1 ? 8 : 4;     // steps whose loads are in flight together
+  // Tokens per thread per iteration. Register loads (STAGES == 0) need them all in flight at
+  // once; the cp.async ring keeps STAGES - 1 iterations in flight, so each can be shorter.
+  static constexpr int UNROLL = (STAGES == 0 ? 8 : 4) / NVT;
+  static constexpr int STEP = NG * UNROLL;            // tokens per CTA per iteration
+  static constexpr int RING = STAGES * UNROLL * NVT * kThreads;  // uint4 slots of the ring
   static_assert(HEAD % VEC == 0, "head size must be a multiple of 16 bytes");
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  // src-size 0 writes 16 zero bytes and reads nothing: padding tokens cost no traffic.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Streams one partition's K (or V) rows to the threads: iteration `it` gives each token group
+// the rows of tokens it * STEP + u * NG + grp (u < UNROLL), each thread its vectors lg + j * TG.
+// STAGES == 0 loads straight into registers. STAGES > 0 copies through a per-thread ring in
+// shared memory with cp.async, STAGES - 1 iterations ahead: in-flight bytes then cost shared
+// memory instead of registers, and V's first stages load while the softmax runs. A thread
+// only ever reads the slots it filled itself, so the ring needs no barriers.
+template <typename T, int HEAD, int BLOCK, int STAGES>
+struct RowStream {
+  using R = RowShape<T, HEAD, STAGES>;
+  const T* base;  // cache + this kv head's tile offset
+  const int* blk;  // the partition's block ids (shared memory)
+  long long blk_stride;
+  int n_tok, n_iter, grp, lg;
+  uint4* ring;
+
+  __device__ __forceinline__ const T* row(int t) const {
+    return base + (t < n_tok ? (long long)blk[t / BLOCK] * blk_stride : 0) + (t % BLOCK) * HEAD;
+  }
+
+  __device__ __forceinline__ void issue(int it) const {
+    if constexpr (STAGES > 0) {
+      if (it < n_iter) {
+        uint4* slot = ring + (it % STAGES) * (R::UNROLL * R::NVT * kThreads) + threadIdx.x;
+#pragma unroll
+        for (int u = 0; u < R::UNROLL; ++u) {
+          const int t = it * R::STEP + u * R::NG + grp;
+          const T* r = row(t);
+#pragma unroll
+          for (int j = 0; j < R::NVT; ++j) {
+            const int c = lg + j * R::TG;
+            const bool ok = t < n_tok && c < R::NV;
+            cp_async16(slot + (u * R::NVT + j) * kThreads, ok ? r + c * R::VEC : base, ok);
+          }
+        }
+      }
+      cp_async_commit();  // empty groups too, so wait_group counts stay aligned
+    }
+  }
+
+  __device__ __forceinline__ void start() const {
+#pragma unroll
+    for (int s = 0; s + 1 < STAGES; ++s) issue(s);
+  }
+
+  __device__ __forceinline__ void fetch(int it, uint4 (&v)[R::UNROLL][R::NVT]) const {
+    if constexpr (STAGES > 0) {
+      issue(it + STAGES - 1);
+      cp_async_wait<STAGES - 1>();
+      const uint4* slot = ring + (it % STAGES) * (R::UNROLL * R::NVT * kThreads) + threadIdx.x;
+#pragma unroll
+      for (int u = 0; u < R::UNROLL; ++u)
+#pragma unroll
+        for (int j = 0; j < R::NVT; ++j) v[u][j] = slot[(u * R::NVT + j) * kThreads];
+    } else {
+#pragma unroll
+      for (int u = 0; u < R::UNROLL; ++u) {
+        const int t = it * R::STEP + u * R::NG + grp;
+        const T* r = row(t);
+#pragma unroll
+        for (int j = 0; j < R::NVT; ++j) {
+          const int c = lg + j * R::TG;
+          v[u][j] = (t < n_tok && c < R::NV)
+                        ? __ldg(reinterpret_cast<const uint4*>(r + c * R::VEC))
+                        : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  }
 };
 
 // Sums N per-head partial dot products over the lanes of a token group. While a lane still
@@ -107,8 +198,9 @@ __device__ __forceinline__ float block_reduce_sum(float v, float (*red)[GPAD], i
   return v;
 }
 
-// Dynamic shared memory: max(partition_size, kWarps * HEAD) * GPAD floats (the host computes it).
-template <typename T, int HEAD, int BLOCK, int GPAD>
+// Dynamic shared memory: the ring (RowShape::RING uint4) then max(partition_size,
+// kWarps * HEAD) * GPAD floats for the logits and later the output sums (the host computes it).
+template <typename T, int HEAD, int BLOCK, int GPAD, int STAGES>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     T* __restrict__ out,              // [seqs, heads, HEAD] (single-partition launches)
     float* __restrict__ part_out,     // [seqs, heads, max_partitions, HEAD]
@@ -119,13 +211,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
     long long q_stride, int block_table_stride, int num_kv_heads, int group_size,
     int partition_size, int max_partitions) {
-  using R = RowShape<T, HEAD>;
+  using R = RowShape<T, HEAD, STAGES>;
   using Tr = Traits<T>;
   static_assert(kMaxPartition % BLOCK == 0, "partition must hold whole blocks");
   static_assert(GPAD <= 32 && (GPAD & (GPAD - 1)) == 0, "GPAD is a power of two <= 32");
 
   extern __shared__ float4 smem4[];
-  float* smem = reinterpret_cast<float*>(smem4);
+  uint4* ring = reinterpret_cast<uint4*>(smem4);
+  float* smem = reinterpret_cast<float*>(ring + R::RING);
   __shared__ int blk_s[kMaxPartition / BLOCK];
   __shared__ float red_max[kWarps][GPAD];
   __shared__ float red_sum[kWarps][GPAD];
@@ -159,6 +252,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
 
   const int lg = tid % R::TG;  // this thread's vectors in a row: lg, lg + TG, ...
   const int grp = tid / R::TG;  // token group
+  const long long blk_stride = (long long)num_kv_heads * BLOCK * HEAD;
+  const long long head_off = (long long)kvh * BLOCK * HEAD;
+  const int n_iter = (n_tok + R::STEP - 1) / R::STEP;
+  __syncthreads();  // blk_s
+  const RowStream<T, HEAD, BLOCK, STAGES> keys{key_cache + head_off, blk_s, blk_stride,
+                                               n_tok, n_iter, grp, lg, ring};
+  keys.start();
 
   // q for every head of the group in registers, pre-scaled; padded heads are zero.
   float q[GPAD][R::NVT][R::VEC];
@@ -179,32 +279,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
       }
     }
   }
-  __syncthreads();
 
-  const long long blk_stride = (long long)num_kv_heads * BLOCK * HEAD;
-  const long long head_off = (long long)kvh * BLOCK * HEAD;
   float* logits = smem;  // [partition][GPAD]
 
   // Pass 1: logits. The loop bound is uniform over the CTA so every lane reaches the
-  // shuffles; tokens past the end load zeros and are not stored.
+  // shuffles; tokens past the end read zeros and are not stored.
   constexpr int kSplit = GPAD < R::TG ? GPAD : R::TG;
   constexpr int kHeld = GPAD / kSplit;                // heads a lane holds after the reduce
   constexpr int kDupMask = R::TG / kSplit - 1;        // lanes holding duplicate sums
-  for (int base = 0; base < n_tok; base += R::NG * R::UNROLL) {
+  for (int it = 0; it < n_iter; ++it) {
     uint4 kv[R::UNROLL][R::NVT];
-#pragma unroll
-    for (int u = 0; u < R::UNROLL; ++u) {
-      const int t = base + u * R::NG + grp;
-      const bool ok = t < n_tok;
-      const T* row = key_cache + (ok ? (long long)blk_s[t / BLOCK] * blk_stride : 0) +
-                     head_off + (t % BLOCK) * HEAD;
-#pragma unroll
-      for (int j = 0; j < R::NVT; ++j) {
-        const int c = lg + j * R::TG;
-        kv[u][j] = (ok && c < R::NV) ? __ldg(reinterpret_cast<const uint4*>(row + c * R::VEC))
-                                      : make_uint4(0, 0, 0, 0);
-      }
-    }
+    keys.fetch(it, kv);
 #pragma unroll
     for (int u = 0; u < R::UNROLL; ++u) {
       float acc[GPAD];
@@ -221,13 +306,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
       }
       int h = 0;
       group_reduce<GPAD, R::TG / 2>(acc, lane, h);
-      const int t = base + u * R::NG + grp;
+      const int t = it * R::STEP + u * R::NG + grp;
       if (t < n_tok && (lg & kDupMask) == 0) {
 #pragma unroll
         for (int j = 0; j < kHeld; ++j) logits[t * GPAD + h + j] = acc[j];
       }
     }
   }
+  // V's first stages load while the softmax below runs.
+  const RowStream<T, HEAD, BLOCK, STAGES> values{value_cache + head_off, blk_s, blk_stride,
+                                                 n_tok, n_iter, grp, lg, ring};
+  values.start();
   __syncthreads();
 
   // Softmax over the partition, per head; thread tid works on head tid % GPAD.
@@ -258,24 +347,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) acc[g][j][e] = 0.f;
 
-  for (int base = 0; base < n_tok; base += R::NG * R::UNROLL) {
+  for (int it = 0; it < n_iter; ++it) {
     uint4 vv[R::UNROLL][R::NVT];
+    values.fetch(it, vv);
 #pragma unroll
     for (int u = 0; u < R::UNROLL; ++u) {
-      const int t = base + u * R::NG + grp;
-      const bool ok = t < n_tok;
-      const T* row = value_cache + (ok ? (long long)blk_s[t / BLOCK] * blk_stride : 0) +
-                     head_off + (t % BLOCK) * HEAD;
-#pragma unroll
-      for (int j = 0; j < R::NVT; ++j) {
-        const int c = lg + j * R::TG;
-        vv[u][j] = (ok && c < R::NV) ? __ldg(reinterpret_cast<const uint4*>(row + c * R::VEC))
-                                      : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < R::UNROLL; ++u) {
-      const int t = base + u * R::NG + grp;
+      const int t = it * R::STEP + u * R::NG + grp;
       if (t < n_tok) {
         float p[GPAD];
         load_probs<GPAD>(logits + t * GPAD, p);
@@ -291,6 +368,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
       }
     }
   }
+  if constexpr (STAGES > 0) cp_async_wait<0>();  // only empty groups remain; leave none behind
 
   // Sum the token groups: first the groups sharing a warp, then the warps through smem
   // (which reuses the logits, hence the barrier first).

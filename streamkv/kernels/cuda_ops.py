@@ -23,6 +23,7 @@ HEAD_SIZES = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 GROUP_PADS = (1, 2, 4, 8)  # query heads per CTA; larger groups are split into chunks of 8
 PARTITION_SIZES = (512, 256, 128)  # tokens per CTA, multiples of every block size
+DECODE_STAGES = 4  # cp.async ring depth of the decode kernel (0: plain register loads)
 ATTENTION_THREADS = 128  # kThreads in paged_attention.cu
 ATTENTION_WARPS = ATTENTION_THREADS // 32
 COPY_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
@@ -30,10 +31,14 @@ COPY_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1
 _P, _I, _LL, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
-def attention_names(dtype: str, head: int, block: int, gpads=GROUP_PADS) -> tuple[str, ...]:
+def attention_names(
+    dtype: str, head: int, block: int, gpads=GROUP_PADS, stages: int | None = None
+) -> tuple[str, ...]:
     """Name expressions of one attention program: decode kernels for ``gpads`` + the reduce."""
+    stages = DECODE_STAGES if stages is None else stages
     names = [
-        f"streamkv::paged_attention_decode_kernel<{dtype}, {head}, {block}, {g}>" for g in gpads
+        f"streamkv::paged_attention_decode_kernel<{dtype}, {head}, {block}, {g}, {stages}>"
+        for g in gpads
     ]
     names.append(f"streamkv::paged_attention_reduce_kernel<{dtype}, {head}>")
     return tuple(names)
@@ -80,28 +85,34 @@ def choose_partition_size(
     ctas_per_partition: int,
     max_context_len: int,
     block_size: int,
-    gpad: int,
-    head: int,
+    shared_mem: int,
     device: torch.device,
 ) -> int:
-    """Largest partition that still gives the GPU several waves of CTAs.
+    """Longest partition that still fills most of the GPU's CTA slots.
 
-    Long partitions amortise each CTA's fixed cost (q, block ids, the cross-warp output
-    sum) and keep the reduce small; short ones are needed when few sequences would leave
-    multiprocessors idle or a partial last wave (measured in benchmarks/bench_kernels.py).
+    Long partitions amortise each CTA's fixed cost (block ids, q, the cross-warp output sum)
+    and keep the reduce small; short ones keep multiprocessors busy when there are few
+    sequences. On an H200, 512 tokens won whenever it gave at least ~3/4 of a wave of CTAs
+    (benchmarks/bench_kernels.py sweeps the three sizes).
     """
     sizes = [p for p in PARTITION_SIZES if p % block_size == 0]
     index = device.index if device.index is not None else torch.cuda.current_device()
-    smem = attention_smem(sizes[0], gpad, head)
-    slots = _sm_count(index) * max(1, kernel.occupancy(ATTENTION_THREADS, smem))
+    slots = _sm_count(index) * max(1, kernel.occupancy(ATTENTION_THREADS, shared_mem))
     for p in sizes:
-        if ctas_per_partition * -(-max_context_len // p) >= 4 * slots:
+        if 4 * ctas_per_partition * -(-max_context_len // p) >= 3 * slots:
             return p
     return sizes[-1]
 
 
-def attention_smem(partition_size: int, gpad: int, head: int) -> int:
-    return max(partition_size, ATTENTION_WARPS * head) * gpad * 4
+def attention_smem(partition_size: int, gpad: int, head: int, dtype, stages: int) -> int:
+    """Dynamic shared memory of the decode kernel (mirrors RowShape in paged_attention.cu)."""
+    vec = 16 // dtype.itemsize
+    nv = head // vec
+    tg = min(32, _next_pow2(nv))
+    nvt = -(-nv // tg)
+    unroll = (8 if stages == 0 else 4) // nvt
+    ring = stages * unroll * nvt * ATTENTION_THREADS * 16
+    return ring + max(partition_size, ATTENTION_WARPS * head) * gpad * 4
 
 
 def paged_attention_decode(
@@ -114,9 +125,10 @@ def paged_attention_decode(
     max_context_len: int | None = None,
     partition_size: int | None = None,
     out: torch.Tensor | None = None,
+    stages: int = DECODE_STAGES,
 ) -> torch.Tensor:
-    """``partition_size`` (tokens per CTA) and ``out`` (cache dtype, [seqs, heads, head]) are
-    for tests and benchmarks; ops.py leaves them to this function."""
+    """``partition_size`` (tokens per CTA), ``out`` (cache dtype, [seqs, heads, head]) and
+    ``stages`` are for tests and benchmarks; ops.py leaves them to this function."""
     num_seqs, num_heads, head = query.shape
     _, num_kv_heads, block_size, cache_head = key_cache.shape
     dtype = key_cache.dtype
@@ -151,7 +163,7 @@ def paged_attention_decode(
     group = num_heads // num_kv_heads
     gpad = min(8, _next_pow2(group))
     chunks = -(-group // gpad)
-    names = attention_names(DTYPE_NAMES[dtype], head, block_size, (gpad,))
+    names = attention_names(DTYPE_NAMES[dtype], head, block_size, (gpad,), stages)
     module = _module(ATTENTION_SOURCE, names, query.device)
     decode, reduce = module.kernel(names[0]), module.kernel(names[1])
     if partition_size is None:
@@ -160,8 +172,7 @@ def paged_attention_decode(
             num_seqs * num_kv_heads * chunks,
             max_context_len,
             block_size,
-            gpad,
-            head,
+            attention_smem(PARTITION_SIZES[0], gpad, head, dtype, stages),
             query.device,
         )
     if partition_size % block_size or not 0 < partition_size <= PARTITION_SIZES[0]:
@@ -200,7 +211,7 @@ def paged_attention_decode(
             (_I, max_parts),
         ],
         stream,
-        attention_smem(partition_size, gpad, head),
+        attention_smem(partition_size, gpad, head, dtype, stages),
     )
     if max_parts > 1:
         reduce.launch(

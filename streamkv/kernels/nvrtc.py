@@ -215,6 +215,7 @@ class Kernel:
         self.function = function
         self.name = name
         self._occupancy: dict[tuple[int, int], int] = {}
+        self._max_dynamic_smem = 48 * 1024
 
     def launch(
         self,
@@ -225,6 +226,11 @@ class Kernel:
         shared_mem: int = 0,
     ) -> None:
         """``args`` are (ctypes type, value) pairs in the kernel's parameter order."""
+        if shared_mem > 48 * 1024 and shared_mem > self._max_dynamic_smem:
+            # Beyond 48 KiB a kernel must opt in to its dynamic shared memory.
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(self.function, attr, shared_mem))
+            self._max_dynamic_smem = shared_mem
         holders = [ctype(value) for ctype, value in args]
         params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
         check(
@@ -237,6 +243,10 @@ class Kernel:
         """Resident CTAs per multiprocessor for this launch shape."""
         key = (threads, shared_mem)
         if key not in self._occupancy:
+            if shared_mem > self._max_dynamic_smem:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                check(driver.cuFuncSetAttribute(self.function, attr, shared_mem))
+                self._max_dynamic_smem = shared_mem
             self._occupancy[key] = int(
                 check(
                     driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(

@@ -28,6 +28,8 @@ HEADS = (64, 80, 96, 128, 256)
 BLOCKS = (8, 16, 32)
 GROUPS = (1, 4, 8)
 POOL_BLOCKS = 2048
+RING_DEPTHS = (0, 2, 3, 6)  # besides the default: register loads and other cp.async depths
+STAGE_CASES = ((torch.bfloat16, 128), (torch.float32, 256), (torch.float16, 80))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,6 +46,14 @@ def _precompile():
         for h in HEADS
         for b in BLOCKS
         for g in cuda_ops.GROUP_PADS
+    ]
+    jobs += [
+        (
+            cuda_ops.ATTENTION_SOURCE,
+            cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[d], h, 16, (8,), st),
+        )
+        for d, h in STAGE_CASES
+        for st in RING_DEPTHS
     ]
     jobs.append((cuda_ops.CACHE_OPS_SOURCE, cuda_ops.cache_ops_names()))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
@@ -95,6 +105,7 @@ def attention_case(
     seed: int,
     num_kv_heads: int = 2,
     strided_query: bool = False,
+    stages: int | None = None,
 ) -> float:
     from streamkv.kernels import cuda_ops
 
@@ -110,8 +121,9 @@ def attention_case(
     lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
     scale = head**-0.5
     out = torch.full((seqs, num_heads, head), math.nan, dtype=dtype, device="cuda")
+    extra = {} if stages is None else {"stages": stages}
     cuda_ops.paged_attention_decode(
-        query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out
+        query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out, **extra
     )
     ref = ops.paged_attention_decode_ref(
         query.double(),
@@ -148,6 +160,15 @@ def test_decode_uneven_and_large_groups(dtype, group: int, num_kv_heads: int) ->
     # Groups that are not a power of two pad the CTA's heads; groups over 8 split into chunks.
     lens = [5, 300, 777, 2049]
     err = attention_case(dtype, 64, 16, group, lens, None, group, num_kv_heads=num_kv_heads)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("stages", RING_DEPTHS)
+@pytest.mark.parametrize("dtype,head", STAGE_CASES, ids=str)
+def test_decode_ring_depths(dtype, head: int, stages: int) -> None:
+    # fp32 head 256 at depth 6 needs more than 48 KiB of shared memory (the opt-in path).
+    lens = [1, 700, 1500, 63]
+    err = attention_case(dtype, head, 16, 8, lens, 512, stages, stages=stages)
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
