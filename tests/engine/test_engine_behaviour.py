@@ -1,0 +1,121 @@
+"""Engine behaviour on the real model: errors, stop conditions, streaming text, seeds."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamkv import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm):
+    return make_llm(block_size=16, num_kv_blocks=256, num_swap_blocks=64, max_model_len=1024)
+
+
+def test_infeasible_request_fails_alone(llm):
+    tok = llm.get_tokenizer()
+    ok = tok.encode("The capital of France is")
+    too_long = [tok.encode("hello")[0]] * 2000  # over max_model_len
+    outs = llm.generate(
+        prompt_token_ids=[ok, too_long, ok],
+        sampling_params=SamplingParams(temperature=0, max_tokens=8),
+    )
+    assert outs[1].outputs[0].finish_reason == "abort"
+    assert "max_model_len" in outs[1].error
+    for i in (0, 2):
+        assert outs[i].error is None
+        assert outs[i].outputs[0].finish_reason == "length"
+        assert len(outs[i].outputs[0].token_ids) == 8
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_prompt_larger_than_pool_fails_clearly(make_llm):
+    small = make_llm(block_size=16, num_kv_blocks=8, num_swap_blocks=0, max_model_len=1024)
+    outs = small.generate(prompt_token_ids=[[5] * 300, [5] * 10], sampling_params=SamplingParams(max_tokens=4))
+    assert outs[0].outputs[0].finish_reason == "abort" and "pool" in outs[0].error
+    assert outs[1].outputs[0].finish_reason == "length"
+
+
+def test_bad_input_raises_and_engine_keeps_working(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(prompt_token_ids=[[10**9]])
+    out = llm.generate("Hello", SamplingParams(max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2, "best_of": 1}, "best_of"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
+def test_sampling_params_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_stop_string_is_trimmed_and_streamed_text_never_shows_it(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[" 7"])
+    engine.add_request("stop-test", "1, 2, 3, 4,", params)
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(out.outputs[0].text)
+    final = seen[-1]
+    assert final.strip().endswith("6,") and " 7" not in final
+    assert all(" 7" not in text for text in seen)
+    assert all(final.startswith(text) for text in seen)  # text only ever grows
+
+
+def test_incremental_text_equals_full_decode_for_multibyte_output(llm):
+    tok = llm.get_tokenizer()
+    prompt = "Translate to Chinese and add emoji: I love the sunny beach 🌞🏖️. Answer:"
+    out = llm.generate(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True))[0]
+    comp = out.outputs[0]
+    assert comp.text == tok.decode(comp.token_ids, skip_special_tokens=True)
+    assert "\ufffd" not in comp.text
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate("Tell me a story", params)[0].outputs[0].token_ids
+    batch = llm.generate(
+        ["Tell me a story", "Something else entirely", "Tell me a story"],
+        [params, SamplingParams(temperature=1.0, max_tokens=30), params],
+    )
+    assert batch[0].outputs[0].token_ids == alone
+    assert batch[2].outputs[0].token_ids == alone
+    other = llm.generate("Tell me a story", SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_min_tokens_and_logprobs(llm):
+    out = llm.generate("Hi", SamplingParams(temperature=0, min_tokens=30, max_tokens=30, logprobs=3))[0].outputs[0]
+    assert len(out.token_ids) == 30
+    assert len(out.logprobs) == 30
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and len(lp) >= 3
+        assert lp[tok].rank == 1  # greedy picks the top token
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("to-abort", "Write a very long essay about the sea.", SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.device.num_free < engine.block_manager.device.num_blocks
+    out = engine.abort_request("to-abort")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
