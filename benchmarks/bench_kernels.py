@@ -282,6 +282,44 @@ def bench_attention(batch: int, ctx: int, iters: int, copy_gbs: float, sweep: bo
     return row
 
 
+def bench_reduce_alone(batch: int, ctx: int, partition: int, iters: int) -> dict:
+    """The partition-merge kernel by itself, to see what a fused merge could save."""
+    parts = -(-ctx // partition)
+    names = cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[DTYPE], HEAD, BLOCK, (4,))
+    reduce = cuda_ops._module(cuda_ops.ATTENTION_SOURCE, names, torch.device("cuda")).kernel(
+        names[-1]
+    )
+    out = torch.empty((batch, Q_HEADS, HEAD), dtype=DTYPE, device="cuda")
+    part_out = torch.randn((batch, Q_HEADS, parts, HEAD), device="cuda")
+    stats = torch.rand((2, batch, Q_HEADS, parts), device="cuda") + 0.5
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+    def run():
+        reduce.launch(
+            (Q_HEADS, batch, 1),
+            (cuda_ops.ATTENTION_THREADS, 1, 1),
+            [
+                (cuda_ops._P, out.data_ptr()),
+                (cuda_ops._P, part_out.data_ptr()),
+                (cuda_ops._P, stats[0].data_ptr()),
+                (cuda_ops._P, stats[1].data_ptr()),
+                (cuda_ops._P, lens.data_ptr()),
+                (cuda_ops._I, Q_HEADS),
+                (cuda_ops._I, partition),
+                (cuda_ops._I, parts),
+            ],
+            torch.cuda.current_stream().cuda_stream,
+            parts * 4,
+        )
+
+    return {
+        "batch": batch,
+        "context": ctx,
+        "partition": partition,
+        "reduce_us": gpu_time_ms(run, iters) * 1e3,
+    }
+
+
 # ---------------------------------------------------------------------------------- cache ops
 def bench_reshape(tokens: int, iters: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -449,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row))
             sys.stdout.flush()
     report["attention"] = rows
+    report["reduce_alone"] = [
+        bench_reduce_alone(b, c, 512, args.iters) for b, c in ((64, 1024), (256, 4096))
+    ]
+    print(json.dumps(report["reduce_alone"]))
     report["cache_ops"] = [
         bench_reshape(256, args.iters),
         bench_reshape(8192, args.iters),

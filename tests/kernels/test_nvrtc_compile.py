@@ -54,7 +54,7 @@ def test_cache_ops_compile(arch: int, fresh_cache) -> None:
 
 def test_compile_error_carries_nvrtc_log(fresh_cache) -> None:
     # A bf16 head of 12 elements is not a whole number of 16-byte vectors: a static_assert.
-    names = ("streamkv::paged_attention_decode_kernel<__nv_bfloat16, 12, 16, 4>",)
+    names = ("streamkv::paged_attention_decode_kernel<__nv_bfloat16, 12, 16, 4, 4>",)
     with pytest.raises(nvrtc.NVRTCError) as err:
         nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, 90)
     assert "multiple of 16 bytes" in str(err.value)
