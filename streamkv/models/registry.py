@@ -65,7 +65,7 @@ def init_dummy(model: torch.nn.Module, device: torch.device, seed: int) -> None:
 
 
 def build_model(
-    model_dir: Path,
+    model_dir: Path | str,
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
@@ -73,6 +73,7 @@ def build_model(
     tp_size: int = 1,
     seed: int = 0,
 ) -> torch.nn.Module:
+    model_dir = Path(model_dir)
     config = load_config(model_dir)
     cls = model_class(config)
     shape = ModelShape.from_config(config)

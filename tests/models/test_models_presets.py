@@ -1,0 +1,105 @@
+"""Built-in shape presets and dummy weights. The big shapes are built on the "meta" device
+(no memory) and compared with transformers' own model of the same config; only
+smollm2-135m is materialised."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from streamkv import SamplingParams
+from streamkv.entrypoints.llm import LLM
+from streamkv.layers.norm import RMSNorm
+from streamkv.models.common import ModelShape
+from streamkv.models.loader import PRESETS_DIR, load_config, presets, resolve_model_dir
+from streamkv.models.registry import build_model, num_parameters
+from streamkv.worker.cache_engine import kv_bytes_per_block
+
+# name: (layers, hidden, heads, kv heads, head_dim, mlp width, vocab, max positions, parameters)
+EXPECTED = {
+    "llama3-8b": (32, 4096, 32, 8, 128, 14336, 128256, 8192, 8_030_261_248),
+    "llama2-13b": (40, 5120, 40, 40, 128, 13824, 32000, 4096, 13_015_864_320),
+    "opt-13b": (40, 5120, 40, 40, 128, 20480, 50272, 2048, 12_853_473_280),
+    "opt-66b": (64, 9216, 72, 72, 128, 36864, 50272, 2048, 65_719_701_504),
+    "smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152, 8192, 134_515_008),
+}
+
+
+def test_presets_ship_in_the_package():
+    assert presets() == sorted(EXPECTED)
+    for name in EXPECTED:
+        assert resolve_model_dir(name) == PRESETS_DIR / name
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_preset_shape_matches_the_public_model(name):
+    config = load_config(resolve_model_dir(name))
+    s = ModelShape.from_config(config)
+    layers, hidden, heads, kv, head_dim, mlp, vocab, positions, params = EXPECTED[name]
+    assert (s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim) == (layers, hidden, heads, kv, head_dim)
+    assert (s.intermediate_size, s.vocab_size, s.max_positions) == (mlp, vocab, positions)
+    model = build_model(resolve_model_dir(name), torch.bfloat16, torch.device("meta"), "dummy")
+    assert num_parameters(model) == params
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "opt-13b"])
+def test_preset_matches_transformers_parameter_for_parameter(name):
+    """Same parameter count as transformers' model of the config, and every fused
+    streamkv matrix holds exactly the transformers matrices it replaces."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(PRESETS_DIR / name)))
+    ours = build_model(PRESETS_DIR / name, torch.bfloat16, torch.device("meta"), "dummy")
+    assert num_parameters(hf) == num_parameters(ours)
+    hf_shapes = {k.removeprefix("model.").removeprefix("decoder."): v.shape for k, v in hf.named_parameters()}
+    ours_shapes = dict(ours.named_parameters())
+    q, k, v = (hf_shapes[f"layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert ours_shapes["layers.0.self_attn.qkv_proj.weight"].shape == (q[0] + k[0] + v[0], q[1])
+
+
+def test_llama3_8b_kv_block_size():
+    s = ModelShape.from_config(load_config(resolve_model_dir("llama3-8b")))
+    # 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 16 tokens x 2 bytes = 2 MiB.
+    assert kv_bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, 16, torch.bfloat16) == 2 * 2**20
+
+
+def test_smollm2_preset_runs_on_dummy_weights():
+    """A preset implies dummy weights and no tokenizer: token ids in, token ids out."""
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32", num_kv_blocks=16, num_swap_blocks=0)
+    assert llm.get_tokenizer() is None
+    model = llm.engine.executor.worker.model
+    emb = model.embed_tokens.weight
+    assert 0.015 < float(emb[:1000].std()) < 0.025  # N(0, 0.02), drawn in place
+    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in model.modules() if isinstance(m, RMSNorm))
+    out = llm.generate(None, SamplingParams(max_tokens=4, ignore_eos=True), prompt_token_ids=[[1, 2, 3]])
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="this model has no tokenizer"):
+        llm.generate("hello", SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "OPTForCausalLM"])
+def test_dummy_weights_of_a_directory_config_are_seeded_and_fill_everything(arch, tmp_path):
+    """load_format="dummy" on any config.json (no weight files needed)."""
+    config = {
+        "architectures": [arch], "model_type": "opt" if arch.startswith("OPT") else "llama",
+        "hidden_size": 64, "intermediate_size": 128, "ffn_dim": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 500, "max_position_embeddings": 64,
+        "word_embed_proj_dim": 32,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    a = build_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", seed=1)
+    b = build_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", seed=1)
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        if "norm" in name:  # norms stay at ones / zeros
+            assert torch.equal(p, torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p)), name
+        else:
+            assert bool(torch.isfinite(p).all()) and float(p.abs().max()) > 0, name
+
+
+def test_preset_refuses_a_weight_format():
+    with pytest.raises(ValueError, match="only supports load_format='dummy'"):
+        LLM("llama3-8b", device="cpu", load_format="safetensors")
