@@ -9,9 +9,9 @@
 // is read from memory once per kv head whatever the GQA ratio. A token's row is read by a
 // group of TG threads with 16-byte loads; consecutive groups take consecutive tokens, so a
 // warp reads whole rows of one tile. Two passes over the partition: q.k into shared
-// logits, softmax, then p.v. Partitions longer contexts are split into are merged by
-// paged_attention_reduce_kernel (flash-decoding style), so the context length is bounded
-// by nothing but the block table.
+// logits, softmax, then p.v. A long context is split into partitions (flash-decoding
+// style) whose partial results are merged by the last CTA of the sequence to finish (or by
+// paged_attention_reduce_kernel), so the context length is bounded only by the block table.
 #include "dtypes.cuh"
 
 namespace streamkv {
@@ -206,6 +206,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     float* __restrict__ part_out,     // [seqs, heads, max_partitions, HEAD]
     float* __restrict__ part_max,     // [seqs, heads, max_partitions]
     float* __restrict__ part_sum,     // [seqs, heads, max_partitions]
+    int* __restrict__ merge_counters,  // [seqs, gridDim.y] zeros (fused merge), or null
     const T* __restrict__ query,      // [seqs, heads, HEAD], seq stride q_stride
     const T* __restrict__ key_cache, const T* __restrict__ value_cache,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
@@ -239,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
 
   if (start >= ctx) {
     // An empty context (a padded batch slot) gets zeros rather than garbage.
-    if (ctx <= 0 && part == 0 && max_partitions == 1) {
+    if (ctx <= 0 && part == 0 && (max_partitions == 1 || merge_counters != nullptr)) {
       for (int i = tid; i < n_heads * HEAD; i += kThreads)
         out[((long long)seq * num_heads + head0) * HEAD + i] = Tr::from_float(0.f);
     }
@@ -398,6 +399,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
   }
   __syncthreads();
 
+  // With merge counters a sequence that fits one partition skips the partials altogether.
+  const int n_parts = (ctx + partition_size - 1) / partition_size;
+  const bool direct = max_partitions == 1 || (merge_counters != nullptr && n_parts == 1);
   for (int i = tid; i < n_heads * HEAD; i += kThreads) {
     const int g = i / HEAD, d = i - g * HEAD;
     float v = 0.f;
@@ -405,16 +409,61 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     for (int w = 0; w < kWarps; ++w) v += outs[(w * GPAD + g) * HEAD + d];
     v /= sum_s[g];
     const long long row = (long long)seq * num_heads + head0 + g;
-    if (max_partitions == 1) {
+    if (direct) {
       out[row * HEAD + d] = Tr::from_float(v);
     } else {
       part_out[(row * max_partitions + part) * HEAD + d] = v;
     }
   }
-  if (max_partitions > 1 && tid < n_heads) {
+  if (direct) return;
+  if (tid < n_heads) {
     const long long idx = ((long long)seq * num_heads + head0 + tid) * max_partitions + part;
     part_max[idx] = max_s[tid];
     part_sum[idx] = sum_s[tid];
+  }
+  if (merge_counters == nullptr) return;  // paged_attention_reduce_kernel merges
+
+  // Fused merge: the last CTA of a (sequence, kv head) to finish merges its partitions, so
+  // no second launch and no tail of tiny merge CTAs. Each thread fences its partials before
+  // the CTA is counted; the merging CTA reads them from L2 (ld.cg), never a stale L1 line.
+  __shared__ int last_s;
+  __shared__ float gmax_s[GPAD], ginv_s[GPAD];
+  __threadfence();
+  __syncthreads();
+  int* counter = merge_counters + (long long)seq * gridDim.y + blockIdx.y;
+  if (tid == 0) last_s = atomicAdd(counter, 1) == n_parts - 1;
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  for (int g = warp; g < n_heads; g += kWarps) {  // one warp per head: max and denominator
+    const long long row = (long long)seq * num_heads + head0 + g;
+    const float* pm = part_max + row * max_partitions;
+    const float* ps = part_sum + row * max_partitions;
+    float m = kNegInf;
+    for (int p = lane; p < n_parts; p += 32) m = fmaxf(m, __ldcg(pm + p));
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    float w = 0.f;
+    for (int p = lane; p < n_parts; p += 32) w += __ldcg(ps + p) * expf(__ldcg(pm + p) - m);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) w += __shfl_xor_sync(kFullMask, w, o);
+    if (lane == 0) {
+      gmax_s[g] = m;
+      ginv_s[g] = 1.f / w;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < n_heads * HEAD; i += kThreads) {
+    const int g = i / HEAD, d = i - g * HEAD;
+    const long long row = (long long)seq * num_heads + head0 + g;
+    const float* pm = part_max + row * max_partitions;
+    const float* ps = part_sum + row * max_partitions;
+    const float* po = part_out + row * max_partitions * HEAD + d;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int p = 0; p < n_parts; ++p)
+      acc = fmaf(__ldcg(ps + p) * expf(__ldcg(pm + p) - gmax_s[g]), __ldcg(po + p * HEAD), acc);
+    out[row * HEAD + d] = Tr::from_float(acc * ginv_s[g]);
   }
 }
 

@@ -23,7 +23,8 @@ HEAD_SIZES = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 GROUP_PADS = (1, 2, 4, 8)  # query heads per CTA; larger groups are split into chunks of 8
 PARTITION_SIZES = (512, 256, 128)  # tokens per CTA, multiples of every block size
-DECODE_STAGES = 4  # cp.async ring depth of the decode kernel (0: plain register loads)
+DECODE_STAGES = 2  # cp.async ring depth of the decode kernel (0: plain register loads)
+FUSED_MERGE = True  # partitions merged by the decode kernel's last CTA, not a second launch
 ATTENTION_THREADS = 128  # kThreads in paged_attention.cu
 ATTENTION_WARPS = ATTENTION_THREADS // 32
 COPY_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
@@ -126,9 +127,10 @@ def paged_attention_decode(
     partition_size: int | None = None,
     out: torch.Tensor | None = None,
     stages: int = DECODE_STAGES,
+    fused_merge: bool = FUSED_MERGE,
 ) -> torch.Tensor:
-    """``partition_size`` (tokens per CTA), ``out`` (cache dtype, [seqs, heads, head]) and
-    ``stages`` are for tests and benchmarks; ops.py leaves them to this function."""
+    """``partition_size`` (tokens per CTA), ``out`` (cache dtype, [seqs, heads, head]),
+    ``stages`` and ``fused_merge`` are for tests and benchmarks; ops.py leaves them be."""
     num_seqs, num_heads, head = query.shape
     _, num_kv_heads, block_size, cache_head = key_cache.shape
     dtype = key_cache.dtype
@@ -188,6 +190,12 @@ def paged_attention_decode(
         part_ptrs = (part_out.data_ptr(), part_stats[0].data_ptr(), part_stats[1].data_ptr())
     else:
         part_ptrs = (0, 0, 0)
+    fused = fused_merge and max_parts > 1
+    if fused:  # one arrival counter per CTA column (sequence, kv head chunk)
+        counters = torch.zeros(
+            num_seqs * num_kv_heads * chunks, dtype=torch.int32, device=query.device
+        )
+    counters_ptr = counters.data_ptr() if fused else 0
     stream = _stream(query.device)
     decode.launch(
         (max_parts, num_kv_heads * chunks, num_seqs),
@@ -197,6 +205,7 @@ def paged_attention_decode(
             (_P, part_ptrs[0]),
             (_P, part_ptrs[1]),
             (_P, part_ptrs[2]),
+            (_P, counters_ptr),
             (_P, q.data_ptr()),
             (_P, key_cache.data_ptr()),
             (_P, value_cache.data_ptr()),
@@ -213,7 +222,7 @@ def paged_attention_decode(
         stream,
         attention_smem(partition_size, gpad, head, dtype, stages),
     )
-    if max_parts > 1:
+    if max_parts > 1 and not fused:
         reduce.launch(
             (num_heads, num_seqs, 1),
             (ATTENTION_THREADS, 1, 1),

@@ -215,7 +215,7 @@ class Kernel:
         self.function = function
         self.name = name
         self._occupancy: dict[tuple[int, int], int] = {}
-        self._max_dynamic_smem = 48 * 1024
+        self._dynamic_smem_allowed = 0
 
     def launch(
         self,
@@ -226,11 +226,7 @@ class Kernel:
         shared_mem: int = 0,
     ) -> None:
         """``args`` are (ctypes type, value) pairs in the kernel's parameter order."""
-        if shared_mem > 48 * 1024 and shared_mem > self._max_dynamic_smem:
-            # Beyond 48 KiB a kernel must opt in to its dynamic shared memory.
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check(driver.cuFuncSetAttribute(self.function, attr, shared_mem))
-            self._max_dynamic_smem = shared_mem
+        self._allow_shared_mem(shared_mem)
         holders = [ctype(value) for ctype, value in args]
         params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
         check(
@@ -239,14 +235,19 @@ class Kernel:
             )
         )
 
+    def _allow_shared_mem(self, shared_mem: int) -> None:
+        # Static plus dynamic shared memory over 48 KiB needs the kernel's explicit opt-in;
+        # raising the cap is cheap and harmless below it, so do it for any new maximum.
+        if shared_mem > self._dynamic_smem_allowed:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(self.function, attr, shared_mem))
+            self._dynamic_smem_allowed = shared_mem
+
     def occupancy(self, threads: int, shared_mem: int) -> int:
         """Resident CTAs per multiprocessor for this launch shape."""
         key = (threads, shared_mem)
         if key not in self._occupancy:
-            if shared_mem > self._max_dynamic_smem:
-                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                check(driver.cuFuncSetAttribute(self.function, attr, shared_mem))
-                self._max_dynamic_smem = shared_mem
+            self._allow_shared_mem(shared_mem)
             self._occupancy[key] = int(
                 check(
                     driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(

@@ -28,7 +28,7 @@ HEADS = (64, 80, 96, 128, 256)
 BLOCKS = (8, 16, 32)
 GROUPS = (1, 4, 8)
 POOL_BLOCKS = 2048
-RING_DEPTHS = (0, 2, 3, 6)  # besides the default: register loads and other cp.async depths
+RING_DEPTHS = (0, 3, 4, 6)  # besides the default: register loads and other cp.async depths
 STAGE_CASES = ((torch.bfloat16, 128), (torch.float32, 256), (torch.float16, 80))
 
 
@@ -106,6 +106,7 @@ def attention_case(
     num_kv_heads: int = 2,
     strided_query: bool = False,
     stages: int | None = None,
+    fused_merge: bool | None = None,
 ) -> float:
     from streamkv.kernels import cuda_ops
 
@@ -122,6 +123,8 @@ def attention_case(
     scale = head**-0.5
     out = torch.full((seqs, num_heads, head), math.nan, dtype=dtype, device="cuda")
     extra = {} if stages is None else {"stages": stages}
+    if fused_merge is not None:
+        extra["fused_merge"] = fused_merge
     cuda_ops.paged_attention_decode(
         query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out, **extra
     )
@@ -172,14 +175,50 @@ def test_decode_ring_depths(dtype, head: int, stages: int) -> None:
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("partition_size", [None, 128, 512])
-def test_decode_long_context_and_strided_query(partition_size) -> None:
-    # 20k tokens: 40-157 partitions merged by the reduce kernel; q is a view into qkv.
+def test_decode_long_context_and_strided_query(partition_size, fused_merge: bool) -> None:
+    # 20k tokens: 40-157 partitions to merge; q is a view into qkv.
     lens = [20000, 3, 9000, 512]
     err = attention_case(
-        torch.bfloat16, 128, 16, 4, lens, partition_size, 7, num_kv_heads=8, strided_query=True
+        torch.bfloat16,
+        128,
+        16,
+        4,
+        lens,
+        partition_size,
+        7,
+        num_kv_heads=8,
+        strided_query=True,
+        fused_merge=fused_merge,
     )
     assert err <= TOLERANCE[torch.bfloat16], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused-merge", "merge-kernel"])
+def test_decode_empty_context_gives_zeros(fused_merge: bool) -> None:
+    # A padded batch slot (context 0) next to multi-partition sequences.
+    from streamkv.kernels import cuda_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    key, value, tables = make_paged([700, 1, 300], 2, 16, 64, torch.float16, gen)
+    query = torch.randn((3, 8, 64), generator=gen, device="cuda", dtype=torch.float16)
+    lens = torch.tensor([700, 0, 300], dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, math.nan)
+    cuda_ops.paged_attention_decode(
+        query, key, value, tables, lens, 0.125, 700, 128, out=out, fused_merge=fused_merge
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = torch.tensor([0, 2], device="cuda")
+    ref = ops.paged_attention_decode_ref(
+        query[keep].double(),
+        key.nan_to_num(0.0).double(),
+        value.nan_to_num(0.0).double(),
+        tables[keep],
+        lens[keep],
+        0.125,
+    )
+    assert rel_err(out[keep], ref) <= TOLERANCE[torch.float16]
 
 
 def test_decode_through_ops_seam_matches_reference() -> None:
