@@ -238,9 +238,11 @@ def bench_attention(batch: int, ctx: int, iters: int, copy_gbs: float, sweep: bo
     inputs = [paged_inputs(batch, [ctx] * batch, gen) for _ in range(sets)]
     row: dict = {"batch": batch, "context": ctx, "bytes": io_bytes, "rotated_sets": sets}
 
-    def ours(partition=None, stages=cuda_ops.DECODE_STAGES):
+    def ours(partition=None, stages=cuda_ops.DECODE_STAGES, fused=cuda_ops.FUSED_MERGE):
         return lambda: [
-            cuda_ops.paged_attention_decode(q, k, v, bt, lens, scale, ctx, partition, stages=stages)
+            cuda_ops.paged_attention_decode(
+                q, k, v, bt, lens, scale, ctx, partition, stages=stages, fused_merge=fused
+            )
             for q, k, v, bt, lens in inputs
         ]
 
