@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 from streamkv.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class Sequence:
     num_computed_tokens: int = 0
     output_text: str = ""
     stop_reason: int | str | None = None
+    beam_score: float = 0.0  # a finished beam hypothesis's length-penalised score
     # Detokenizer state (see engine/detokenizer.py).
     tokens_text_offset: int = 0
     prefix_offset: int = -1
@@ -124,6 +126,7 @@ class SequenceGroup:
     error: str | None = None
     # Beam search: finished hypotheses kept for the final ranking.
     finished_beams: list[Sequence] = field(default_factory=list)
+    beam_state: Any = None
     # Set by the scheduler on preemption (metrics, tests).
     num_preemptions: int = 0
 

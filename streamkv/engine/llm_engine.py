@@ -10,6 +10,7 @@ import time
 from streamkv.config import EngineConfig
 from streamkv.core.block_manager import BlockManager
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.engine.beam_search import BeamState, beams_to_keep
 from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
@@ -77,6 +78,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
+        if params.use_beam_search:
+            group.beam_state = BeamState()
         if arrival_time is not None:
             group.arrival_time = arrival_time
         self.groups[request_id] = group
@@ -122,7 +125,7 @@ class LLMEngine:
             top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
             sample_index=seq.sample_index, output_pos=len(seq.output_token_ids),
             logprobs=p.logprobs,
-            num_candidates=2 * p.best_of if p.use_beam_search else 0,
+            num_candidates=beams_to_keep(p.best_of, len(self.eos_token_ids)) if p.use_beam_search else 0,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
         )

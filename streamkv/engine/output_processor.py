@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from streamkv.core.scheduler import SchedulerOutput
+from streamkv.engine.beam_search import beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
 from streamkv.sequence import (
     CompletionOutput,
@@ -37,6 +38,7 @@ class OutputProcessor:
             s.seq.num_computed_tokens += s.num_new_tokens
             bm.mark_computed(s.seq)
             touched[s.group.request_id] = s.group
+        beams: dict[str, list] = {}
         for s in sched.scheduled:
             res = result.results.get(s.seq.seq_id)
             if res is None or s.seq.status.finished:
@@ -44,14 +46,18 @@ class OutputProcessor:
             if s.group.first_token_time is None:
                 s.group.first_token_time = now
             if s.group.sampling_params.use_beam_search:
-                from streamkv.engine.beam_search import beam_step
-
-                beam_step(self, s.group, s.seq, res)
+                beams.setdefault(s.group.request_id, []).append((s.seq, res))
             else:
                 self._append_samples(s.group, s.seq, res)
+        for request_id, results in beams.items():
+            beam_step(self, touched[request_id], results)
         for group in sched.failed:
             touched[group.request_id] = group
         self.engine.scheduler.free_finished_seqs()
+        for request_id in beams:
+            group = touched[request_id]
+            if not group.beam_state.done:
+                group.seqs = [s for s in group.seqs if not s.status.finished]
         outputs = []
         for group in touched.values():
             if group.finished and group.finished_time is None:
@@ -67,6 +73,12 @@ class OutputProcessor:
             group.seqs.append(child)
             self.append_token(group, child, res, j)
         self.append_token(group, seq, res, 0)
+
+    def add_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float) -> None:
+        """Append a token chosen by the engine (beam search) and extend the text."""
+        seq.append_token(token, logprob, {token: Logprob(logprob)} if group.sampling_params.logprobs is not None else None)
+        if self.detokenizer is not None:
+            self.detokenizer.update(seq, group.sampling_params.skip_special_tokens)
 
     def append_token(self, group: SequenceGroup, seq: Sequence, res: SampleResult, j: int) -> None:
         params = group.sampling_params
@@ -112,8 +124,6 @@ class OutputProcessor:
         params = group.sampling_params
         seqs = group.seqs
         if params.use_beam_search:
-            from streamkv.engine.beam_search import ranked_beams
-
             seqs = ranked_beams(group)
         elif group.finished and params.best_of > params.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]

@@ -1,0 +1,123 @@
+"""Beam search as fork / append / free on a sequence group.
+
+Each step every live beam returns its best candidate tokens; the group keeps the best
+``beam_width`` continuations that do not end, forks a beam that continues more than once
+(its blocks are shared, copy-on-write on the next write), and frees a beam that continues
+not at all (its unshared blocks go back to the pool at once). Hypotheses that end (EOS or
+the length limit) are scored ``sum logprob / generated_len ** length_penalty`` and the best
+``beam_width`` are kept.
+
+The selection and stopping rules follow Hugging Face transformers' ``generate(num_beams=k)``
+exactly, so results can be compared token for token: candidates are the top
+``max(2, 1 + #eos) * k`` continuations; only those among the top ``k`` may finish a
+hypothesis; ``early_stopping=True`` stops once ``k`` hypotheses exist; ``False`` stops when
+the best running beam, scored at its current length, cannot beat the worst kept hypothesis;
+``"never"`` scores it at the maximum length instead (when length_penalty > 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamkv.worker.messages import SampleResult
+
+if TYPE_CHECKING:
+    from streamkv.engine.output_processor import OutputProcessor
+
+
+@dataclass(slots=True)
+class BeamState:
+    open: bool = True  # transformers' "early stop heuristic unsatisfied"
+    done: bool = False
+
+
+def beams_to_keep(width: int, num_eos: int) -> int:
+    return max(2, 1 + num_eos) * width
+
+
+def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[Sequence, SampleResult]]) -> None:
+    params = group.sampling_params
+    width = params.best_of
+    state = group.beam_state
+    engine = proc.engine
+    eos = set() if params.ignore_eos else proc.eos_token_ids
+    max_new = params.max_tokens or engine.config.scheduler.max_model_len
+    keep = beams_to_keep(width, len(eos))
+    candidates = []  # (accumulated logprob, beam order, parent, token, token logprob)
+    for order, (seq, res) in enumerate(results):
+        for token, lp in (res.candidates or [])[:keep]:
+            candidates.append((seq.cumulative_logprob + lp, order, seq, token, lp))
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    candidates = candidates[:keep]
+    gen_len = len(results[0][0].output_token_ids) + 1
+
+    def ends(seq: Sequence, token: int) -> bool:
+        return token in eos or gen_len >= max_new or len(seq) + 1 >= engine.config.scheduler.max_model_len
+
+    # Finished hypotheses: only the top `width` candidates may end one.
+    full = len(group.finished_beams) >= width
+    if state.open and not (full and params.early_stopping is True):
+        for score, _, seq, token, lp in candidates[:width]:
+            if ends(seq, token):
+                hyp = seq.fork(-1, seq.sample_index)
+                proc.add_token(group, hyp, token, lp)
+                hyp.status = SequenceStatus.FINISHED_STOPPED if token in eos else SequenceStatus.FINISHED_LENGTH
+                hyp.beam_score = score / (gen_len**params.length_penalty)
+                group.finished_beams.append(hyp)
+        group.finished_beams.sort(key=lambda h: -h.beam_score)
+        del group.finished_beams[width:]
+
+    running = [c for c in candidates if not ends(c[2], c[3])][:width]
+    _advance_beams(proc, group, [seq for seq, _ in results], running)
+
+    # Whole-search stopping rule.
+    full = len(group.finished_beams) >= width
+    if running and state.open and full:
+        if params.early_stopping == "never" and params.length_penalty > 0:
+            best_len = max_new
+        else:
+            best_len = gen_len
+        best_possible = running[0][0] / (best_len**params.length_penalty)
+        state.open = best_possible > group.finished_beams[-1].beam_score
+    if not state.open or (full and params.early_stopping is True) or not running:
+        for seq in group.seqs:
+            if not seq.status.finished:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+        state.done = True
+
+
+def _advance_beams(proc: OutputProcessor, group: SequenceGroup, parents: list[Sequence], running) -> None:
+    engine = proc.engine
+    children: dict[int, list[tuple[int, float]]] = {}
+    for _, _, seq, token, lp in running:
+        children.setdefault(seq.seq_id, []).append((token, lp))
+    new_seqs: list[Sequence] = []
+    for parent in parents:
+        picks = children.get(parent.seq_id)
+        if not picks:
+            parent.status = SequenceStatus.FINISHED_ABORTED  # dropped: blocks freed this step
+            continue
+        # Fork before appending: children share the parent's blocks as they are now.
+        forks = []
+        for token, lp in picks[1:]:
+            child = parent.fork(engine.new_seq_id(), parent.sample_index)
+            engine.block_manager.fork(parent, child)
+            forks.append((child, token, lp))
+        proc.add_token(group, parent, *picks[0])
+        new_seqs.append(parent)
+        for child, token, lp in forks:
+            proc.add_token(group, child, token, lp)
+            new_seqs.append(child)
+    # Best first, as transformers orders its running beams. Dropped beams stay in the group
+    # until the scheduler has freed their blocks at the end of this step.
+    new_seqs.sort(key=lambda s: -s.cumulative_logprob)
+    group.seqs = new_seqs + [p for p in parents if p.status.finished]
+
+
+def ranked_beams(group: SequenceGroup) -> list[Sequence]:
+    n = group.sampling_params.n
+    if group.finished_beams:
+        return group.finished_beams[:n]
+    return sorted(group.live_seqs(), key=lambda s: -s.cumulative_logprob)[:n]
