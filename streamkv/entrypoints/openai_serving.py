@@ -129,7 +129,7 @@ class OpenAIServing:
                 f"This model's maximum context length is {info.max_model_len} tokens. However, you "
                 f"requested {want} tokens ({len(ids)} in the prompt, {params.max_tokens or 1} for the "
                 f"completion). Please reduce the length of the prompt or the completion.",
-                param="max_tokens" if params.max_tokens else param, code="context_length_exceeded",
+                param=param if len(ids) >= info.max_model_len else "max_tokens", code="context_length_exceeded",
             )
         if -(-(len(ids) + 1) // info.block_size) > info.usable_kv_blocks:
             raise APIError(f"the prompt needs more KV-cache blocks than this server has ({info.num_kv_blocks})",

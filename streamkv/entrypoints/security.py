@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 
 from streamkv.entrypoints.openai_protocol import APIError
 
@@ -50,3 +51,25 @@ def check_origin(headers: Headers, scheme: str, allowed: Iterable[str]) -> None:
     if not origin_allowed(headers.get("origin"), scheme, headers.get("host"), allowed):
         raise APIError("cross-origin request refused (see --allowed-origins)", 403, "permission_error",
                        code="origin_not_allowed")
+
+
+class HeaderLimit:
+    """ASGI middleware: refuse a request whose headers total more than ``limit`` bytes.
+    uvicorn's h11 limit only bounds a head that arrives in pieces; a head that arrives in
+    one read is parsed whole, so the size is checked again here."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.limit:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = APIError(f"request headers exceed {self.limit} bytes", 431,
+                                code="headers_too_large").body()
+                await JSONResponse(body, status_code=431)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

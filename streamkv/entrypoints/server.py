@@ -29,7 +29,7 @@ from streamkv.engine.async_engine import AsyncEngine, EngineDeadError, EngineNot
 from streamkv.entrypoints.metrics import ServerMetrics
 from streamkv.entrypoints.openai_protocol import APIError, Fields, parse_json_body, parse_messages
 from streamkv.entrypoints.openai_serving import OpenAIServing, render_chat
-from streamkv.entrypoints.security import check_api_key, check_origin
+from streamkv.entrypoints.security import HeaderLimit, check_api_key, check_origin
 from streamkv.entrypoints.websocket import chat_ws
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = 2 * 2**20
+    max_header_bytes: int = 16 * 1024
     max_queue_len: int | None = None
     sse_keepalive: float = 15.0
     ws_max_active: int = 8
@@ -184,7 +185,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
-    middleware = []
+    middleware = [Middleware(HeaderLimit, limit=config.max_header_bytes)]
     cross = [o for o in config.allowed_origins if o]
     if cross:
         middleware.append(Middleware(CORSMiddleware, allow_origins=cross, allow_methods=["GET", "POST"],
@@ -264,7 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     app = build_app(engine, ServerConfig(
         model_name=args.served_model_name or served_name(args.model), api_key=args.api_key or None,
-        allowed_origins=origins, max_body_bytes=args.max_request_body_bytes, max_queue_len=args.max_queue_len,
+        allowed_origins=origins, max_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
     ))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -120,6 +120,11 @@ def test_unknown_route_and_method_use_openai_error_shape(client):
     assert client.get("/v1/completions").status_code == 405
 
 
+def test_oversized_headers_get_431(client):
+    r = client.get("/v1/models", headers={"x-filler": "y" * 20_000})
+    assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+
+
 def test_api_key_and_origin():
     with make_client(api_key="s3cret", allowed_origins=("http://ok.example",)) as c:
         wait_healthy(c)
