@@ -124,7 +124,7 @@ class EngineInfo:
 
 
 class AsyncEngine:
-    def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.05) -> None:
+    def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.25) -> None:
         self._build = build
         self._stats_interval = stats_interval
         self.engine: LLMEngine | None = None
