@@ -37,6 +37,7 @@ def run_static_batching(model, requests, batch_size: int, pad_id: int) -> float:
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
         width = max(len(r.prompt_ids) for r in batch)
+        device = model.device
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for j, r in enumerate(batch):
@@ -45,7 +46,7 @@ def run_static_batching(model, requests, batch_size: int, pad_id: int) -> float:
         longest = max(r.output_len for r in batch)
         with torch.inference_mode():
             model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=False,
+                input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                 max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id,
             )
     return time.perf_counter() - start
@@ -60,36 +61,79 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: embedded SmolLM2)")
+    ap.add_argument("--load-format", default="auto", help="'dummy' for random weights of a real shape")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: 4096 on CPU, sized from memory on GPU")
+    ap.add_argument("--workload-file", default=None,
+                    help="JSON of [[prompt ids], output len] pairs; written with --save-workload")
+    ap.add_argument("--save-workload", default=None, help="sample the ShareGPT workload, save it here, exit")
     ap.add_argument("--json-out", default="bench_results/throughput.json")
     args = ap.parse_args()
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.workloads import sharegpt_requests
+    from benchmarks.workloads import Request, sharegpt_requests
     from streamkv.entrypoints.llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(max_num_seqs=args.max_num_seqs, num_kv_blocks=4096, num_swap_blocks=0)
-    tok = llm.get_tokenizer()
-    requests = sharegpt_requests(tok, args.num_requests, args.seed, max_prompt=args.max_prompt_len,
+    if args.save_workload:
+        from transformers import AutoTokenizer
+
+        from streamkv.models.loader import resolve_model_dir
+
+        tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+        reqs = sharegpt_requests(tok, args.num_requests, args.seed, max_prompt=args.max_prompt_len,
                                  max_output=args.max_output_len)
+        with open(args.save_workload, "w") as f:
+            json.dump([[r.prompt_ids, r.output_len] for r in reqs], f)
+        print(f"saved {len(reqs)} requests to {args.save_workload}")
+        return 0
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    blocks = args.num_kv_blocks or (4096 if on_cpu else None)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks, num_swap_blocks=0,
+              device=args.device, dtype=args.dtype, load_format=args.load_format)
+    if args.workload_file:
+        with open(args.workload_file) as f:
+            requests = [Request(p, min(o, args.max_output_len)) for p, o in json.load(f)][: args.num_requests]
+    else:
+        requests = sharegpt_requests(llm.get_tokenizer(), args.num_requests, args.seed,
+                                     max_prompt=args.max_prompt_len, max_output=args.max_output_len)
     out_tokens = sum(r.output_len for r in requests)
     in_tokens = sum(len(r.prompt_ids) for r in requests)
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.executor.model_dir), dtype=torch.float32).eval()
+    worker = llm.engine.executor.worker
+    model_dir = str(llm.engine.executor.model_dir)
+    if args.load_format == "dummy":
+        # The same shape with random weights, built on the device (values do not matter).
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device(worker.device):
+            hf = AutoModelForCausalLM.from_config(config, dtype=worker.dtype).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=worker.dtype).to(worker.device).eval()
+    pad_id = 0
 
     run_streamkv(llm, requests[:4])  # warm-up
     rows = []
     t = run_streamkv(llm, requests)
     rows.append({"system": "streamkv", "batch": f"continuous (<= {args.max_num_seqs})", "seconds": t, "output_tok_s": out_tokens / t})
+    print(f"streamkv: {t:.1f}s, {out_tokens / t:.1f} output tok/s", flush=True)
     for bs in [int(x) for x in args.baseline_batch_sizes.split(",")]:
-        t = run_static_batching(hf, requests, bs, tok.pad_token_id or 0)
+        t = run_static_batching(hf, requests, bs, pad_id)
         rows.append({"system": "transformers static", "batch": str(bs), "seconds": t, "output_tok_s": out_tokens / t})
+        print(f"transformers static batch {bs}: {t:.1f}s, {out_tokens / t:.1f} output tok/s", flush=True)
     best_base = max(r["output_tok_s"] for r in rows[1:])
     ratio = rows[0]["output_tok_s"] / best_base
 
-    print(f"\n{len(requests)} ShareGPT requests: {in_tokens} prompt tokens, {out_tokens} output tokens "
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}, {worker.dtype}, {worker.device}); "
+          f"{llm.stats()['num_kv_blocks']} KV blocks")
+    print(f"{len(requests)} ShareGPT requests: {in_tokens} prompt tokens, {out_tokens} output tokens "
           f"(output cap {args.max_output_len}), torch threads {torch.get_num_threads()}")
     print(f"{'system':<22}{'batch':<22}{'seconds':>10}{'out tok/s':>12}")
     for r in rows:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 
 from streamkv.config import EngineConfig
 from streamkv.core.block_manager import BlockManager

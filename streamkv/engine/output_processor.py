@@ -86,7 +86,7 @@ class OutputProcessor:
         top = None
         if params.logprobs is not None:
             top = {token: Logprob(res.logprobs[j])}
-            for rank, (tid, lp) in enumerate((res.top_logprobs or [[]])[j], start=1):
+            for rank, (tid, lp) in enumerate(res.top_logprobs[j] if res.top_logprobs else [], start=1):
                 if tid == token:
                     top[token].rank = rank
                 else:

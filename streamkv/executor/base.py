@@ -17,5 +17,5 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute(self, step: StepInput) -> StepOutput: ...
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> None:  # noqa: B027 - executors without resources need nothing
+        """Release workers and their memory."""

@@ -25,21 +25,15 @@ class CacheEngine:
         device: torch.device,
     ) -> None:
         shape = (num_kv_heads, block_size, head_dim)
-        self.device_cache = [
-            (
-                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=device),
-                torch.zeros((num_device_blocks, *shape), dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
-        pin = device.type == "cuda"
-        self.cpu_cache = [
-            (
-                torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin),
-                torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin),
-            )
-            for _ in range(num_layers)
-        ]
+        # One allocation per pool, [K|V, layer, block, ...], handed out as per-layer views:
+        # the 2 * num_layers planes are evenly strided, so a swap of a run of block ids is a
+        # single 2D copy over all layers (docs/kernels.md), not one memcpy per layer.
+        self.device_pool = torch.zeros((2, num_layers, num_device_blocks, *shape), dtype=dtype, device=device)
+        self.cpu_pool = torch.zeros(
+            (2, num_layers, num_cpu_blocks, *shape), dtype=dtype, pin_memory=device.type == "cuda"
+        )
+        self.device_cache = [(self.device_pool[0, i], self.device_pool[1, i]) for i in range(num_layers)]
+        self.cpu_cache = [(self.cpu_pool[0, i], self.cpu_pool[1, i]) for i in range(num_layers)]
 
     def _flat(self, caches):
         return [k for k, _ in caches] + [v for _, v in caches]

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamkv.core.block_manager import AllocStatus, BlockManager
-from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamkv.sampling_params import SamplingParams
+from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def _check_refcounts(bm: BlockManager) -> None:
