@@ -13,7 +13,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # None: sized from memory (gpu_memory_utilization / CPU RAM)
     swap_space: float = 4.0  # GiB of CPU swap
     num_swap_blocks: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space: float = 2.0  # GiB for the KV pool when the model runs on the CPU
 

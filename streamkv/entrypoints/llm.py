@@ -23,7 +23,7 @@ def engine_config(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
-    enable_prefix_caching: bool = False,
+    enable_prefix_caching: bool = True,
     seed: int = 0,
     load_format: str = "auto",
     gpu_memory_utilization: float = 0.9,
