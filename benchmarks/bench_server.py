@@ -2,7 +2,7 @@
 against the same requests through the offline engine (``LLM.generate``), in the same run,
 plus the server's event-loop lag under that load. Prints a table and writes JSON.
 
-The offline engine runs in this process and the server in a subprocess on 127.0.0.1 (the
+The offline engine and the server each run in a subprocess (the server on 127.0.0.1; the
 clients are httpx streams in this process); offline and server runs alternate for
 ``--rounds`` rounds and the medians are compared, since run-to-run drift is large. Requests are random token-id prompts with ``ignore_eos`` and greedy decoding, so
 both sides produce the same number of tokens (and, greedy, the same tokens).
@@ -161,6 +161,23 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def offline_worker(args) -> int:
+    """``--offline-worker``: load the engine, say the vocabulary size, then run all requests
+    once per line read from stdin, answering one JSON line each."""
+    from streamkv.entrypoints.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    vocab = llm.engine.executor.hf_config["vocab_size"]
+    prompts = make_prompts(vocab, args.num_requests, args.input_len, seed=args.seed or 0)
+    run_offline(llm, prompts[:2], 8)  # warm-up (kernel builds, allocator)
+    print(json.dumps({"vocab": vocab}), flush=True)
+    for _ in sys.stdin:
+        cpu = time.thread_time()
+        t, n = run_offline(llm, prompts, args.output_len)
+        print(json.dumps({"seconds": t, "tokens": n, "cpu_s": time.thread_time() - cpu}), flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="as for `streamkv serve` (default: the embedded model)")
@@ -173,16 +190,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="offline/server pairs; medians are reported")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--json-out", default="bench_results/server.json")
+    ap.add_argument("--offline-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if args.offline_worker:
+        return offline_worker(args)
     import httpx
 
-    from streamkv.entrypoints.llm import LLM
+    # The offline engine runs in a process of its own too, so that each side has one CUDA
+    # context and one process's interpreter, and this process only drives the clients.
+    worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--offline-worker"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    llm = LLM(args.model, **engine_kwargs(args))
-    vocab = llm.engine.executor.hf_config["vocab_size"]
+    def offline_round() -> dict:
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        return json.loads(worker.stdout.readline())
+
+    vocab = json.loads(worker.stdout.readline())["vocab"]
     prompts = make_prompts(vocab, args.num_requests, args.input_len, seed=args.seed or 0)
-    run_offline(llm, prompts[:2], 8)  # warm-up (kernel builds, allocator)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -193,7 +219,8 @@ def main() -> int:
         httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0][:8], "max_tokens": 8}, timeout=600)
         asyncio.run(run_clients(url, prompts[:2], 8))  # warm-up
         for _ in range(args.rounds):
-            t_off, n_off = run_offline(llm, prompts, args.output_len)
+            off = offline_round()
+            t_off, n_off = off["seconds"], off["tokens"]
             before, cpu0 = scrape(url), thread_cpu(proc.pid)
             t_srv, results = asyncio.run(run_clients(url, prompts, args.output_len))
             after, cpu1 = scrape(url), thread_cpu(proc.pid)
@@ -203,7 +230,7 @@ def main() -> int:
             loop_cpu = cpu1.get(proc.pid, 0.0) - cpu0.get(proc.pid, 0.0)
             engine_cpu = max((v - cpu0.get(k, 0.0) for k, v in cpu1.items() if k != proc.pid), default=0.0)
             rounds.append({
-                "offline_s": t_off, "offline_tok_s": n_off / t_off, "server_s": t_srv, "server_tok_s": n_srv / t_srv,
+                "offline_s": t_off, "offline_tok_s": n_off / t_off, "offline_cpu_s": off["cpu_s"], "server_s": t_srv, "server_tok_s": n_srv / t_srv,
                 "lag_p50_ms": histogram_quantile(before, after, 0.5) * 1e3,
                 "lag_p99_ms": histogram_quantile(before, after, 0.99) * 1e3,
                 "loop_cpu_s": loop_cpu, "engine_cpu_s": engine_cpu, "chunks": n_chunks,
@@ -214,10 +241,12 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(30)
+        worker.stdin.close()
+        worker.wait(60)
 
     med = {k: statistics.median(r[k] for r in rounds) for k in
            ("offline_tok_s", "server_tok_s", "lag_p50_ms", "lag_p99_ms", "loop_cpu_s", "engine_cpu_s",
-            "loop_us_per_chunk")}
+            "loop_us_per_chunk", "offline_cpu_s")}
     ratio = med["server_tok_s"] / med["offline_tok_s"]
     ttft = [x for r in rounds for x in r.pop("ttft")]
     itl = [x for r in rounds for x in r.pop("itl")]
@@ -233,7 +262,8 @@ def main() -> int:
     print(f"server / offline (medians) = {ratio:.3f}x; event-loop lag from the server's "
           f"streamkv:event_loop_lag_seconds histogram")
     print(f"server CPU per run (medians): event-loop thread {med['loop_cpu_s']:.2f} s "
-          f"({med['loop_us_per_chunk']:.0f} us per streamed chunk), engine thread {med['engine_cpu_s']:.2f} s")
+          f"({med['loop_us_per_chunk']:.0f} us per streamed chunk), engine thread {med['engine_cpu_s']:.2f} s; "
+          f"offline engine thread {med['offline_cpu_s']:.2f} s")
     print(f"client TTFT p50 {pct(ttft, 0.5) * 1e3:.0f} ms, p99 {pct(ttft, 0.99) * 1e3:.0f} ms; "
           f"inter-chunk p50 {pct(itl, 0.5) * 1e3:.1f} ms, p99 {pct(itl, 0.99) * 1e3:.1f} ms")
     result = {

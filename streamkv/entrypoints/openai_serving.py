@@ -9,12 +9,9 @@ exactly one ``finish_reason``.
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
@@ -34,85 +31,18 @@ from streamkv.entrypoints.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from streamkv.entrypoints.streaming import (
+    DONE,
+    ChoiceState,
+    EventStream,
+    LogprobFormatter,
+    deltas,
+    sse_event,
+    wait_disconnect,
+    watch,
+)
 from streamkv.sampling_params import SamplingParams
-from streamkv.sequence import Logprob, RequestOutput
-
-DONE = b"data: [DONE]\n\n"
-
-
-class EventStream(EventSourceResponse):
-    """sse-starlette wraps every send in an anyio cancel scope for its optional per-send
-    timeout; with no timeout that scope is pure overhead on the hottest path (one per chunk)."""
-
-    async def _send_with_timeout(self, send, message) -> None:
-        if self.send_timeout is None:
-            await send(message)
-        else:
-            await super()._send_with_timeout(send, message)
-
-
-def sse_event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-@dataclass(slots=True)
-class ChoiceState:
-    index: int
-    text_len: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0
-    started: bool = False
-    done: bool = False
-
-
-@dataclass(slots=True)
-class Delta:
-    choice: ChoiceState
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-def deltas(states: list[ChoiceState], prompt_index: int, n: int, out: RequestOutput):
-    """What each choice of ``out`` added since the last call (outputs are cumulative)."""
-    for c in out.outputs:
-        st = states[prompt_index * n + c.index]
-        if st.done:
-            continue
-        text, ids = c.text[st.text_len:], c.token_ids[st.num_tokens:]
-        if not text and not ids and c.finish_reason is None:
-            continue
-        lps = c.logprobs[st.num_tokens:] if c.logprobs is not None else None
-        st.text_len, st.num_tokens, st.done = len(c.text), len(c.token_ids), c.finish_reason is not None
-        yield Delta(st, text, ids, lps, c.finish_reason, c.stop_reason)
-
-
-async def watch(streams: list[RequestStream], notify: asyncio.Event) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, newest output) from several streams sharing one ``notify`` event."""
-    pending = list(range(len(streams)))
-    while pending:
-        progressed = False
-        for i in list(pending):
-            out = streams[i].take()
-            if out is not None:
-                progressed = True
-                yield i, out
-                if out.finished:
-                    pending.remove(i)
-        if pending and not progressed:
-            notify.clear()
-            await notify.wait()
-
-
-async def wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _clamp(lp: float) -> float:
-    return max(lp, -9999.0) if not math.isnan(lp) else -9999.0
+from streamkv.sequence import RequestOutput
 
 
 class OpenAIServing:
@@ -120,7 +50,7 @@ class OpenAIServing:
                  sse_keepalive: float = 15.0) -> None:
         self.engine, self.model_name = engine, model_name
         self.max_queue_len, self.sse_keepalive = max_queue_len, sse_keepalive
-        self._token_text: dict[int, str] = {}
+        self.logprobs = LogprobFormatter(lambda: engine.tokenizer)
 
     # -- admission ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -208,37 +138,6 @@ class OpenAIServing:
         return EventStream(chunks, ping=self.sse_keepalive,
                                    background=BackgroundTask(self.abort_all, streams))
 
-    # -- token text for logprobs ----------------------------------------------------------
-    def token_text(self, tid: int) -> str:
-        text = self._token_text.get(tid)
-        if text is None:
-            tok = self.engine.tokenizer
-            text = tok.decode([tid]) if tok is not None else ""
-            self._token_text[tid] = text
-        return text
-
-    def completion_logprobs(self, st: ChoiceState, token_ids: list[int], lps: list[dict[int, Logprob]]) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, d in zip(token_ids, lps, strict=True):
-            text = self.token_text(tid)
-            tokens.append(text)
-            token_lps.append(_clamp(d[tid].logprob))
-            tops.append({self.token_text(t): _clamp(lp.logprob) for t, lp in d.items()})
-            offsets.append(st.text_offset)
-            st.text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def chat_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
-        def entry(tid: int, lp: float) -> dict:
-            text = self.token_text(tid)
-            return {"token": text, "logprob": _clamp(lp), "bytes": list(text.encode())}
-
-        content = []
-        for tid, d in zip(token_ids, lps, strict=True):
-            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None)[:k]
-            content.append({**entry(tid, d[tid].logprob), "top_logprobs": [entry(t, lp) for _, t, lp in ranked]})
-        return {"content": content}
-
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, request: Request, body: dict) -> Response:
         req = parse_completion(body)
@@ -274,7 +173,7 @@ class OpenAIServing:
         for i, out in enumerate(final):
             for c in out.outputs:
                 num_out += len(c.token_ids)
-                lp = self.completion_logprobs(ChoiceState(0), c.token_ids, c.logprobs) if want_lp else None
+                lp = self.logprobs.completion_logprobs(ChoiceState(0), c.token_ids, c.logprobs) if want_lp else None
                 choices.append({"index": i * n + c.index, "text": (echo[i] if echo else "") + c.text,
                                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         choices.sort(key=lambda c: c["index"])
@@ -295,7 +194,7 @@ class OpenAIServing:
                         text = echo[i] + text
                     d.choice.started = True
                     choice = {"index": d.choice.index, "text": text,
-                              "logprobs": self.completion_logprobs(d.choice, d.token_ids, d.logprobs) if want_lp else None,
+                              "logprobs": self.logprobs.completion_logprobs(d.choice, d.token_ids, d.logprobs) if want_lp else None,
                               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
                     yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
             else:
@@ -333,7 +232,7 @@ class OpenAIServing:
             return Response(status_code=499)
         choices = [
             {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None,
+             "logprobs": self.logprobs.chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for c in final[0].outputs
         ]
@@ -354,7 +253,7 @@ class OpenAIServing:
                     if not d.text and d.finish_reason is None and top is None:
                         continue
                     choice = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
-                              "logprobs": self.chat_logprobs(d.token_ids, d.logprobs, top) if top is not None else None,
+                              "logprobs": self.logprobs.chat_logprobs(d.token_ids, d.logprobs, top) if top is not None else None,
                               "finish_reason": d.finish_reason}
                     if d.finish_reason is not None:
                         choice["stop_reason"] = d.stop_reason

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -202,6 +203,12 @@ async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None
     except EngineDeadError:
         if on_failure is not None:
             on_failure()
+        return
+    # Everything alive now (model, tokenizer, app) lives as long as the server. Freezing it
+    # keeps the cyclic GC from walking it again on every full collection: unfrozen, those
+    # took ~0.1 s each on the engine thread under streaming load (measured on a CPU run).
+    gc.collect()
+    gc.freeze()
 
 
 # -- the CLI ----------------------------------------------------------------------------

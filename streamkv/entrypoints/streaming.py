@@ -1,0 +1,131 @@
+"""The plumbing between engine streams and SSE responses: per-choice deltas from cumulative
+outputs, a wait over several streams at once, and the OpenAI logprobs formats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+
+from streamkv.engine.async_engine import RequestStream
+from streamkv.sequence import Logprob, RequestOutput
+
+DONE = b"data: [DONE]\n\n"
+
+
+class EventStream(EventSourceResponse):
+    """sse-starlette wraps every send in an anyio cancel scope for its optional per-send
+    timeout; with no timeout that scope is pure overhead on the hottest path (one per chunk)."""
+
+    async def _send_with_timeout(self, send, message) -> None:
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
+
+
+def sse_event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    index: int
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Delta:
+    choice: ChoiceState
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+def deltas(states: list[ChoiceState], prompt_index: int, n: int, out: RequestOutput):
+    """What each choice of ``out`` added since the last call (outputs are cumulative)."""
+    for c in out.outputs:
+        st = states[prompt_index * n + c.index]
+        if st.done:
+            continue
+        text, ids = c.text[st.text_len:], c.token_ids[st.num_tokens:]
+        if not text and not ids and c.finish_reason is None:
+            continue
+        lps = c.logprobs[st.num_tokens:] if c.logprobs is not None else None
+        st.text_len, st.num_tokens, st.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+        yield Delta(st, text, ids, lps, c.finish_reason, c.stop_reason)
+
+
+async def watch(streams: list[RequestStream], notify: asyncio.Event) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, newest output) from several streams sharing one ``notify`` event."""
+    pending = list(range(len(streams)))
+    while pending:
+        progressed = False
+        for i in list(pending):
+            out = streams[i].take()
+            if out is not None:
+                progressed = True
+                yield i, out
+                if out.finished:
+                    pending.remove(i)
+        if pending and not progressed:
+            notify.clear()
+            await notify.wait()
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def clamp(lp: float) -> float:
+    return max(lp, -9999.0) if not math.isnan(lp) else -9999.0
+
+
+class LogprobFormatter:
+    """OpenAI's two logprobs shapes; token texts are decoded once per token id and cached."""
+
+    def __init__(self, tokenizer: Callable[[], object]) -> None:
+        self.tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, tid: int) -> str:
+        text = self._token_text.get(tid)
+        if text is None:
+            tok = self.tokenizer()
+            text = tok.decode([tid]) if tok is not None else ""
+            self._token_text[tid] = text
+        return text
+
+    def completion_logprobs(self, st: ChoiceState, token_ids: list[int], lps: list[dict[int, Logprob]]) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, d in zip(token_ids, lps, strict=True):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_lps.append(clamp(d[tid].logprob))
+            tops.append({self.token_text(t): clamp(lp.logprob) for t, lp in d.items()})
+            offsets.append(st.text_offset)
+            st.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
+        def entry(tid: int, lp: float) -> dict:
+            text = self.token_text(tid)
+            return {"token": text, "logprob": clamp(lp), "bytes": list(text.encode())}
+
+        content = []
+        for tid, d in zip(token_ids, lps, strict=True):
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None)[:k]
+            content.append({**entry(tid, d[tid].logprob), "top_logprobs": [entry(t, lp) for _, t, lp in ranked]})
+        return {"content": content}
