@@ -161,9 +161,9 @@ def test_prefix_cache_gives_identical_greedy_outputs_and_hits(make_llm, llm, pro
 
 
 def test_prefix_cache_eviction_under_pressure(make_llm, llm, prompt_ids):
-    cached = make_llm(block_size=8, num_kv_blocks=40, num_swap_blocks=40, enable_prefix_caching=True)
+    cached = make_llm(block_size=8, num_kv_blocks=24, num_swap_blocks=24, enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=12)
-    long_prompts = [p * 6 for p in prompt_ids]  # together more than the pool holds
+    long_prompts = [p * 6 for p in prompt_ids]  # ~8 blocks each: together more than 24
     ref = llm.generate(prompt_token_ids=long_prompts, sampling_params=params)
     for _ in range(2):
         outs = cached.generate(prompt_token_ids=long_prompts, sampling_params=params)
