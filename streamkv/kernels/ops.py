@@ -125,18 +125,15 @@ def paged_attention_prefill(
     bt = block_table[:num_blocks].view(1, -1)
     k = gather_kv(key_cache, bt, num_blocks)[0, :, :context_len]  # [kvh, ctx, hd]
     v = gather_kv(value_cache, bt, num_blocks)[0, :, :context_len]
-    group = num_heads // num_kv_heads
+    gqa = num_heads != num_kv_heads
     q = query.transpose(0, 1).to(k.dtype)  # [H, q_len, hd]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
     if q_len == context_len:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         prefix = context_len - q_len
         rows = torch.arange(q_len, device=query.device)[:, None] + prefix
         cols = torch.arange(context_len, device=query.device)[None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1).to(query.dtype)
 
 

@@ -8,8 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from streamkv.kernels import ops
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[T, H, D] x [T, Hkv, D] causal self-attention (grouped-query aware)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)
 
 
 @dataclass
@@ -64,6 +74,12 @@ class PagedAttention(torch.nn.Module):
                 meta.decode_max_context_len,
             )
         for span in meta.prefills:
+            if span.context_len == span.end - span.start:
+                # A fresh prompt: its K/V are all in hand, no need to read them back.
+                out[span.start : span.end] = _causal_attention(
+                    q[span.start : span.end], k[span.start : span.end], v[span.start : span.end], self.scale
+                )
+                continue
             out[span.start : span.end] = ops.paged_attention_prefill(
                 q[span.start : span.end],
                 key_cache,
