@@ -14,6 +14,7 @@ from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.executor.base import Executor
+from streamkv.models.loader import load_tokenizer
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
 from streamkv.worker.messages import SampleRequest, SeqInput, StepInput, StepOutput
@@ -140,16 +141,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def load_tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as e:
-        logger.warning("no tokenizer in %s (%s): only prompt_token_ids input will work", model_dir, e)
-        return None
 
 
 def eos_ids(tokenizer, hf_config: dict, model_dir) -> set[int]:
