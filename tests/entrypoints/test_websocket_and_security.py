@@ -93,16 +93,16 @@ def test_websocket_handshake_checks_key_and_origin(server):
 
 def test_websocket_chat_matches_http_and_runs_two_at_once(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        expected = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+        expected = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
 
     async def main():
         async with connect(ws_url(server), additional_headers=AUTH) as ws:
-            await ws.send(chat("one", 8))
+            await ws.send(chat("one", 6))
             text, done = await until_done(ws, "one")
             assert text == expected.choices[0].message.content
             assert done["finish_reason"] == "length" and done["usage"] == expected.usage.model_dump(exclude_none=True)
-            await ws.send(chat("a", 8))
-            await ws.send(chat("b", 8))
+            await ws.send(chat("a", 6))
+            await ws.send(chat("b", 6))
             texts, order = {"a": "", "b": ""}, []
             while len([m for m in order if m[1] == "done"]) < 2:
                 msg = json.loads(await ws.recv())
