@@ -289,6 +289,10 @@ class AsyncEngine:
             self.engine, self.tokenizer = engine, engine.tokenizer
             self.info = _engine_info(engine)
             self.stats = engine.stats()
+        except (OSError, ValueError) as e:  # a bad model path or configuration: no traceback
+            logger.error("the engine failed to load: %s", e)
+            self._loop.call_soon_threadsafe(self._on_dead, e)
+            return
         except BaseException as e:
             logger.exception("the engine failed to load")
             self._loop.call_soon_threadsafe(self._on_dead, e)

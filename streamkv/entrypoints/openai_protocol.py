@@ -196,10 +196,12 @@ def _int_list(f: Fields, name: str) -> list[int] | None:
 def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
     n = f.capped("n", 1, MAX_SAMPLES, 1)
     best_of = f.capped("best_of", 1, MAX_SAMPLES)
+    beam = f.get("use_beam_search", "bool", False)
     kwargs = dict(
         n=n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs, stop=_stop(f),
         stop_token_ids=_int_list(f, "stop_token_ids"),
-        temperature=f.get("temperature", "number", 1.0),
+        # Beam search is deterministic: it defaults to (and needs) temperature 0.
+        temperature=f.get("temperature", "number", 0.0 if beam else 1.0),
         top_p=f.get("top_p", "number", 1.0),
         top_k=f.get("top_k", "int", -1),
         min_p=f.get("min_p", "number", 0.0),
@@ -209,7 +211,7 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None, stream: b
         repetition_penalty=f.get("repetition_penalty", "number", 1.0),
         ignore_eos=f.get("ignore_eos", "bool", False),
         min_tokens=f.get("min_tokens", "int", 0),
-        use_beam_search=f.get("use_beam_search", "bool", False),
+        use_beam_search=beam,
         length_penalty=f.get("length_penalty", "number", 1.0),
         skip_special_tokens=f.get("skip_special_tokens", "bool", True),
         include_stop_str_in_output=f.get("include_stop_str_in_output", "bool", False),

@@ -120,6 +120,15 @@ def test_unknown_route_and_method_use_openai_error_shape(client):
     assert client.get("/v1/completions").status_code == 405
 
 
+def test_demo_page_and_assets(client):
+    r = client.get("/")
+    assert r.status_code == 200 and "/v1/chat/ws" not in r.text and "app.js" in r.text
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    js = client.get("/web/app.js")
+    assert js.status_code == 200 and "/v1/chat/ws" in js.text
+    assert client.get("/web/style.css").status_code == 200
+
+
 def test_oversized_headers_get_431(client):
     r = client.get("/v1/models", headers={"x-filler": "y" * 20_000})
     assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"

@@ -85,6 +85,17 @@ def test_logprobs(client):
     assert all(e.top_logprobs[0].token == e.token for e in content)
 
 
+def test_best_of_and_beam_search_return_n_choices(client):
+    for extra in ({"best_of": 3, "temperature": 1.0, "seed": 3}, {"use_beam_search": True, "best_of": 3}):
+        r = client.completions.create(model=MODEL, prompt="The best way to learn is", max_tokens=4, n=2,
+                                      extra_body=extra)
+        assert [c.index for c in r.choices] == [0, 1] and all(c.finish_reason == "length" for c in r.choices)
+        assert r.usage.completion_tokens == 8
+    beams = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2,
+                                           extra_body={"use_beam_search": True, "best_of": 2})
+    assert len(beams.choices) == 2 and beams.choices[0].message.content != beams.choices[1].message.content
+
+
 def test_stop_and_tokenize_roundtrip(server, client):
     r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"])
     assert r.choices[0].finish_reason == "stop" and " 7" not in r.choices[0].text
@@ -121,6 +132,7 @@ BAD_COMPLETIONS = [
     (dict(prompt="hi", stop=[""]), openai.BadRequestError, "stop"),
     (dict(prompt="hi", seed=2**70), openai.BadRequestError, "seed"),
     (dict(prompt="hi", n=2, best_of=3, stream=True), openai.BadRequestError, "best_of"),
+    (dict(prompt="hi", stream=True, extra_body={"use_beam_search": True, "best_of": 2}), openai.BadRequestError, "use_beam_search"),
     (dict(prompt="hi", extra_body={"top_k": 0}), openai.BadRequestError, "top_k"),
     (dict(prompt="hi", extra_body={"frobnicate": 1}), openai.BadRequestError, "frobnicate"),
     (dict(prompt="hi", extra_body={"max_tokens": "ten"}), openai.BadRequestError, "max_tokens"),
