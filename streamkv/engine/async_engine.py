@@ -138,7 +138,10 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stopping = False
         self._streams: dict[str, RequestStream] = {}
-        self._unstarted: set[str] = set()
+        # Admission control: adds not yet applied by the engine thread, and the scheduler's
+        # waiting queue as of the last callback from that thread (both read on the loop).
+        self._pending_adds = 0
+        self._engine_waiting = 0
         self._ready = asyncio.Event()
         self._dead: BaseException | None = None
         self._ready_or_dead: asyncio.Future | None = None
@@ -200,7 +203,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, notify or asyncio.Event(), arrival)
         accepted = self._loop.create_future()
         self._streams[request_id] = stream
-        self._unstarted.add(request_id)
+        self._pending_adds += 1
         self._commands.append(_Add(request_id, prompt, params, prompt_token_ids, arrival, accepted))
         self._wakeup.set()
         try:
@@ -224,20 +227,20 @@ class AsyncEngine:
             obs.on_abort(stream, now)
 
     def _forget(self, request_id: str) -> RequestStream | None:
-        self._unstarted.discard(request_id)
         return self._streams.pop(request_id, None)
 
     @property
     def num_queued(self) -> int:
-        """Requests not started yet: queued here, waiting in the scheduler or in prefill."""
-        return max(len(self._unstarted), self.stats.get("num_waiting", 0))
+        """Requests waiting to be scheduled: queued here or in the scheduler's waiting queue."""
+        return self._pending_adds + self._engine_waiting
 
     async def run_tokenizer(self, fn: Callable, *args, **kwargs):
         self.check_alive()
         return await self._loop.run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
 
     # -- event-loop side of the engine thread -----------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], waiting: int) -> None:
+        self._engine_waiting = waiting
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -245,13 +248,13 @@ class AsyncEngine:
                 continue  # aborted by its reader meanwhile
             if out.finished:
                 self._forget(out.request_id)
-            elif out.outputs and out.outputs[0].token_ids:
-                self._unstarted.discard(out.request_id)
             for obs in self.observers:
                 obs.on_output(stream, out, now)
             stream.put(out)
 
-    def _resolve(self, results: list[tuple[_Add, BaseException | None]]) -> None:
+    def _resolve(self, results: list[tuple[_Add, BaseException | None]], waiting: int) -> None:
+        self._pending_adds -= len(results)
+        self._engine_waiting = waiting
         for add, error in results:
             if add.accepted.done():  # the caller gave up: do not leave the request running
                 if error is None:
@@ -276,7 +279,7 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.fail(dead)
         self._streams.clear()
-        self._unstarted.clear()
+        self._pending_adds = 0
         while self._commands:
             cmd = self._commands.popleft()
             if isinstance(cmd, _Add) and not cmd.accepted.done():
@@ -298,7 +301,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._on_dead, e)
             return
         self._loop.call_soon_threadsafe(self._on_ready, engine)
-        last_stats = time.monotonic()
+        last_stats, last_waiting = time.monotonic(), 0
         try:
             while not self._stopping:
                 self._wakeup.clear()
@@ -308,8 +311,10 @@ class AsyncEngine:
                     self._wakeup.wait()
                     continue
                 outputs = engine.step()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                waiting = len(engine.scheduler.waiting)
+                if outputs or waiting != last_waiting:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs, waiting)
+                    last_waiting = waiting
                 now = time.monotonic()
                 if now - last_stats >= self._stats_interval:
                     self.stats, last_stats = engine.stats(), now
@@ -330,7 +335,7 @@ class AsyncEngine:
             else:
                 engine.abort_request(cmd[1])
         if results:
-            self._loop.call_soon_threadsafe(self._resolve, results)
+            self._loop.call_soon_threadsafe(self._resolve, results, len(engine.scheduler.waiting))
 
 
 def _engine_info(engine: LLMEngine) -> EngineInfo:

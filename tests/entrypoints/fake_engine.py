@@ -43,6 +43,7 @@ class FakeEngine:
             block_size=16, watermark_blocks=0,
             device=SimpleNamespace(num_blocks=num_blocks), cpu=SimpleNamespace(num_blocks=0),
         )
+        self.scheduler = SimpleNamespace(waiting=())
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.steps = 0
