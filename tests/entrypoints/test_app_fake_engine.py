@@ -106,6 +106,21 @@ def test_chat_stream_first_delta_has_role_and_logprobs(client):
     assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
 
 
+def test_echo_multiple_prompts_continuous_usage_and_tokenize(client):
+    r = client.post("/v1/completions", json={"prompt": ["ab", [120, 121]], "max_tokens": 2, "echo": True}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["choices"][0]["text"].startswith("ab") and r["choices"][1]["text"].startswith("xy")
+    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    body = {"prompt": "abc", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events, _ = sse_events(client.post("/v1/completions", json=body).text)
+    usages = [json.loads(e)["usage"]["completion_tokens"] for e in events[:-1]]
+    assert usages == sorted(usages) and usages[-1] == 3
+    t = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert t["count"] == len(t["tokens"]) == len("<user>hi<assistant>")
+    assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+
+
 def test_sse_keepalive_comments_while_waiting():
     with make_client(FakeEngine(step_delay=0.05), sse_keepalive=0.05) as c:
         wait_healthy(c)
