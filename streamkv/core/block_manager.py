@@ -184,19 +184,8 @@ class BlockManager:
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move every running sequence of ``group`` to the CPU pool; returns (device, cpu)."""
-        mapping: dict[int, int] = {}
-        for seq in group.live_seqs(SequenceStatus.RUNNING):
-            cpu_table = []
-            for block in self.tables.pop(seq.seq_id):
-                if block not in mapping:
-                    mapping[block] = self.cpu.allocate()
-                else:
-                    self.cpu.incref(mapping[block])
-                cpu_table.append(mapping[block])
-                self.device.decref(block)
-            self.cpu_tables[seq.seq_id] = cpu_table
-            seq.status = SequenceStatus.SWAPPED
-        return list(mapping.items())
+        return self._move(group, SequenceStatus.RUNNING, SequenceStatus.SWAPPED,
+                          (self.device, self.tables), (self.cpu, self.cpu_tables))
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
         seqs = group.live_seqs(SequenceStatus.SWAPPED)
@@ -205,18 +194,25 @@ class BlockManager:
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Bring a swapped group back to the device pool; returns (cpu, device)."""
+        return self._move(group, SequenceStatus.SWAPPED, SequenceStatus.RUNNING,
+                          (self.cpu, self.cpu_tables), (self.device, self.tables))
+
+    def _move(self, group, from_status, to_status, src, dst) -> list[tuple[int, int]]:
+        """Re-home a group's tables from one pool to the other. A block shared inside the
+        group moves once and stays shared on the other side."""
+        (src_pool, src_tables), (dst_pool, dst_tables) = src, dst
         mapping: dict[int, int] = {}
-        for seq in group.live_seqs(SequenceStatus.SWAPPED):
+        for seq in group.live_seqs(from_status):
             table = []
-            for block in self.cpu_tables.pop(seq.seq_id):
+            for block in src_tables.pop(seq.seq_id):
                 if block not in mapping:
-                    mapping[block] = self.device.allocate()
+                    mapping[block] = dst_pool.allocate()
                 else:
-                    self.device.incref(mapping[block])
+                    dst_pool.incref(mapping[block])
                 table.append(mapping[block])
-                self.cpu.decref(block)
-            self.tables[seq.seq_id] = table
-            seq.status = SequenceStatus.RUNNING
+                src_pool.decref(block)
+            dst_tables[seq.seq_id] = table
+            seq.status = to_status
         return list(mapping.items())
 
     # -- accounting ---------------------------------------------------------------------
