@@ -9,7 +9,7 @@ MODEL ?=
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast serve bench bench-gpu lint clean
+.PHONY: setup test test-fast serve bench bench-sharing lint clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,9 @@ serve: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_throughput.py
+
+bench-sharing: setup
+	$(BIN)/python benchmarks/bench_sharing.py
 
 lint: setup
 	$(BIN)/ruff check streamkv tests benchmarks load_tests
