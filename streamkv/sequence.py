@@ -64,10 +64,8 @@ class Sequence:
     stop_reason: int | str | None = None
     beam_score: float = 0.0  # a finished beam hypothesis's length-penalised score
     # Detokenizer state (see engine/detokenizer.py).
-    tokens_text_offset: int = 0
     prefix_offset: int = -1
     read_offset: int = -1
-    emitted_text_len: int = 0
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -104,10 +102,8 @@ class Sequence:
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             output_text=self.output_text,
-            tokens_text_offset=self.tokens_text_offset,
             prefix_offset=self.prefix_offset,
             read_offset=self.read_offset,
-            emitted_text_len=self.emitted_text_len,
         )
         return child
 
@@ -138,10 +134,6 @@ class SequenceGroup:
     @property
     def finished(self) -> bool:
         return all(s.status.finished for s in self.seqs)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.seqs[0].prompt_token_ids)
 
 
 @dataclass

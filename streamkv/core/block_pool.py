@@ -96,9 +96,6 @@ class BlockPool:
         self._cached[key] = block
         self._block_content[block] = (key, token_ids)
 
-    def is_cached(self, block: int) -> bool:
-        return block in self._block_content
-
     def _uncache(self, block: int) -> None:
         key, _ = self._block_content.pop(block)
         if self._cached.get(key) == block:

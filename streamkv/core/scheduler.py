@@ -100,10 +100,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.token_budget
         num_seqs = 0
-        queue = sorted(self.running, key=lambda g: g.arrival_time)
+        queue = deque(sorted(self.running, key=lambda g: g.arrival_time))
         self.running = []
         while queue:
-            group = queue.pop(0)
+            group = queue.popleft()
             seqs = group.live_seqs(SequenceStatus.RUNNING)
             demands = self._demands(seqs, budget)
             if demands is None or num_seqs + len(seqs) > self.config.max_num_seqs:

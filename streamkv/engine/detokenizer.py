@@ -36,8 +36,7 @@ class Detokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix) :]
             seq.output_text += new
-            seq.prefix_offset = max(seq.read_offset, len(tokens) - _WINDOW)
-            # Re-anchor: the window from the new prefix offset must reproduce the tail text.
+            seq.prefix_offset = seq.read_offset
             seq.read_offset = len(tokens)
             return new
         return ""

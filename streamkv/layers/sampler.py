@@ -8,6 +8,8 @@ Returned logprobs are of the distribution after penalties, before temperature an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from streamkv.worker.messages import SampleRequest, SampleResult
@@ -110,6 +112,4 @@ class Sampler:
 
 
 def _with_sample_index(r: SampleRequest, index: int) -> SampleRequest:
-    from dataclasses import replace
-
     return replace(r, sample_index=index)
