@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+EXECUTOR_BACKENDS = ("inprocess", "mp")
 
 
 @dataclass
@@ -63,6 +64,14 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
+    # None: "inprocess" for tensor_parallel_size 1, "mp" (one process per rank) above it.
+    distributed_executor_backend: str | None = None
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "inprocess" if self.tensor_parallel_size == 1 else "mp"
 
     def verify(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
@@ -71,8 +80,22 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not implemented yet.")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}.")
+        if tp > 1 and self.executor_backend != "mp":
+            raise ValueError(
+                f"tensor_parallel_size {tp} needs one process per rank: use "
+                "distributed_executor_backend='mp' (the default when tensor_parallel_size > 1)."
+            )
+        if tp > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device={self.device!r} names one GPU, but tensor_parallel_size {tp} puts rank r "
+                "on cuda:r: use device='cuda' (pick GPUs with CUDA_VISIBLE_DEVICES)."
+            )
 
 
 @dataclass

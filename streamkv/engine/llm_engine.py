@@ -13,7 +13,7 @@ from streamkv.engine.beam_search import BeamState, beams_to_keep
 from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
-from streamkv.executor.base import Executor
+from streamkv.executor.base import Executor, create_executor
 from streamkv.models.loader import load_tokenizer
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
@@ -26,11 +26,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         config.verify()
         self.config = config
-        if executor is None:
-            from streamkv.executor.inprocess import InProcessExecutor
+        owned = executor is None
+        self.executor = executor = create_executor(config) if owned else executor
+        try:
+            self._setup(config, executor)
+        except BaseException:
+            if owned:  # worker processes must not outlive a failed start
+                executor.shutdown()
+            raise
 
-            executor = InProcessExecutor(config)
-        self.executor = executor
+    def _setup(self, config: EngineConfig, executor: Executor) -> None:
         self.tokenizer = load_tokenizer(executor.model_dir)
         hf = executor.hf_config
         model_max = hf.get("max_position_embeddings") or 2048

@@ -25,6 +25,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--cpu-kv-cache-space", type=float, default=2.0, help="GiB of KV pool on CPU")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many worker processes (GPUs on CUDA)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"],
+                   help="where the model runs: 'inprocess' (a thread of this process) or 'mp' "
+                        "(one process per rank); default inprocess at TP 1, mp above")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,6 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "cpu_kv_cache_space": args.cpu_kv_cache_space,
         "seed": args.seed,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
     }
 
 
@@ -64,6 +71,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with tqdm(total=1, desc="loading model", file=sys.stderr, leave=False) as bar:
         llm = LLM(args.model, **engine_kwargs(args))
         bar.update(1)
+    try:
+        return _stream(llm, args, params)
+    finally:
+        llm.shutdown()
+
+
+def _stream(llm, args: argparse.Namespace, params) -> int:
     engine = llm.engine
     prompt = args.prompt
     if args.chat:

@@ -29,9 +29,13 @@ def engine_config(
     gpu_memory_utilization: float = 0.9,
     cpu_kv_cache_space: float = 2.0,
     tensor_parallel_size: int = 1,
+    distributed_executor_backend: str | None = None,
 ) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model, dtype, device, load_format, seed, max_model_len, tensor_parallel_size),
+        model=ModelConfig(
+            model, dtype, device, load_format, seed, max_model_len, tensor_parallel_size,
+            distributed_executor_backend,
+        ),
         cache=CacheConfig(
             block_size, num_kv_blocks, swap_space, num_swap_blocks, enable_prefix_caching,
             gpu_memory_utilization, cpu_kv_cache_space,
@@ -44,6 +48,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(engine_config(model, **kwargs))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (if any) now, rather than at interpreter exit."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 
+from streamkv.config import EngineConfig
 from streamkv.worker.messages import StepInput, StepOutput
 
 
@@ -19,3 +20,14 @@ class Executor(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - executors without resources need nothing
         """Release workers and their memory."""
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor ``config.model.executor_backend`` names: "inprocess" or "mp"."""
+    if config.model.executor_backend == "mp":
+        from streamkv.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from streamkv.executor.inprocess import InProcessExecutor
+
+    return InProcessExecutor(config)

@@ -21,6 +21,14 @@ class InProcessExecutor(Executor):
     def hf_config(self) -> dict:
         return self.worker.hf_config
 
+    @property
+    def device(self):
+        return self.worker.device
+
+    @property
+    def dtype(self):
+        return self.worker.dtype
+
     def num_available_blocks(self) -> tuple[int, int]:
         return self.worker.num_available_blocks()
 

@@ -36,6 +36,7 @@ class ParallelLinear(nn.Module):
         self.parallel, self.tp_rank, self.tp_size = parallel, tp_rank, tp_size
         self.out_splits = out_splits
         self.gather_output = gather_output
+        self.has_bias = bias  # of the whole layer (a row-parallel bias lives on rank 0 only)
         if parallel == "column":
             if any(o % tp_size for o in out_splits):
                 raise ValueError(f"output sizes {out_splits} do not divide by tp_size {tp_size}")

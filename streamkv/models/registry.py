@@ -53,15 +53,30 @@ def effective_load_format(model_dir: Path, load_format: str) -> str:
 
 
 def init_dummy(model: torch.nn.Module, device: torch.device, seed: int) -> None:
-    """Random N(0, 0.02) weights and biases drawn in place on the device, in the model's
-    dtype; norms keep their constructed ones/zeros so activations stay finite in fp16."""
+    """Random N(0, 0.02) weights and biases drawn on the device, in the model's dtype; norms
+    keep their constructed ones/zeros so activations stay finite in fp16.
+
+    Each logical weight is drawn whole and the rank keeps its shard, so one seed gives the
+    same model at every tensor-parallel size (TP=2 and TP=1 outputs can be compared)."""
     if torch.device(device).type == "meta":
         return
     gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(shape, dtype=like.dtype, device=like.device).normal_(0.0, DUMMY_STD, generator=gen)
+
     for module in model.modules():
-        if isinstance(module, (ParallelLinear, torch.nn.Embedding)):
-            for p in module.parameters(recurse=False):
-                p.data.normal_(0.0, DUMMY_STD, generator=gen)
+        if isinstance(module, torch.nn.Embedding):
+            module.weight.data.normal_(0.0, DUMMY_STD, generator=gen)
+        elif isinstance(module, ParallelLinear):
+            w = module.weight
+            in_full = w.shape[1] * (module.tp_size if module.parallel == "row" else 1)
+            for part, size in enumerate(module.out_splits):
+                module.load_part(part, draw(size, in_full, like=w))
+                if module.has_bias:
+                    # Drawn on every rank (even one without a row-parallel bias) so that
+                    # all ranks' generators stay in step.
+                    module.load_part(part, draw(size, like=w), is_bias=True)
 
 
 def build_model(

@@ -12,10 +12,13 @@ from streamkv.worker.messages import SeqInput, StepOutput
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int = 0, samples: bool = True
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.samples = samples  # False on tensor-parallel ranks other than 0
         self.sampler = Sampler(seed, device)
 
     def _slots(self, s: SeqInput) -> list[int]:
@@ -77,7 +80,13 @@ class ModelRunner:
                 ids.append(s.seq_id)
         if not rows:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        hidden = hidden[torch.tensor(rows, device=self.device)]
+        if not self.samples:
+            # A sharded (untied) lm_head all-gathers its logits: this rank must take part.
+            if self.model.lm_head is not None and self.model.tp_size > 1:
+                self.model.compute_logits(hidden)
+            return out
+        logits = self.model.compute_logits(hidden)
         for seq_id, result in zip(ids, self.sampler(logits, reqs)):
             out.results[seq_id] = result
         return out

@@ -45,6 +45,9 @@ class Worker:
         self.rank = rank
         mc = config.model
         self.device = resolve_device(mc.device)
+        if self.device.type == "cuda" and mc.tensor_parallel_size > 1:
+            self.device = torch.device("cuda", rank)  # one GPU per rank
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.model_dir = resolve_model_dir(mc.model)
         self.hf_config = load_config(self.model_dir)
@@ -54,7 +57,10 @@ class Worker:
             tp_rank=rank, tp_size=mc.tensor_parallel_size, seed=mc.seed,
         )
         self.cache: CacheEngine | None = None
-        self.runner = ModelRunner(self.model, config.cache.block_size, self.device, seed=mc.seed)
+        # Every rank computes the same logits; only rank 0 samples and answers the engine.
+        self.runner = ModelRunner(
+            self.model, config.cache.block_size, self.device, seed=mc.seed, samples=rank == 0
+        )
 
     def block_bytes(self) -> int:
         s = self.model.shape

@@ -1,0 +1,244 @@
+"""One worker process per tensor-parallel rank (any size, 1 included).
+
+The scheduler stays in the engine's process. Each step the executor encodes the StepInput
+once (executor/ipc.py: plain data, block tables as deltas) and writes the same bytes into
+every rank's pipe; the ranks run their shards in lock-step through torch.distributed's
+collectives (gloo on CPU, NCCL on GPU with rank r on cuda:r) and rank 0 alone answers with
+the StepOutput. Ranks other than 0 write to their pipe only to answer a control call or to
+report an error.
+
+At tensor_parallel_size 1 the process holds the whole model: the model's Python and
+kernel-launch work then runs under another GIL, so the server's event loop stays
+responsive while a step runs.
+
+Each rank is a fresh interpreter (``python -m streamkv.executor.rank``, see rank.py for why
+not multiprocessing's spawn) holding one end of a socket pair. Failure handling: a rank
+that raises sends its traceback before it exits; a rank that dies (killed, out of memory,
+a crash in C++) closes its end of the pipe, which every wait for a reply watches. Either
+way the engine gets a WorkerError at once instead of a hang. Once a
+rank failed the executor is dead: every later call raises. Shutdown asks the ranks to
+exit, then terminates and kills what is left, and reaps them all; a finalizer does the same
+if the executor is dropped or the interpreter exits without a shutdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+
+import streamkv
+from streamkv.config import EngineConfig
+from streamkv.executor import ipc
+from streamkv.executor.base import Executor
+from streamkv.models.common import ModelShape
+from streamkv.models.loader import load_config, resolve_model_dir
+from streamkv.models.registry import model_class
+from streamkv.worker.messages import StepInput, StepOutput
+from streamkv.worker.worker import resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or died; the executor serves nothing more."""
+
+
+def verify_tensor_parallel(hf_config: dict, tp: int, device: torch.device) -> None:
+    """Refuse, before any process starts, a tensor-parallel size the model cannot split."""
+    shape = ModelShape.from_config(hf_config)
+    if shape.num_heads % tp or shape.num_kv_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide the model's {shape.num_heads} attention heads "
+            f"and {shape.num_kv_heads} KV heads (every rank holds whole heads; replicating KV "
+            f"heads across ranks is not supported)"
+        )
+    if device.type == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs, but {torch.cuda.device_count()} are visible")
+    try:  # every other sharded dimension (MLP width, an untied lm_head), on no memory at all
+        with torch.device("meta"):
+            model_class(hf_config)(hf_config, shape, tp_rank=0, tp_size=tp, device="meta")
+    except ValueError as e:
+        raise ValueError(f"tensor_parallel_size {tp} does not fit this model: {e}") from None
+
+
+class MultiprocExecutor(Executor):
+    def __init__(
+        self, config: EngineConfig, step_timeout: float | None = 600.0, load_timeout: float | None = None
+    ) -> None:
+        mc = config.model
+        self.tp = mc.tensor_parallel_size
+        self.step_timeout = step_timeout
+        # What the engine reads from an executor, found without loading the model here.
+        self.model_dir = resolve_model_dir(mc.model)  # converts a GGUF once, before the ranks race
+        self.hf_config = load_config(self.model_dir)
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        verify_tensor_parallel(self.hf_config, self.tp, self.device)
+        self._encoder = ipc.StepEncoder()
+        self._dead: str | None = None
+        self._steps, self._roundtrip_s, self._worker_s = 0, 0.0, 0.0
+        self._tmpdir = tempfile.mkdtemp(prefix="streamkv-tp-")
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        # Set up before the first process starts, so that even a failure halfway through
+        # starting them leaves nothing behind; it also runs at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._tmpdir)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        setup = (dataclasses.asdict(config), backend, f"file://{self._tmpdir}/rendezvous",
+                 logging.getLogger().getEffectiveLevel())
+        try:
+            for rank in range(self.tp):
+                self._start(rank, setup)
+            self._gather("ready", load_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d worker process(es) ready (pids %s, %s)", self.tp, self.pids, backend)
+
+    def _start(self, rank: int, setup: tuple) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The ranks import the same streamkv as this process, installed or not.
+        root = str(Path(streamkv.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "streamkv.executor.rank", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env,
+            )
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        self._procs.append(proc)
+        self._conns.append(conn)
+        config_data, backend, init_method, log_level = setup
+        conn.send_bytes(ipc.dumps(("setup", rank, self.tp, config_data, backend, init_method, log_level)))
+
+    # -- the Executor interface -----------------------------------------------------------
+    def num_available_blocks(self) -> tuple[int, int]:
+        self._broadcast(ipc.dumps(("blocks",)))
+        replies = self._gather("blocks", self.step_timeout)
+        # Every rank needs the same block ids, so the smallest pool decides.
+        return min(r[1] for r in replies), min(r[2] for r in replies)
+
+    def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self._broadcast(ipc.dumps(("init_cache", num_device_blocks, num_cpu_blocks)))
+        self._gather("ok", self.step_timeout)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        start = time.perf_counter()
+        self._broadcast(ipc.dumps(self._encoder.encode(step)))
+        (_, results, worker_s), = self._gather("out", self.step_timeout, ranks=[0])
+        out = ipc.decode_output(results)
+        self._steps += 1
+        self._roundtrip_s += time.perf_counter() - start
+        self._worker_s += worker_s
+        return out
+
+    def shutdown(self) -> None:
+        self._dead = self._dead or "the executor was shut down"
+        self._finalizer()
+
+    # -- extras ---------------------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def ipc_stats(self) -> dict:
+        """Mean per-step time in the engine's execute() and in rank 0's Worker.execute();
+        the difference is what the process boundary costs (encode, pipes, decode, wake-ups)."""
+        n = max(self._steps, 1)
+        return {
+            "steps": self._steps,
+            "roundtrip_ms": 1e3 * self._roundtrip_s / n,
+            "worker_ms": 1e3 * self._worker_s / n,
+            "overhead_ms": 1e3 * (self._roundtrip_s - self._worker_s) / n,
+        }
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _broadcast(self, payload: bytes) -> None:
+        if self._dead is not None:
+            raise WorkerError(f"the workers are gone: {self._dead}")
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:  # a broken pipe: that rank is gone
+                self._fail(self._death_message(rank))
+
+    def _gather(self, kind: str, timeout: float | None, ranks: list[int] | None = None) -> list[tuple]:
+        """One reply of ``kind`` from each of ``ranks`` (default all), in rank order; raises
+        WorkerError as soon as any rank reports an error or dies, or at the timeout."""
+        pending = set(range(self.tp) if ranks is None else ranks)
+        replies: dict[int, tuple] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
+            for conn in wait(self._conns, left):
+                rank = self._conns.index(conn)
+                try:
+                    msg = ipc.loads(conn.recv_bytes())
+                except (EOFError, OSError):  # its end of the pipe closed: the process is gone
+                    self._fail(self._death_message(rank))
+                if msg[0] == "error":
+                    self._fail(f"worker rank {rank} failed: {msg[1]}\n--- worker traceback ---\n{msg[2]}")
+                if msg[0] != kind or rank not in pending:
+                    self._fail(f"worker rank {rank} sent {msg[0]!r} while {kind!r} was awaited")
+                replies[rank] = msg
+                pending.discard(rank)
+        return [replies[r] for r in sorted(replies)]
+
+    def _death_message(self, rank: int) -> str:
+        proc = self._procs[rank]
+        try:
+            code = proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return f"worker rank {rank} (pid {proc.pid}) closed its pipe"
+        if code < 0:
+            return f"worker rank {rank} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
+        return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
+
+    def _fail(self, message: str):
+        self._dead = message
+        logger.error("%s; stopping the workers", message.splitlines()[0])
+        self._finalizer()
+        raise WorkerError(message)
+
+
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], tmpdir: str) -> None:
+    """Ask every rank to exit, then terminate and kill what is left, and reap them all."""
+    bye = ipc.dumps(("shutdown",))
+    for conn in conns:
+        try:
+            conn.send_bytes(bye)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:  # e.g. stuck in a collective whose peer died
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(tmpdir, ignore_errors=True)
