@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ENGINE_FLAGS = ("device", "dtype", "load_format", "block_size", "num_kv_blocks", "num_swap_blocks",
-                "max_num_seqs", "max_model_len", "seed")
+                "max_num_seqs", "max_model_len", "seed", "tensor_parallel_size", "distributed_executor_backend")
 
 
 def engine_kwargs(args) -> dict:
@@ -186,7 +186,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     for flag in ENGINE_FLAGS:
         ap.add_argument(f"--{flag.replace('_', '-')}", type=int if flag in (
-            "block_size", "num_kv_blocks", "num_swap_blocks", "max_num_seqs", "max_model_len", "seed") else str)
+            "block_size", "num_kv_blocks", "num_swap_blocks", "max_num_seqs", "max_model_len", "seed",
+            "tensor_parallel_size") else str)
     ap.add_argument("--rounds", type=int, default=3, help="offline/server pairs; medians are reported")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--json-out", default="bench_results/server.json")

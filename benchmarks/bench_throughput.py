@@ -3,6 +3,11 @@
 same ShareGPT requests in the same run. Prints a table and writes JSON.
 
     python benchmarks/bench_throughput.py --num-requests 48 --json-out bench_results/throughput.json
+
+With --compare-executors it compares executors instead: the same requests on the in-process
+executor (TP 1) and on the multiprocess one at --tensor-parallel-size (alternating rounds),
+with the mp executor's per-step IPC overhead (its execute() round trip minus rank 0's time
+in Worker.execute) and whether the greedy outputs are identical.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_streamkv(llm, requests) -> float:
+def run_streamkv(llm, requests, keep: list | None = None) -> float:
     from streamkv import SamplingParams
 
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
@@ -25,7 +30,82 @@ def run_streamkv(llm, requests) -> float:
     elapsed = time.perf_counter() - start
     for r, o in zip(requests, outs):
         assert len(o.outputs[0].token_ids) == r.output_len
+    if keep is not None:
+        keep.extend(list(o.outputs[0].token_ids) for o in outs)
     return elapsed
+
+
+def compare_executors(args, kwargs: dict, requests, out_tokens: int, on_cpu: bool) -> dict:
+    """In-process TP 1 vs mp at args.tensor_parallel_size, best of args.rounds each. On the
+    CPU both engines stay up and the rounds alternate, so that drift in the machine's speed
+    hits both alike; on a GPU each would claim the memory, so they run one after the other."""
+    import gc
+    import statistics
+
+    from streamkv.entrypoints.llm import LLM
+
+    setups = (("inprocess", 1), ("mp", args.tensor_parallel_size))
+    times: dict[str, list[float]] = {b: [] for b, _ in setups}
+    steps: dict[str, list[int]] = {b: [] for b, _ in setups}
+    outputs: dict[str, list] = {b: [] for b, _ in setups}
+    ipc: dict = {}
+
+    def build(backend: str, tp: int):
+        llm = LLM(args.model, **kwargs, tensor_parallel_size=tp, distributed_executor_backend=backend)
+        run_streamkv(llm, requests[:4])  # warm-up
+        return llm
+
+    def timed(backend: str, llm) -> None:
+        before = llm.engine.stats_.steps
+        times[backend].append(run_streamkv(llm, requests, outputs[backend] if not outputs[backend] else None))
+        steps[backend].append(llm.engine.stats_.steps - before)
+        print(f"{backend}: {times[backend][-1]:.2f}s", flush=True)
+
+    def close(backend: str, llm) -> None:
+        if backend == "mp":
+            ipc.update(llm.engine.executor.ipc_stats())
+        llm.shutdown()
+
+    if on_cpu:
+        llms = {b: build(b, tp) for b, tp in setups}
+        for _ in range(args.rounds):
+            for b, _tp in setups:
+                timed(b, llms[b])
+        for b, llm in llms.items():
+            close(b, llm)
+    else:
+        import torch
+
+        for b, tp in setups:
+            llm = build(b, tp)
+            for _ in range(args.rounds):
+                timed(b, llm)
+            close(b, llm)
+            del llm  # an in-process model's memory must be free before the ranks size their pools
+            gc.collect()
+            torch.cuda.empty_cache()
+    rows = []
+    for b, tp in setups:
+        med = statistics.median(times[b])
+        n_steps = steps[b][0]
+        row = {"executor": b, "tp": tp, "seconds": med, "steps": n_steps, "step_ms": 1e3 * med / n_steps,
+               "output_tok_s": out_tokens / med, "all_seconds": times[b]}
+        if b == "mp":
+            row["ipc"] = ipc
+        rows.append(row)
+    same = sum(x == y for x, y in zip(outputs["inprocess"], outputs["mp"]))
+    return {"rows": rows, "identical_outputs": same, "compared_outputs": len(requests),
+            "ratio_mp_vs_inprocess": rows[1]["output_tok_s"] / rows[0]["output_tok_s"]}
+
+
+def print_comparison(result: dict) -> None:
+    print(f"{'executor':<12}{'TP':>4}{'median s':>10}{'steps':>8}{'ms/step':>10}{'out tok/s':>12}{'IPC ms/step':>14}")
+    for r in result["rows"]:
+        ipc = f"{r['ipc']['overhead_ms']:.3f}" if "ipc" in r else "-"
+        print(f"{r['executor']:<12}{r['tp']:>4}{r['seconds']:>10.2f}{r['steps']:>8}{r['step_ms']:>10.2f}"
+              f"{r['output_tok_s']:>12.1f}{ipc:>14}")
+    print(f"mp / inprocess throughput = {result['ratio_mp_vs_inprocess']:.3f}x; greedy outputs identical: "
+          f"{result['identical_outputs']}/{result['compared_outputs']}")
 
 
 def run_static_batching(model, requests, batch_size: int, pad_id: int) -> float:
@@ -69,6 +149,12 @@ def main() -> int:
     ap.add_argument("--workload-file", default=None,
                     help="JSON of [[prompt ids], output len] pairs; written with --save-workload")
     ap.add_argument("--save-workload", default=None, help="sample the ShareGPT workload, save it here, exit")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"],
+                    help="default: inprocess at TP 1, mp above")
+    ap.add_argument("--compare-executors", action="store_true",
+                    help="instead of the transformers baselines: in-process TP 1 vs mp at --tensor-parallel-size")
+    ap.add_argument("--rounds", type=int, default=3, help="--compare-executors: timed runs per executor (median kept)")
     ap.add_argument("--json-out", default="bench_results/throughput.json")
     args = ap.parse_args()
 
@@ -94,17 +180,33 @@ def main() -> int:
         return 0
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     blocks = args.num_kv_blocks or (4096 if on_cpu else None)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks, num_swap_blocks=0,
-              device=args.device, dtype=args.dtype, load_format=args.load_format)
+    kwargs = {"max_num_seqs": args.max_num_seqs, "num_kv_blocks": blocks, "num_swap_blocks": 0,
+              "device": args.device, "dtype": args.dtype, "load_format": args.load_format}
     if args.workload_file:
         with open(args.workload_file) as f:
             requests = [Request(p, min(o, args.max_output_len)) for p, o in json.load(f)][: args.num_requests]
     else:
-        requests = sharegpt_requests(llm.get_tokenizer(), args.num_requests, args.seed,
+        from streamkv.models.loader import load_tokenizer, resolve_model_dir
+
+        tok = load_tokenizer(resolve_model_dir(args.model))
+        requests = sharegpt_requests(tok, args.num_requests, args.seed,
                                      max_prompt=args.max_prompt_len, max_output=args.max_output_len)
     out_tokens = sum(r.output_len for r in requests)
     in_tokens = sum(len(r.prompt_ids) for r in requests)
-    worker = llm.engine.executor.worker
+    if args.compare_executors:
+        result = compare_executors(args, kwargs, requests, out_tokens, on_cpu)
+        print(f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}); {len(requests)} ShareGPT requests: "
+              f"{in_tokens} prompt tokens, {out_tokens} output tokens, torch threads {torch.get_num_threads()}")
+        print_comparison(result)
+        result.update({"args": vars(args), "num_requests": len(requests), "prompt_tokens": in_tokens,
+                       "output_tokens": out_tokens})
+        os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+        return 0
+    llm = LLM(args.model, **kwargs, tensor_parallel_size=args.tensor_parallel_size,
+              distributed_executor_backend=args.distributed_executor_backend)
+    worker = llm.engine.executor  # device and dtype, whichever executor holds the model
     model_dir = str(llm.engine.executor.model_dir)
     if args.load_format == "dummy":
         # The same shape with random weights, built on the device (values do not matter).
@@ -132,7 +234,8 @@ def main() -> int:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     print(f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}, {worker.dtype}, {worker.device}); "
-          f"{llm.stats()['num_kv_blocks']} KV blocks")
+          f"{llm.stats()['num_kv_blocks']} KV blocks; TP {args.tensor_parallel_size}, "
+          f"{llm.engine.config.model.executor_backend} executor")
     print(f"{len(requests)} ShareGPT requests: {in_tokens} prompt tokens, {out_tokens} output tokens "
           f"(output cap {args.max_output_len}), torch threads {torch.get_num_threads()}")
     print(f"{'system':<22}{'batch':<22}{'seconds':>10}{'out tok/s':>12}")
@@ -145,6 +248,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=2)
+    llm.shutdown()
     return 0
 
 
