@@ -11,6 +11,7 @@ import torch
 
 from streamkv import SamplingParams
 from streamkv.entrypoints.llm import LLM
+from streamkv.layers.linear import ParallelLinear
 from streamkv.layers.norm import RMSNorm
 from streamkv.models.common import ModelShape
 from streamkv.models.loader import PRESETS_DIR, load_config, presets, resolve_model_dir
@@ -98,6 +99,34 @@ def test_dummy_weights_of_a_directory_config_are_seeded_and_fill_everything(arch
             assert torch.equal(p, torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p)), name
         else:
             assert bool(torch.isfinite(p).all()) and float(p.abs().max()) > 0, name
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "OPTForCausalLM"])
+def test_dummy_weights_are_the_same_model_at_every_tensor_parallel_size(arch, tmp_path):
+    """Each rank's dummy shard is exactly its slice of the TP=1 dummy model, so TP=2 and
+    TP=1 runs of a preset can be compared token for token."""
+    config = {
+        "architectures": [arch], "model_type": "opt" if arch.startswith("OPT") else "llama",
+        "hidden_size": 64, "intermediate_size": 128, "ffn_dim": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500,
+        "max_position_embeddings": 64, "attention_bias": True, "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    full = build_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", seed=3)
+    full_modules = dict(full.named_modules())
+    for rank in range(2):
+        shard = build_model(tmp_path, torch.float32, torch.device("cpu"), "dummy", tp_rank=rank, tp_size=2, seed=3)
+        for name, module in shard.named_modules():
+            ref = full_modules[name]
+            if isinstance(module, ParallelLinear):
+                parts = ref.weight.split(ref.out_splits)
+                want = torch.cat([module.shard(p, i) for i, p in enumerate(parts)])
+                assert torch.equal(module.weight, want), (rank, name)
+                if module.bias is not None:
+                    parts = ref.bias.split(ref.out_splits)
+                    assert torch.equal(module.bias, torch.cat([module.shard(p, i) for i, p in enumerate(parts)]))
+            elif isinstance(module, torch.nn.Embedding):
+                assert torch.equal(module.weight, ref.weight), (rank, name)
 
 
 def test_preset_refuses_a_weight_format():
