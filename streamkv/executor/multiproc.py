@@ -195,12 +195,25 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):  # its end of the pipe closed: the process is gone
                     self._fail(self._death_message(rank))
                 if msg[0] == "error":
-                    self._fail(f"worker rank {rank} failed: {msg[1]}\n--- worker traceback ---\n{msg[2]}")
+                    failed = f"worker rank {rank} failed: {msg[1]}\n--- worker traceback ---\n{msg[2]}"
+                    cause = self._peer_death(rank)
+                    self._fail(f"{cause}; then {failed}" if cause else failed)
                 if msg[0] != kind or rank not in pending:
                     self._fail(f"worker rank {rank} sent {msg[0]!r} while {kind!r} was awaited")
                 replies[rank] = msg
                 pending.discard(rank)
         return [replies[r] for r in sorted(replies)]
+
+    def _peer_death(self, rank: int) -> str | None:
+        """A rank's error is often a peer's death seen from inside a collective: name the
+        death, the real cause, when another rank's pipe is closed too."""
+        others = [c for r, c in enumerate(self._conns) if r != rank]
+        for conn in wait(others, 0.5):
+            try:
+                conn.recv_bytes()
+            except (EOFError, OSError):
+                return self._death_message(self._conns.index(conn))
+        return None
 
     def _death_message(self, rank: int) -> str:
         proc = self._procs[rank]
