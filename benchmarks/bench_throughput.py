@@ -93,8 +93,12 @@ def compare_executors(args, kwargs: dict, requests, out_tokens: int, on_cpu: boo
         if b == "mp":
             row["ipc"] = ipc
         rows.append(row)
-    same = sum(x == y for x, y in zip(outputs["inprocess"], outputs["mp"]))
+    pairs = list(zip(outputs["inprocess"], outputs["mp"]))
+    same = sum(x == y for x, y in pairs)
+    # Where outputs diverge (e.g. bfloat16 sums in another order), how far they agreed first.
+    prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in pairs)
     return {"rows": rows, "identical_outputs": same, "compared_outputs": len(requests),
+            "agreeing_prefix_fraction": prefix / max(sum(len(x) for x, _ in pairs), 1),
             "ratio_mp_vs_inprocess": rows[1]["output_tok_s"] / rows[0]["output_tok_s"]}
 
 
@@ -105,7 +109,8 @@ def print_comparison(result: dict) -> None:
         print(f"{r['executor']:<12}{r['tp']:>4}{r['seconds']:>10.2f}{r['steps']:>8}{r['step_ms']:>10.2f}"
               f"{r['output_tok_s']:>12.1f}{ipc:>14}")
     print(f"mp / inprocess throughput = {result['ratio_mp_vs_inprocess']:.3f}x; greedy outputs identical: "
-          f"{result['identical_outputs']}/{result['compared_outputs']}")
+          f"{result['identical_outputs']}/{result['compared_outputs']} (tokens before the first "
+          f"divergence: {100 * result['agreeing_prefix_fraction']:.1f}%)")
 
 
 def run_static_batching(model, requests, batch_size: int, pad_id: int) -> float:
@@ -149,6 +154,9 @@ def main() -> int:
     ap.add_argument("--workload-file", default=None,
                     help="JSON of [[prompt ids], output len] pairs; written with --save-workload")
     ap.add_argument("--save-workload", default=None, help="sample the ShareGPT workload, save it here, exit")
+    ap.add_argument("--random-input-len", type=int, default=None,
+                    help="instead of ShareGPT: random token-id prompts of this length, each with "
+                         "--max-output-len output tokens (no tokenizer or data set needed, e.g. for a preset)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"],
                     help="default: inprocess at TP 1, mp above")
@@ -185,6 +193,15 @@ def main() -> int:
     if args.workload_file:
         with open(args.workload_file) as f:
             requests = [Request(p, min(o, args.max_output_len)) for p, o in json.load(f)][: args.num_requests]
+    elif args.random_input_len:
+        import random
+
+        from streamkv.models.loader import load_config, resolve_model_dir
+
+        vocab = load_config(resolve_model_dir(args.model))["vocab_size"]
+        rng = random.Random(args.seed)
+        requests = [Request([rng.randrange(1000, vocab) for _ in range(args.random_input_len)], args.max_output_len)
+                    for _ in range(args.num_requests)]
     else:
         from streamkv.models.loader import load_tokenizer, resolve_model_dir
 
@@ -195,7 +212,7 @@ def main() -> int:
     in_tokens = sum(len(r.prompt_ids) for r in requests)
     if args.compare_executors:
         result = compare_executors(args, kwargs, requests, out_tokens, on_cpu)
-        print(f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}); {len(requests)} ShareGPT requests: "
+        print(f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}, {args.dtype}); {len(requests)} requests: "
               f"{in_tokens} prompt tokens, {out_tokens} output tokens, torch threads {torch.get_num_threads()}")
         print_comparison(result)
         result.update({"args": vars(args), "num_requests": len(requests), "prompt_tokens": in_tokens,
