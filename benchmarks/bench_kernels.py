@@ -34,6 +34,7 @@ HEAD, Q_HEADS, KV_HEADS, BLOCK = 128, 32, 8, 16
 DTYPE = torch.bfloat16
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs until one timed replay touches this much
 SWEEP_STAGES = (0, 2, 3, 4)
+KERNELS = ("tensor_core", "cuda_core")
 
 
 def gpu_time_ms(fn: Callable[[], object], iters: int, graph: bool = True) -> float:
@@ -133,34 +134,47 @@ def checks() -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     limits = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-    for dtype, group, partition, stages in [(torch.bfloat16, 4, 512, st) for st in SWEEP_STAGES] + [
-        (torch.bfloat16, 4, None, cuda_ops.DECODE_STAGES),
-        (torch.bfloat16, 8, 128, cuda_ops.DECODE_STAGES),
-        (torch.float16, 1, 256, cuda_ops.DECODE_STAGES),
-        (torch.float32, 4, 512, cuda_ops.DECODE_STAGES),
-        (torch.bfloat16, 4, 128, cuda_ops.DECODE_STAGES),
-    ]:
+    cases = [(torch.bfloat16, 4, 512, st, "cuda_core", True) for st in SWEEP_STAGES]
+    for kernel in KERNELS:
+        for fused in (True, False):
+            cases += [
+                (torch.bfloat16, 4, None, cuda_ops.DECODE_STAGES, kernel, fused),
+                (torch.bfloat16, 8, 128, cuda_ops.DECODE_STAGES, kernel, fused),
+                (torch.float16, 1, 256, cuda_ops.DECODE_STAGES, kernel, fused),
+                (torch.bfloat16, 4, 128, cuda_ops.DECODE_STAGES, kernel, fused),
+            ]
+    cases.append((torch.float32, 4, 512, cuda_ops.DECODE_STAGES, "cuda_core", True))
+    for dtype, group, partition, stages, kernel, fused in cases:
         ctx = [1, 127, 128, 129, 513, 1500, 4100, 37]
         q, k, v, bt, lens = paged_inputs(len(ctx), ctx, gen, dtype, group, extra=1000)
         out = torch.full_like(q, math.nan)
+        name = (
+            f"decode {kernel} {dtype} group {group} partition {partition} stages {stages} "
+            f"fused {fused}"
+        )
         try:
             cuda_ops.paged_attention_decode(
-                q, k, v, bt, lens, HEAD**-0.5, max(ctx), partition, out=out, stages=stages
+                q,
+                k,
+                v,
+                bt,
+                lens,
+                HEAD**-0.5,
+                max(ctx),
+                partition,
+                out=out,
+                stages=stages,
+                fused_merge=fused,
+                kernel=kernel,
             )
         except Exception as e:
-            results.append({"check": f"decode stages {stages}", "ok": False, "error": str(e)})
+            results.append({"check": name, "ok": False, "error": str(e)})
             continue
         ref = ops.paged_attention_decode_ref(
             q.double(), k.double(), v.double(), bt, lens, HEAD**-0.5
         )
         err = rel_err(out, ref)
-        results.append(
-            {
-                "check": f"decode {dtype} group {group} partition {partition} stages {stages}",
-                "rel_err": err,
-                "ok": err <= limits[dtype],
-            }
-        )
+        results.append({"check": name, "rel_err": err, "ok": err <= limits[dtype]})
     # reshape_and_cache, copy_blocks, swap: exact copies.
     q, k, v, bt, lens = paged_inputs(4, [100, 200, 300, 50], gen, extra=500)
     slots = torch.randperm(k.shape[0] * BLOCK, device="cuda", generator=gen)[:333]
@@ -229,37 +243,87 @@ def sdpa_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     }
 
 
-def bench_attention(batch: int, ctx: int, iters: int, copy_gbs: float, sweep: bool) -> dict:
+def bench_attention(
+    batch: int, ctx: int, iters: int, copy_gbs: float, sweep: bool, group: int = Q_HEADS // KV_HEADS
+) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 100003 + ctx)
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD * 2
-    io_bytes = kv_bytes + 2 * batch * Q_HEADS * HEAD * 2
+    io_bytes = kv_bytes + 2 * batch * KV_HEADS * group * HEAD * 2
     sets = max(1, min(32, -(-L2_ROTATE_BYTES // kv_bytes)))
     scale = HEAD**-0.5
-    inputs = [paged_inputs(batch, [ctx] * batch, gen) for _ in range(sets)]
-    row: dict = {"batch": batch, "context": ctx, "bytes": io_bytes, "rotated_sets": sets}
+    inputs = [paged_inputs(batch, [ctx] * batch, gen, group=group) for _ in range(sets)]
+    row: dict = {
+        "batch": batch,
+        "context": ctx,
+        "q_heads": KV_HEADS * group,
+        "bytes": io_bytes,
+        "rotated_sets": sets,
+    }
 
-    def ours(partition=None, stages=cuda_ops.DECODE_STAGES, fused=cuda_ops.FUSED_MERGE):
+    def ours(
+        partition=None,
+        stages=cuda_ops.DECODE_STAGES,
+        fused=cuda_ops.FUSED_MERGE,
+        kernel=cuda_ops.DECODE_KERNEL,
+        warp_softmax=None,
+    ):
         return lambda: [
             cuda_ops.paged_attention_decode(
-                q, k, v, bt, lens, scale, ctx, partition, stages=stages, fused_merge=fused
+                q,
+                k,
+                v,
+                bt,
+                lens,
+                scale,
+                ctx,
+                partition,
+                stages=stages,
+                fused_merge=fused,
+                kernel=kernel,
+                warp_softmax=warp_softmax,
             )
             for q, k, v, bt, lens in inputs
         ]
 
-    ms = gpu_time_ms(ours(), iters) / sets
+    # The default configuration three times over the row's other timings, median reported:
+    # single measurements of one configuration drifted by up to ~10% within a run.
+    ms = statistics.median(gpu_time_ms(ours(), iters) for _ in range(3)) / sets
     row.update(ours_us=ms * 1e3, ours_gbs=io_bytes / ms / 1e6)
     row["ours_eager_us"] = gpu_time_ms(ours(), iters, graph=False) / sets * 1e3
-    if sweep:  # every ring depth x partition size (None: the automatic choice)
+    if sweep:  # kernel x merge x partition size (None: the automatic choice), ring depths
         row["sweep_us"] = {}
-        for st in SWEEP_STAGES:
-            for p in (None, *cuda_ops.PARTITION_SIZES):
-                try:
-                    us = gpu_time_ms(ours(p, st), iters) / sets * 1e3
-                except Exception as e:  # keep measuring the rest
-                    us = f"error: {e}"
-                row["sweep_us"][f"stages {st} partition {p}"] = us
-        merge = gpu_time_ms(ours(fused=not cuda_ops.FUSED_MERGE), iters) / sets * 1e3
-        row["sweep_us"][f"default, fused merge {not cuda_ops.FUSED_MERGE}"] = merge
+
+        def measure(label: str, **kw) -> None:
+            try:
+                row["sweep_us"][label] = gpu_time_ms(ours(**kw), iters) / sets * 1e3
+            except Exception as e:  # keep measuring the rest
+                row["sweep_us"][label] = f"error: {e}"
+
+        for kernel in KERNELS:
+            for fused in (False, True):
+                for p in (None, *cuda_ops.PARTITION_SIZES):
+                    if p is not None and p > 2 * ctx:
+                        continue  # one partition already holds the context
+                    measure(
+                        f"{kernel} fused {fused} partition {p}",
+                        partition=p,
+                        fused=fused,
+                        kernel=kernel,
+                    )
+        measure("cuda_core fused False partition None stages 0", stages=0, kernel="cuda_core")
+        for p in (None, 512):
+            measure(
+                f"tensor_core warp softmax {not cuda_ops.TC_WARP_SOFTMAX} partition {p}",
+                partition=p,
+                kernel="tensor_core",
+                warp_softmax=not cuda_ops.TC_WARP_SOFTMAX,
+            )
+        best = min((v, k) for k, v in row["sweep_us"].items() if isinstance(v, float))
+        row["sweep_best"] = {
+            "config": best[1],
+            "us": best[0],
+            "of_copy_bw": io_bytes / best[0] / 1e3 / copy_gbs,
+        }
 
     # SDPA on contiguous copies of exactly the same K/V.
     contiguous = []
@@ -444,6 +508,39 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
         print("  ".join(cells))
 
 
+def print_attention_tables(rows: list[dict], gpu: str, copy_gbs: float) -> None:
+    print(
+        f"\nDecode attention, {DTYPE}, head {HEAD}, {KV_HEADS} KV heads, block {BLOCK}, "
+        f"{gpu}; copy {copy_gbs:.0f} GB/s; defaults: {cuda_ops.DECODE_KERNEL}, "
+        f"fused merge {cuda_ops.FUSED_MERGE}, ring {cuda_ops.DECODE_STAGES}"
+    )
+    for r in rows:
+        best = r.get("sweep_best")
+        if best:
+            r["best_config"], r["best_us"], r["best_of_copy"] = (
+                best["config"],
+                best["us"],
+                best["of_copy_bw"],
+            )
+    print_table(
+        rows,
+        [
+            ("batch", "batch", "d"),
+            ("context", "context", "d"),
+            ("q_heads", "q heads", "d"),
+            ("ours_us", "ours us", ".1f"),
+            ("ours_gbs", "GB/s", ".0f"),
+            ("of_copy_bw", "of copy", ".2f"),
+            ("sdpa_us", "sdpa us", ".1f"),
+            ("vs_sdpa", "ours/sdpa", ".3f"),
+            ("ours_eager_us", "eager us", ".1f"),
+            ("best_us", "best us", ".1f"),
+            ("best_of_copy", "best of copy", ".2f"),
+            ("best_config", "best config", "s"),
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -454,6 +551,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=30, help="timed replays per measurement")
     p.add_argument("--no-sweep", action="store_true", help="skip the partition-size sweep")
     p.add_argument("--skip-checks", action="store_true")
+    p.add_argument(
+        "--other-groups",
+        type=int,
+        nargs="*",
+        default=[1, 2, 8],
+        help="GQA ratios besides 4 timed (with the kernel sweep) at batch 64/256, context 1k/4k",
+    )
+    p.add_argument(
+        "--only-attention", action="store_true", help="skip the cache-op and swap timings"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -483,21 +590,31 @@ def main(argv: list[str] | None = None) -> int:
     report["copy_gbs"] = copy_gbs
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
 
-    rows = []
-    for batch in args.batches:
-        for ctx in args.contexts:
+    def time_rows(key: str, points, group: int = Q_HEADS // KV_HEADS) -> list[dict]:
+        rows = []
+        for batch, ctx in points:
             try:
-                row = bench_attention(batch, ctx, args.iters, copy_gbs, not args.no_sweep)
+                row = bench_attention(batch, ctx, args.iters, copy_gbs, not args.no_sweep, group)
             except Exception as e:  # out of memory, or a failure: keep the other sizes
                 row = {"batch": batch, "context": ctx, "skipped": f"{type(e).__name__}: {e}"}
-                torch.cuda.empty_cache()
             rows.append(row)
-            report["attention"] = rows
+            report[key] = rows
             save()
             torch.cuda.empty_cache()
             print(json.dumps(row))
             sys.stdout.flush()
-    report["attention"] = rows
+        return rows
+
+    rows = time_rows("attention", [(b, c) for b in args.batches for c in args.contexts])
+    other = []
+    for group in args.other_groups:
+        points = ((64, 1024), (64, 4096), (256, 1024), (256, 4096))
+        other += time_rows(f"attention_group_{group}", points, group)
+    report["attention_other_groups"] = other
+    if args.only_attention:
+        save()
+        print_attention_tables(rows + other, props.name, copy_gbs)
+        return 0
     report["reduce_alone"] = [
         bench_reduce_alone(b, c, 512, args.iters) for b, c in ((64, 1024), (256, 4096))
     ]
@@ -512,23 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     report["swap"] = bench_swap(32, 256, 5)
     save()
 
-    print(
-        f"\nDecode attention, {DTYPE}, head {HEAD}, {Q_HEADS}q/{KV_HEADS}kv heads, block {BLOCK}, "
-        f"{props.name}; copy {copy_gbs:.0f} GB/s"
-    )
-    print_table(
-        rows,
-        [
-            ("batch", "batch", "d"),
-            ("context", "context", "d"),
-            ("ours_us", "ours us", ".1f"),
-            ("ours_gbs", "GB/s", ".0f"),
-            ("of_copy_bw", "of copy", ".2f"),
-            ("sdpa_us", "sdpa us", ".1f"),
-            ("vs_sdpa", "ours/sdpa", ".3f"),
-            ("ours_eager_us", "eager us", ".1f"),
-        ],
-    )
+    print_attention_tables(rows + other, props.name, copy_gbs)
     print("\nCache ops")
     print_table(
         report["cache_ops"] + report["swap"],

@@ -18,7 +18,7 @@ namespace streamkv {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxPartition = 512;
+constexpr int kMaxPartition = 1024;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kNegInf = -3.402823466e38f;  // -FLT_MAX: finite, so exp(x - max) never sees inf - inf
 
@@ -79,10 +79,15 @@ struct RowStream {
     return base + (t < n_tok ? (long long)blk[t / BLOCK] * blk_stride : 0) + (t % BLOCK) * HEAD;
   }
 
+  // This thread's slots of iteration `it`: vector (u, j) is slot[(u * NVT + j) * kThreads].
+  __device__ __forceinline__ uint4* slot(int it) const {
+    return ring + (it % STAGES) * (R::UNROLL * R::NVT * kThreads) + threadIdx.x;
+  }
+
   __device__ __forceinline__ void issue(int it) const {
     if constexpr (STAGES > 0) {
       if (it < n_iter) {
-        uint4* slot = ring + (it % STAGES) * (R::UNROLL * R::NVT * kThreads) + threadIdx.x;
+        uint4* slot = this->slot(it);
 #pragma unroll
         for (int u = 0; u < R::UNROLL; ++u) {
           const int t = it * R::STEP + u * R::NG + grp;
@@ -108,7 +113,7 @@ struct RowStream {
     if constexpr (STAGES > 0) {
       issue(it + STAGES - 1);
       cp_async_wait<STAGES - 1>();
-      const uint4* slot = ring + (it % STAGES) * (R::UNROLL * R::NVT * kThreads) + threadIdx.x;
+      const uint4* slot = this->slot(it);
 #pragma unroll
       for (int u = 0; u < R::UNROLL; ++u)
 #pragma unroll
@@ -198,6 +203,159 @@ __device__ __forceinline__ float block_reduce_sum(float v, float (*red)[GPAD], i
   return v;
 }
 
+// Where a decode CTA works: its sequence, KV head, query heads and slice of the context.
+template <int GPAD>
+struct PartitionWork {
+  int part, kvh, seq, num_heads, head0, n_heads, ctx, start, n_tok;
+
+  __device__ __forceinline__ PartitionWork(const int* context_lens, int num_kv_heads,
+                                           int group_size, int partition_size) {
+    part = blockIdx.x;
+    const int chunks = (group_size + GPAD - 1) / GPAD;
+    kvh = blockIdx.y / chunks;
+    const int chunk = blockIdx.y - kvh * chunks;
+    seq = blockIdx.z;
+    num_heads = num_kv_heads * group_size;
+    head0 = kvh * group_size + chunk * GPAD;
+    n_heads = min(GPAD, group_size - chunk * GPAD);
+    ctx = context_lens[seq];
+    start = part * partition_size;
+    n_tok = min(partition_size, ctx - start);
+  }
+
+  // True when the partition starts past the context, so the CTA has nothing to do. An empty
+  // context (a padded batch slot) gets zeros rather than garbage from its first CTA.
+  template <typename T, int HEAD>
+  __device__ __forceinline__ bool idle(T* out, int max_partitions,
+                                       const int* merge_counters) const {
+    if (start < ctx) return false;
+    if (ctx <= 0 && part == 0 && (max_partitions == 1 || merge_counters != nullptr)) {
+      for (int i = threadIdx.x; i < n_heads * HEAD; i += kThreads)
+        out[((long long)seq * num_heads + head0) * HEAD + i] = Traits<T>::from_float(0.f);
+    }
+    return true;
+  }
+
+  // The partition's block ids into shared memory (the caller synchronises).
+  template <int BLOCK>
+  __device__ __forceinline__ void load_blocks(int* blk_s, const int* block_tables,
+                                              int block_table_stride) const {
+    const int* bt = block_tables + (long long)seq * block_table_stride + start / BLOCK;
+    for (int i = threadIdx.x; i < (n_tok + BLOCK - 1) / BLOCK; i += kThreads) blk_s[i] = bt[i];
+  }
+};
+
+// Softmax over a partition's logits[t * stride + h] (t < n_tok, h < GPAD) in place, leaving
+// unnormalised exp(x - max) and the per-head max and sum in max_s / sum_s; thread tid works
+// on head tid % GPAD. Its last barrier publishes the probabilities to the whole CTA.
+template <int GPAD>
+__device__ __forceinline__ void cta_softmax(float* logits, int stride, int n_tok,
+                                            float (*red_max)[GPAD], float (*red_sum)[GPAD],
+                                            float* max_s, float* sum_s) {
+  const int tid = threadIdx.x, h = tid % GPAD;
+  float m = kNegInf;
+  for (int t = tid / GPAD; t < n_tok; t += kThreads / GPAD) m = fmaxf(m, logits[t * stride + h]);
+  m = block_reduce_max<GPAD>(m, red_max, h);
+  float s = 0.f;
+  for (int t = tid / GPAD; t < n_tok; t += kThreads / GPAD) {
+    const float p = expf(logits[t * stride + h] - m);
+    logits[t * stride + h] = p;
+    s += p;
+  }
+  s = block_reduce_sum<GPAD>(s, red_sum, h);
+  if (tid < GPAD) {
+    max_s[tid] = m;
+    sum_s[tid] = s;
+  }
+}
+
+// The end of a partition, shared by both decode kernels. outs[w][g][d] holds warp w's sum of
+// p * v for head g (scaled by wscale[w][g] when given), sum_s / max_s the partition's softmax
+// denominator and max per head. A single-partition sequence writes its output directly;
+// otherwise the partition stores its normalised output, max and sum for the merge, which the
+// last CTA of the (sequence, kv head) to finish performs itself when merge_counters is given.
+template <typename T, int HEAD, int GPAD>
+__device__ __forceinline__ void finish_partition(
+    const float* outs, const float (*wscale)[GPAD], const float* max_s, const float* sum_s,
+    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
+    float* __restrict__ part_sum, int* __restrict__ merge_counters, int seq, int num_heads,
+    int head0, int n_heads, int part, int ctx, int partition_size, int max_partitions) {
+  using Tr = Traits<T>;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // With merge counters a sequence that fits one partition skips the partials altogether.
+  const int n_parts = (ctx + partition_size - 1) / partition_size;
+  const bool direct = max_partitions == 1 || (merge_counters != nullptr && n_parts == 1);
+  for (int i = tid; i < n_heads * HEAD; i += kThreads) {
+    const int g = i / HEAD, d = i - g * HEAD;
+    float v = 0.f;
+    if (wscale == nullptr) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += outs[(w * GPAD + g) * HEAD + d];
+    } else {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v = fmaf(wscale[w][g], outs[(w * GPAD + g) * HEAD + d], v);
+    }
+    v /= sum_s[g];
+    const long long row = (long long)seq * num_heads + head0 + g;
+    if (direct) {
+      out[row * HEAD + d] = Tr::from_float(v);
+    } else {
+      part_out[(row * max_partitions + part) * HEAD + d] = v;
+    }
+  }
+  if (direct) return;
+  if (tid < n_heads) {
+    const long long idx = ((long long)seq * num_heads + head0 + tid) * max_partitions + part;
+    part_max[idx] = max_s[tid];
+    part_sum[idx] = sum_s[tid];
+  }
+  if (merge_counters == nullptr) return;  // paged_attention_reduce_kernel merges
+
+  // Fused merge: the last CTA of a (sequence, kv head) to finish merges its partitions, so
+  // no second launch and no tail of tiny merge CTAs. Each thread fences its partials before
+  // the CTA is counted; the merging CTA reads them from L2 (ld.cg), never a stale L1 line.
+  __shared__ int last_s;
+  __shared__ float gmax_s[GPAD], ginv_s[GPAD];
+  __threadfence();
+  __syncthreads();
+  int* counter = merge_counters + (long long)seq * gridDim.y + blockIdx.y;
+  if (tid == 0) last_s = atomicAdd(counter, 1) == n_parts - 1;
+  __syncthreads();
+  if (!last_s) return;
+  if (tid == 0) *counter = 0;  // every CTA of the column has counted: ready for the next launch
+  __threadfence();
+  for (int g = warp; g < n_heads; g += kWarps) {  // one warp per head: max and denominator
+    const long long row = (long long)seq * num_heads + head0 + g;
+    const float* pm = part_max + row * max_partitions;
+    const float* ps = part_sum + row * max_partitions;
+    float m = kNegInf;
+    for (int p = lane; p < n_parts; p += 32) m = fmaxf(m, __ldcg(pm + p));
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    float w = 0.f;
+    for (int p = lane; p < n_parts; p += 32) w += __ldcg(ps + p) * expf(__ldcg(pm + p) - m);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) w += __shfl_xor_sync(kFullMask, w, o);
+    if (lane == 0) {
+      gmax_s[g] = m;
+      ginv_s[g] = 1.f / w;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < n_heads * HEAD; i += kThreads) {
+    const int g = i / HEAD, d = i - g * HEAD;
+    const long long row = (long long)seq * num_heads + head0 + g;
+    const float* pm = part_max + row * max_partitions;
+    const float* ps = part_sum + row * max_partitions;
+    const float* po = part_out + row * max_partitions * HEAD + d;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int p = 0; p < n_parts; ++p)
+      acc = fmaf(__ldcg(ps + p) * expf(__ldcg(pm + p) - gmax_s[g]), __ldcg(po + p * HEAD), acc);
+    out[row * HEAD + d] = Tr::from_float(acc * ginv_s[g]);
+  }
+}
+
 // Dynamic shared memory: the ring (RowShape::RING uint4) then max(partition_size,
 // kWarps * HEAD) * GPAD floats for the logits and later the output sums (the host computes it).
 template <typename T, int HEAD, int BLOCK, int GPAD, int STAGES>
@@ -206,7 +364,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     float* __restrict__ part_out,     // [seqs, heads, max_partitions, HEAD]
     float* __restrict__ part_max,     // [seqs, heads, max_partitions]
     float* __restrict__ part_sum,     // [seqs, heads, max_partitions]
-    int* __restrict__ merge_counters,  // [seqs, gridDim.y] zeros (fused merge), or null
+    int* __restrict__ merge_counters,  // [seqs, gridDim.y] zeros (fused merge), or null;
+                                      // left at zero again by the merging CTAs
     const T* __restrict__ query,      // [seqs, heads, HEAD], seq stride q_stride
     const T* __restrict__ key_cache, const T* __restrict__ value_cache,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
@@ -226,30 +385,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
   __shared__ float max_s[GPAD];
   __shared__ float sum_s[GPAD];
 
-  const int part = blockIdx.x;
-  const int chunks = (group_size + GPAD - 1) / GPAD;
-  const int kvh = blockIdx.y / chunks;
-  const int chunk = blockIdx.y - kvh * chunks;
-  const int seq = blockIdx.z;
-  const int num_heads = num_kv_heads * group_size;
-  const int head0 = kvh * group_size + chunk * GPAD;
-  const int n_heads = min(GPAD, group_size - chunk * GPAD);
-  const int ctx = context_lens[seq];
-  const int start = part * partition_size;
+  const PartitionWork<GPAD> w(context_lens, num_kv_heads, group_size, partition_size);
+  if (w.template idle<T, HEAD>(out, max_partitions, merge_counters)) return;
+  const int part = w.part, kvh = w.kvh, seq = w.seq, num_heads = w.num_heads;
+  const int head0 = w.head0, n_heads = w.n_heads, ctx = w.ctx, n_tok = w.n_tok;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  if (start >= ctx) {
-    // An empty context (a padded batch slot) gets zeros rather than garbage.
-    if (ctx <= 0 && part == 0 && (max_partitions == 1 || merge_counters != nullptr)) {
-      for (int i = tid; i < n_heads * HEAD; i += kThreads)
-        out[((long long)seq * num_heads + head0) * HEAD + i] = Tr::from_float(0.f);
-    }
-    return;
-  }
-  const int n_tok = min(partition_size, ctx - start);
-  const int n_blk = (n_tok + BLOCK - 1) / BLOCK;
-  const int* bt = block_tables + (long long)seq * block_table_stride + start / BLOCK;
-  for (int i = tid; i < n_blk; i += kThreads) blk_s[i] = bt[i];
+  w.template load_blocks<BLOCK>(blk_s, block_tables, block_table_stride);
 
   const int lg = tid % R::TG;  // this thread's vectors in a row: lg, lg + TG, ...
   const int grp = tid / R::TG;  // token group
@@ -320,24 +461,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
   values.start();
   __syncthreads();
 
-  // Softmax over the partition, per head; thread tid works on head tid % GPAD.
-  {
-    const int h = tid % GPAD;
-    float m = kNegInf;
-    for (int t = tid / GPAD; t < n_tok; t += kThreads / GPAD) m = fmaxf(m, logits[t * GPAD + h]);
-    m = block_reduce_max<GPAD>(m, red_max, h);
-    float s = 0.f;
-    for (int t = tid / GPAD; t < n_tok; t += kThreads / GPAD) {
-      const float p = expf(logits[t * GPAD + h] - m);
-      logits[t * GPAD + h] = p;
-      s += p;
-    }
-    s = block_reduce_sum<GPAD>(s, red_sum, h);  // its barrier also publishes the p's
-    if (tid < GPAD) {
-      max_s[tid] = m;
-      sum_s[tid] = s;
-    }
-  }
+  cta_softmax<GPAD>(logits, GPAD, n_tok, red_max, red_sum, max_s, sum_s);
 
   // Pass 2: unnormalised p.v, each thread owning vectors lg, lg + TG, ... of the row.
   float acc[GPAD][R::NVT][R::VEC];
@@ -399,71 +523,270 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
   }
   __syncthreads();
 
-  // With merge counters a sequence that fits one partition skips the partials altogether.
-  const int n_parts = (ctx + partition_size - 1) / partition_size;
-  const bool direct = max_partitions == 1 || (merge_counters != nullptr && n_parts == 1);
-  for (int i = tid; i < n_heads * HEAD; i += kThreads) {
-    const int g = i / HEAD, d = i - g * HEAD;
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) v += outs[(w * GPAD + g) * HEAD + d];
-    v /= sum_s[g];
-    const long long row = (long long)seq * num_heads + head0 + g;
-    if (direct) {
-      out[row * HEAD + d] = Tr::from_float(v);
-    } else {
-      part_out[(row * max_partitions + part) * HEAD + d] = v;
-    }
-  }
-  if (direct) return;
-  if (tid < n_heads) {
-    const long long idx = ((long long)seq * num_heads + head0 + tid) * max_partitions + part;
-    part_max[idx] = max_s[tid];
-    part_sum[idx] = sum_s[tid];
-  }
-  if (merge_counters == nullptr) return;  // paged_attention_reduce_kernel merges
+  finish_partition<T, HEAD, GPAD>(outs, nullptr, max_s, sum_s, out, part_out, part_max, part_sum,
+                                  merge_counters, seq, num_heads, head0, n_heads, part, ctx,
+                                  partition_size, max_partitions);
+}
 
-  // Fused merge: the last CTA of a (sequence, kv head) to finish merges its partitions, so
-  // no second launch and no tail of tiny merge CTAs. Each thread fences its partials before
-  // the CTA is counted; the merging CTA reads them from L2 (ld.cg), never a stale L1 line.
-  __shared__ int last_s;
-  __shared__ float gmax_s[GPAD], ginv_s[GPAD];
-  __threadfence();
-  __syncthreads();
-  int* counter = merge_counters + (long long)seq * gridDim.y + blockIdx.y;
-  if (tid == 0) last_s = atomicAdd(counter, 1) == n_parts - 1;
-  __syncthreads();
-  if (!last_s) return;
-  __threadfence();
-  for (int g = warp; g < n_heads; g += kWarps) {  // one warp per head: max and denominator
-    const long long row = (long long)seq * num_heads + head0 + g;
-    const float* pm = part_max + row * max_partitions;
-    const float* ps = part_sum + row * max_partitions;
+// fp16 / bf16 tensor-core form of mma.sync.m16n8k16 (A row-major, B column-major, fp32
+// accumulators), with the fragment layout of the PTX ISA: lane = 4 * group + quad holds
+// A[group | group + 8][2 * quad + {0, 1} | + 8], B[2 * quad + {0, 1} | + 8][group] and
+// C[group | group + 8][2 * quad + {0, 1}].
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+};
+
+__device__ __forceinline__ unsigned word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Tensor-core decode for fp16 / bf16 caches and head sizes that are multiples of 64. Same
+// grid, partitions, partials and merge as paged_attention_decode_kernel; the two products
+// run on mma.sync, with the CTA's query heads (up to 8) as the N dimension, so a token costs
+// a few tensor-core instructions instead of GPAD * HEAD fp32 multiply-adds per row.
+//
+// Each warp takes chunks of 16 tokens. Pass 1 (logits^T = K q^T): A is the chunk of K
+// (16 tokens x 16 dims per mma), B the heads' q. A dot product does not care in which order it
+// walks the head dimension, so lane (group, quad) feeds the mma straight from the 16-byte
+// vectors quad, quad + 4, ... of rows group and group + 8 (K and q alike): whole rows per
+// warp load, no shuffles, no shared memory. Pass 2 (out^T = V^T p^T): A is V transposed
+// (16 dims x 16 tokens), B the probabilities; lane (group, quad) loads vectors group,
+// group + 8, ... of tokens 2q, 2q+1, 2q+8, 2q+9 and pairs the two tokens' halves with byte
+// permutes. Probabilities go to the tensor cores in the cache's 16-bit type; all sums are
+// fp32. Dynamic shared memory: max(partition_size * 8, kWarps * GPAD * HEAD) floats.
+//
+// WARP_SOFTMAX: each warp takes the softmax of its own chunks (shuffles, no CTA barrier
+// between the passes, so warps drift apart and one warp's softmax overlaps another's loads),
+// and the warps' (max, sum, output) are rescaled to the partition's max at the end; otherwise
+// one block-wide softmax between two CTA barriers.
+//
+// __launch_bounds__(kThreads, 1), not (kThreads): with a minimum of one CTA per multiprocessor
+// stated, ptxas used 86 registers instead of 69 for bf16 / 128, and that code was up to 25%
+// faster on an H200 (docs/kernels.md).
+template <typename T, int HEAD, int BLOCK, int GPAD, bool WARP_SOFTMAX>
+__global__ void __launch_bounds__(kThreads, 1) paged_attention_decode_tc_kernel(
+    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
+    float* __restrict__ part_sum, int* __restrict__ merge_counters,
+    const T* __restrict__ query, const T* __restrict__ key_cache,
+    const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ context_lens, float scale, long long q_stride,
+    int block_table_stride, int num_kv_heads, int group_size, int partition_size,
+    int max_partitions) {
+  using Tr = Traits<T>;
+  static_assert(HEAD % 64 == 0, "tensor-core decode needs a head size that is a multiple of 64");
+  static_assert(Tr::VEC == 8, "tensor-core decode is for 16-bit caches");
+  static_assert(GPAD <= 8 && (GPAD & (GPAD - 1)) == 0, "GPAD is a power of two <= 8");
+  static_assert(kMaxPartition % BLOCK == 0, "partition must hold whole blocks");
+  constexpr int NH = 8;            // mma N: the CTA's heads, zero-padded
+  constexpr int CHUNK = 16;        // tokens per warp step
+  constexpr int KV1 = HEAD / 32;   // pass 1: vectors per row per lane
+  constexpr int KV2 = HEAD / 64;   // pass 2: vectors per token per lane
+  constexpr int MT = HEAD / 16;    // pass 2: m-tiles (16 dims each) of the output
+
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  __shared__ int blk_s[kMaxPartition / BLOCK];
+  __shared__ float red_max[kWarps][GPAD];
+  __shared__ float red_sum[kWarps][GPAD];
+  __shared__ float max_s[GPAD];
+  __shared__ float sum_s[GPAD];
+
+  const PartitionWork<GPAD> w(context_lens, num_kv_heads, group_size, partition_size);
+  if (w.template idle<T, HEAD>(out, max_partitions, merge_counters)) return;
+  const int part = w.part, kvh = w.kvh, seq = w.seq, num_heads = w.num_heads;
+  const int head0 = w.head0, n_heads = w.n_heads, ctx = w.ctx, n_tok = w.n_tok;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane >> 2, quad = lane & 3;
+  w.template load_blocks<BLOCK>(blk_s, block_tables, block_table_stride);
+
+  const long long blk_stride = (long long)num_kv_heads * BLOCK * HEAD;
+  const long long head_off = (long long)kvh * BLOCK * HEAD;
+  const int n_chunks = (n_tok + CHUNK - 1) / CHUNK;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+
+  // q of head `grp` (zero past the CTA's heads), vectors quad + 4 v.
+  uint4 qf[KV1];
+#pragma unroll
+  for (int v = 0; v < KV1; ++v)
+    qf[v] = grp < n_heads ? *reinterpret_cast<const uint4*>(
+                                query + seq * q_stride + (long long)(head0 + grp) * HEAD +
+                                (quad + 4 * v) * 8)
+                          : zero;
+  __syncthreads();  // blk_s
+
+  auto row = [&](const T* cache, int t) {
+    return reinterpret_cast<const uint4*>(cache + head_off + blk_s[t / BLOCK] * blk_stride +
+                                          (t % BLOCK) * HEAD);
+  };
+  float* logits = smem;  // [partition][NH]
+
+  // Pass 1: logits of tokens (grp, grp + 8) of each chunk for heads (2 quad, 2 quad + 1).
+  for (int ch = warp; ch < n_chunks; ch += kWarps) {
+    const int t0 = ch * CHUNK + grp, t1 = t0 + 8;
+    const bool ok0 = t0 < n_tok, ok1 = t1 < n_tok;
+    const uint4* r0 = ok0 ? row(key_cache, t0) : nullptr;
+    const uint4* r1 = ok1 ? row(key_cache, t1) : nullptr;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int v = 0; v < KV1; ++v) {
+      const uint4 k0 = ok0 ? __ldg(r0 + quad + 4 * v) : zero;
+      const uint4 k1 = ok1 ? __ldg(r1 + quad + 4 * v) : zero;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned a[4] = {word(k0, 2 * h), word(k1, 2 * h), word(k0, 2 * h + 1),
+                               word(k1, 2 * h + 1)};
+        const unsigned b[2] = {word(qf[v], 2 * h), word(qf[v], 2 * h + 1)};
+        Mma<T>::run(acc, a, b);
+      }
+    }
+    if (ok0)
+      *reinterpret_cast<float2*>(logits + t0 * NH + 2 * quad) =
+          make_float2(acc[0] * scale, acc[1] * scale);
+    if (ok1)
+      *reinterpret_cast<float2*>(logits + t1 * NH + 2 * quad) =
+          make_float2(acc[2] * scale, acc[3] * scale);
+  }
+
+  if constexpr (WARP_SOFTMAX) {
+    // Lane works on head lane % GPAD over this warp's tokens k = lane / GPAD, + 32 / GPAD, ...
+    // (k-th token of the warp: chunk warp + kWarps * (k / 16), row k % 16).
+    __syncwarp();
+    const int h = lane % GPAD;
+    const int my_tokens = ((n_chunks - warp + kWarps - 1) / kWarps) * CHUNK;
+    auto token = [&](int k) { return (warp + kWarps * (k / CHUNK)) * CHUNK + k % CHUNK; };
     float m = kNegInf;
-    for (int p = lane; p < n_parts; p += 32) m = fmaxf(m, __ldcg(pm + p));
+    for (int k = lane / GPAD; k < my_tokens; k += 32 / GPAD) {
+      const int t = token(k);
+      if (t < n_tok) m = fmaxf(m, logits[t * NH + h]);
+    }
 #pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
-    float w = 0.f;
-    for (int p = lane; p < n_parts; p += 32) w += __ldcg(ps + p) * expf(__ldcg(pm + p) - m);
+    for (int o = 16; o >= GPAD; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    float s = 0.f;
+    for (int k = lane / GPAD; k < my_tokens; k += 32 / GPAD) {
+      const int t = token(k);
+      if (t < n_tok) {
+        const float p = expf(logits[t * NH + h] - m);
+        logits[t * NH + h] = p;
+        s += p;
+      }
+    }
 #pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) w += __shfl_xor_sync(kFullMask, w, o);
-    if (lane == 0) {
-      gmax_s[g] = m;
-      ginv_s[g] = 1.f / w;
+    for (int o = 16; o >= GPAD; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
+    if (lane < GPAD) {
+      red_max[warp][lane] = m;
+      red_sum[warp][lane] = s;
+    }
+    __syncwarp();  // the probabilities are visible to the whole warp
+  } else {
+    __syncthreads();
+    cta_softmax<GPAD>(logits, NH, n_tok, red_max, red_sum, max_s, sum_s);
+  }
+
+  // Pass 2: out^T[d][head] over tokens (2 quad, 2 quad + 1, 2 quad + 8, 2 quad + 9) of each
+  // chunk; lane (grp, quad) owns dims 8 (grp + 8 j) + e, m-tile mt taking e = 2 (mt % 4) and
+  // e + 1 of vector j = mt / 4.
+  float o[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  for (int ch = warp; ch < n_chunks; ch += kWarps) {
+    float p[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = ch * CHUNK + 2 * quad + (i & 1) + (i >> 1) * 8;
+      p[i] = t < n_tok && grp < GPAD ? logits[t * NH + grp] : 0.f;
+    }
+    const unsigned b[2] = {Mma<T>::pack(p[0], p[1]), Mma<T>::pack(p[2], p[3])};
+#pragma unroll
+    for (int j = 0; j < KV2; ++j) {
+      uint4 vv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = ch * CHUNK + 2 * quad + (i & 1) + (i >> 1) * 8;
+        vv[i] = t < n_tok ? __ldg(row(value_cache, t) + grp + 8 * j) : zero;
+      }
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const unsigned w0 = word(vv[0], w), w1 = word(vv[1], w);
+        const unsigned w2 = word(vv[2], w), w3 = word(vv[3], w);
+        const unsigned a[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+                               __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632)};
+        Mma<T>::run(o[4 * j + w], a, b);
+      }
+    }
+  }
+  __syncthreads();  // everyone is done with the probabilities: outs reuses their memory
+
+  float* outs = smem;  // [kWarps][GPAD][HEAD]
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int d = 8 * (grp + 8 * (mt / 4)) + 2 * (mt % 4);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int h = 2 * quad + k;
+      if (h < GPAD) {
+        outs[(warp * GPAD + h) * HEAD + d] = o[mt][k];
+        outs[(warp * GPAD + h) * HEAD + d + 1] = o[mt][2 + k];
+      }
     }
   }
   __syncthreads();
-  for (int i = tid; i < n_heads * HEAD; i += kThreads) {
-    const int g = i / HEAD, d = i - g * HEAD;
-    const long long row = (long long)seq * num_heads + head0 + g;
-    const float* pm = part_max + row * max_partitions;
-    const float* ps = part_sum + row * max_partitions;
-    const float* po = part_out + row * max_partitions * HEAD + d;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int p = 0; p < n_parts; ++p)
-      acc = fmaf(__ldcg(ps + p) * expf(__ldcg(pm + p) - gmax_s[g]), __ldcg(po + p * HEAD), acc);
-    out[row * HEAD + d] = Tr::from_float(acc * ginv_s[g]);
+  if constexpr (WARP_SOFTMAX) {
+    // Rescale each warp's sums to the partition's max (a warp without tokens has max -FLT_MAX
+    // and sum 0, so its weight is 0).
+    __shared__ float wscale_s[kWarps][GPAD];
+    if (tid < GPAD) {
+      float m = red_max[0][tid];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red_max[w][tid]);
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = expf(red_max[w][tid] - m);
+        wscale_s[w][tid] = f;
+        total = fmaf(red_sum[w][tid], f, total);
+      }
+      max_s[tid] = m;
+      sum_s[tid] = total;
+    }
+    __syncthreads();
+    finish_partition<T, HEAD, GPAD>(outs, wscale_s, max_s, sum_s, out, part_out, part_max,
+                                    part_sum, merge_counters, seq, num_heads, head0, n_heads,
+                                    part, ctx, partition_size, max_partitions);
+  } else {
+    finish_partition<T, HEAD, GPAD>(outs, nullptr, max_s, sum_s, out, part_out, part_max,
+                                    part_sum, merge_counters, seq, num_heads, head0, n_heads,
+                                    part, ctx, partition_size, max_partitions);
   }
 }
 

@@ -9,6 +9,7 @@ which need the block mapping on the host to plan their transfers.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -22,10 +23,16 @@ DTYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: 
 HEAD_SIZES = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
 GROUP_PADS = (1, 2, 4, 8)  # query heads per CTA; larger groups are split into chunks of 8
-PARTITION_SIZES = (512, 256, 128)  # tokens per CTA, multiples of every block size
-DECODE_STAGES = 2  # cp.async ring depth of the decode kernel (0: plain register loads)
-# Partitions merged by the decode kernel's last CTA instead of a second launch. Correct (tested
-# on an H200) but not yet timed there, so the measured default stays the merge kernel.
+PARTITION_SIZES = (1024, 512, 256, 128)  # tokens per CTA, multiples of every block size
+DECODE_STAGES = 0  # CUDA-core decode kernel: 0 = register loads, >= 2 = cp.async ring depth
+# "tensor_core" (mma.sync; fp16 / bf16 caches, head sizes that are multiples of 64) or
+# "cuda_core" (fp32 multiply-adds, every dtype and head size); "auto" takes the tensor-core
+# kernel where it applies and a CTA serves 4+ query heads (resolve_kernel). docs/kernels.md has the measurements behind the choice.
+DECODE_KERNEL = "auto"
+TENSOR_CORE_DTYPES = ("__half", "__nv_bfloat16")
+TC_WARP_SOFTMAX = False  # tensor-core kernel: softmax per warp (True) or per CTA (False)
+# Partitions merged by the decode kernel's last CTA instead of a second launch: faster with
+# a few partitions per sequence, much slower with many (one CTA merges them all), so off.
 FUSED_MERGE = False
 ATTENTION_THREADS = 128  # kThreads in paged_attention.cu
 ATTENTION_WARPS = ATTENTION_THREADS // 32
@@ -34,16 +41,68 @@ COPY_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1
 _P, _I, _LL, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
+def tensor_core_ok(dtype: str, head: int) -> bool:
+    return dtype in TENSOR_CORE_DTYPES and head % 64 == 0
+
+
+def resolve_kernel(kernel: str, dtype: str, head: int, gpad: int = 8) -> str:
+    """``auto``: the tensor-core kernel where it applies and a KV head serves 4 or more
+    query heads (padded); with 1 or 2 the CUDA-core kernel does few enough multiply-adds per
+    byte that it was faster on an H200."""
+    if kernel not in ("auto", "tensor_core", "cuda_core"):
+        raise ValueError(f"decode kernel must be auto, tensor_core or cuda_core, got {kernel!r}")
+    if kernel == "auto":
+        return "tensor_core" if tensor_core_ok(dtype, head) and gpad >= 4 else "cuda_core"
+    if kernel == "tensor_core" and not tensor_core_ok(dtype, head):
+        raise ValueError(
+            f"the tensor-core decode kernel needs an fp16 / bf16 cache and a head size that is a "
+            f"multiple of 64, got {dtype} and {head}"
+        )
+    return kernel
+
+
+def decode_name(
+    dtype: str,
+    head: int,
+    block: int,
+    gpad: int,
+    stages: int,
+    kernel: str,
+    warp_softmax: bool | None = None,
+) -> str:
+    """``warp_softmax``: the tensor-core kernel's softmax per warp instead of per CTA
+    (``WARP_SOFTMAX``; None: ``TC_WARP_SOFTMAX``)."""
+    if resolve_kernel(kernel, dtype, head, gpad) == "tensor_core":
+        ws = TC_WARP_SOFTMAX if warp_softmax is None else warp_softmax
+        return (
+            f"streamkv::paged_attention_decode_tc_kernel<{dtype}, {head}, {block}, {gpad}, "
+            f"{'true' if ws else 'false'}>"
+        )
+    return f"streamkv::paged_attention_decode_kernel<{dtype}, {head}, {block}, {gpad}, {stages}>"
+
+
+def reduce_name(dtype: str, head: int) -> str:
+    return f"streamkv::paged_attention_reduce_kernel<{dtype}, {head}>"
+
+
 def attention_names(
-    dtype: str, head: int, block: int, gpads=GROUP_PADS, stages: int | None = None
+    dtype: str,
+    head: int,
+    block: int,
+    gpads=GROUP_PADS,
+    stages: int | None = None,
+    warp_softmax: bool | None = None,
 ) -> tuple[str, ...]:
-    """Name expressions of one attention program: decode kernels for ``gpads`` + the reduce."""
+    """Name expressions of one attention program: the CUDA-core decode kernel for each of
+    ``gpads``, the tensor-core one where the dtype and head size allow (``gpads`` of 2 or
+    more), and the reduce."""
     stages = DECODE_STAGES if stages is None else stages
-    names = [
-        f"streamkv::paged_attention_decode_kernel<{dtype}, {head}, {block}, {g}, {stages}>"
-        for g in gpads
-    ]
-    names.append(f"streamkv::paged_attention_reduce_kernel<{dtype}, {head}>")
+    names = [decode_name(dtype, head, block, g, stages, "cuda_core") for g in gpads]
+    if tensor_core_ok(dtype, head):
+        names += [
+            decode_name(dtype, head, block, g, stages, "tensor_core", warp_softmax) for g in gpads
+        ]
+    names.append(reduce_name(dtype, head))
     return tuple(names)
 
 
@@ -88,27 +147,37 @@ def choose_partition_size(
     ctas_per_partition: int,
     max_context_len: int,
     block_size: int,
-    shared_mem: int,
+    shared_mem: Callable[[int], int],
     device: torch.device,
 ) -> int:
     """Longest partition that still fills most of the GPU's CTA slots.
 
     Long partitions amortise each CTA's fixed cost (block ids, q, the cross-warp output sum)
-    and keep the reduce small; short ones keep multiprocessors busy when there are few
-    sequences. On an H200, 512 tokens won whenever it gave at least ~3/4 of a wave of CTAs
-    (benchmarks/bench_kernels.py sweeps the three sizes).
+    and keep the merge small; short ones keep multiprocessors busy when there are few
+    sequences. The rule, from the sweeps of benchmarks/bench_kernels.py on an H200: the
+    longest size whose grid is at least 3/4 of a wave; 1024 only when its grid fits one wave
+    (one partition per sequence, no merge) or spans 8 or more, since between those 512's finer
+    grain balanced the multiprocessors better.
     """
     sizes = [p for p in PARTITION_SIZES if p % block_size == 0]
     index = device.index if device.index is not None else torch.cuda.current_device()
-    slots = _sm_count(index) * max(1, kernel.occupancy(ATTENTION_THREADS, shared_mem))
     for p in sizes:
-        if 4 * ctas_per_partition * -(-max_context_len // p) >= 3 * slots:
-            return p
+        slots = _sm_count(index) * max(1, kernel.occupancy(ATTENTION_THREADS, shared_mem(p)))
+        ctas = ctas_per_partition * -(-max_context_len // p)
+        if 4 * ctas < 3 * slots:
+            continue
+        if p > 512 and slots < ctas < 8 * slots:
+            continue
+        return p
     return sizes[-1]
 
 
-def attention_smem(partition_size: int, gpad: int, head: int, dtype, stages: int) -> int:
-    """Dynamic shared memory of the decode kernel (mirrors RowShape in paged_attention.cu)."""
+def attention_smem(
+    partition_size: int, gpad: int, head: int, dtype, stages: int, kernel: str = "cuda_core"
+) -> int:
+    """Dynamic shared memory of a decode kernel (mirrors paged_attention.cu)."""
+    if kernel == "tensor_core":  # logits [partition][8], reused for the cross-warp sums
+        return max(partition_size * 8, ATTENTION_WARPS * gpad * head) * 4
     vec = 16 // dtype.itemsize
     nv = head // vec
     tg = min(32, _next_pow2(nv))
@@ -116,6 +185,31 @@ def attention_smem(partition_size: int, gpad: int, head: int, dtype, stages: int
     unroll = (8 if stages == 0 else 4) // nvt
     ring = stages * unroll * nvt * ATTENTION_THREADS * 16
     return ring + max(partition_size, ATTENTION_WARPS * head) * gpad * 4
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_GRAPH_COUNTERS: list[torch.Tensor] = []
+
+
+def _merge_counters(device: torch.device, n: int) -> int:
+    """Arrival counters of the fused merge, one per CTA column (sequence, kv head chunk).
+
+    Zeroed once when allocated; the kernel's merging CTAs put them back to zero, so a launch
+    needs no memset. One buffer per (device, stream): launches on one stream never overlap.
+    Under CUDA graph capture a fresh zeroed buffer belongs to the graph (its memset replays
+    with it), so a graph never shares counters with eager launches.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        buf = torch.zeros(n, dtype=torch.int32, device=device)
+        _GRAPH_COUNTERS.append(buf)  # the graph's memory pool owns it; keep the tensor alive
+        return buf.data_ptr()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _stream(device))
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf.data_ptr()
 
 
 def paged_attention_decode(
@@ -130,9 +224,12 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     stages: int = DECODE_STAGES,
     fused_merge: bool = FUSED_MERGE,
+    kernel: str = DECODE_KERNEL,
+    warp_softmax: bool | None = None,
 ) -> torch.Tensor:
     """``partition_size`` (tokens per CTA), ``out`` (cache dtype, [seqs, heads, head]),
-    ``stages`` and ``fused_merge`` are for tests and benchmarks; ops.py leaves them be."""
+    ``stages``, ``fused_merge``, ``kernel`` and ``warp_softmax`` are for tests and
+    benchmarks; ops.py leaves them be."""
     num_seqs, num_heads, head = query.shape
     _, num_kv_heads, block_size, cache_head = key_cache.shape
     dtype = key_cache.dtype
@@ -167,16 +264,19 @@ def paged_attention_decode(
     group = num_heads // num_kv_heads
     gpad = min(8, _next_pow2(group))
     chunks = -(-group // gpad)
-    names = attention_names(DTYPE_NAMES[dtype], head, block_size, (gpad,), stages)
+    dname = DTYPE_NAMES[dtype]
+    kernel = resolve_kernel(kernel, dname, head, gpad)
+    names = attention_names(dname, head, block_size, (gpad,), stages, warp_softmax)
     module = _module(ATTENTION_SOURCE, names, query.device)
-    decode, reduce = module.kernel(names[0]), module.kernel(names[1])
+    decode = module.kernel(decode_name(dname, head, block_size, gpad, stages, kernel, warp_softmax))
+    reduce = module.kernel(reduce_name(dname, head))
     if partition_size is None:
         partition_size = choose_partition_size(
             decode,
             num_seqs * num_kv_heads * chunks,
             max_context_len,
             block_size,
-            attention_smem(PARTITION_SIZES[0], gpad, head, dtype, stages),
+            lambda p: attention_smem(p, gpad, head, dtype, stages, kernel),
             query.device,
         )
     if partition_size % block_size or not 0 < partition_size <= PARTITION_SIZES[0]:
@@ -193,11 +293,7 @@ def paged_attention_decode(
     else:
         part_ptrs = (0, 0, 0)
     fused = fused_merge and max_parts > 1
-    if fused:  # one arrival counter per CTA column (sequence, kv head chunk)
-        counters = torch.zeros(
-            num_seqs * num_kv_heads * chunks, dtype=torch.int32, device=query.device
-        )
-    counters_ptr = counters.data_ptr() if fused else 0
+    counters_ptr = _merge_counters(query.device, num_seqs * num_kv_heads * chunks) if fused else 0
     stream = _stream(query.device)
     decode.launch(
         (max_parts, num_kv_heads * chunks, num_seqs),
@@ -222,7 +318,7 @@ def paged_attention_decode(
             (_I, max_parts),
         ],
         stream,
-        attention_smem(partition_size, gpad, head, dtype, stages),
+        attention_smem(partition_size, gpad, head, dtype, stages, kernel),
     )
     if max_parts > 1 and not fused:
         reduce.launch(

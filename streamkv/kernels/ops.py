@@ -70,9 +70,7 @@ def paged_attention_decode(
     )
 
 
-def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[num_seqs, num_kv_heads, num_blocks * block_size, head_size] view of each context."""
     _, num_kv_heads, block_size, head_size = cache.shape
     bt = block_tables[:, :num_blocks].long()
@@ -148,7 +146,9 @@ def paged_attention_prefill(
         prefix = context_len - q_len
         rows = torch.arange(q_len, device=query.device)[:, None] + prefix
         cols = torch.arange(context_len, device=query.device)[None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=cols <= rows, scale=scale, enable_gqa=gqa
+        )
     return out.transpose(0, 1).to(query.dtype)
 
 

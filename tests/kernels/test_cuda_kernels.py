@@ -30,6 +30,27 @@ GROUPS = (1, 4, 8)
 POOL_BLOCKS = 2048
 RING_DEPTHS = (0, 3, 4, 6)  # besides the default: register loads and other cp.async depths
 STAGE_CASES = ((torch.bfloat16, 128), (torch.float32, 256), (torch.float16, 80))
+# The tensor-core kernel exists for fp16 / bf16 with head 64, 128, 256; "auto" picks it there
+# when a KV head serves 2+ query heads, else the CUDA-core kernel.
+# "+warp_softmax": the tensor-core kernel with its per-warp softmax (the other variant than
+# the default, TC_WARP_SOFTMAX).
+KERNELS = ("tensor_core", "tensor_core+warp_softmax", "cuda_core", "auto")
+
+
+def kernel_kwargs(kernel: str) -> dict:
+    from streamkv.kernels import cuda_ops
+
+    name, _, variant = kernel.partition("+")
+    return {"kernel": name, **({"warp_softmax": not cuda_ops.TC_WARP_SOFTMAX} if variant else {})}
+
+
+def skip_unsupported(kernel: str, dtype, head: int) -> None:
+    from streamkv.kernels import cuda_ops
+
+    if kernel.startswith("tensor_core") and not cuda_ops.tensor_core_ok(
+        cuda_ops.DTYPE_NAMES[dtype], head
+    ):
+        pytest.skip("no tensor-core kernel for this dtype / head size")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -95,6 +116,18 @@ def make_paged(
     return key, value, tables
 
 
+def reference(query, key, value, tables, lens, scale) -> torch.Tensor:
+    """float64 attention from the torch reference, the pools' NaN poison read as zeros."""
+    return ops.paged_attention_decode_ref(
+        query.double(),
+        key.nan_to_num(0.0).double(),
+        value.nan_to_num(0.0).double(),
+        tables,
+        lens,
+        scale,
+    )
+
+
 def attention_case(
     dtype,
     head: int,
@@ -107,6 +140,7 @@ def attention_case(
     strided_query: bool = False,
     stages: int | None = None,
     fused_merge: bool | None = None,
+    kernel: str | None = None,
 ) -> float:
     from streamkv.kernels import cuda_ops
 
@@ -125,44 +159,45 @@ def attention_case(
     extra = {} if stages is None else {"stages": stages}
     if fused_merge is not None:
         extra["fused_merge"] = fused_merge
+    if kernel is not None:
+        extra.update(kernel_kwargs(kernel))
     cuda_ops.paged_attention_decode(
         query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out, **extra
     )
-    ref = ops.paged_attention_decode_ref(
-        query.double(),
-        key.nan_to_num(0.0).double(),
-        value.nan_to_num(0.0).double(),
-        tables,
-        lens,
-        scale,
-    )
+    ref = reference(query, key, value, tables, lens, scale)
     return rel_err(out, ref)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_paged_attention_decode(dtype, head: int, block: int, group: int) -> None:
-    seed = zlib.crc32(f"{dtype}{head}{block}{group}".encode())
+def test_paged_attention_decode(dtype, head: int, block: int, group: int, kernel: str) -> None:
+    skip_unsupported(kernel, dtype, head)
+    seed = zlib.crc32(f"{dtype}{head}{block}{group}{kernel}".encode())
     rng = torch.Generator().manual_seed(seed)
-    partition = (128, 256, 512)[seed % 3]
+    partition = (128, 256, 512, 1024)[seed % 4]
     # Contexts around partition and block boundaries, plus random ones.
     lens = [1, block - 1, partition - 1, partition, partition + 1, 2 * partition + block + 3]
     lens += torch.randint(1, 1500, (4,), generator=rng).tolist()
     lens = [max(1, n) for n in lens]
-    err = attention_case(dtype, head, block, group, lens, partition, seed)
+    err = attention_case(dtype, head, block, group, lens, partition, seed, kernel=kernel)
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
 @pytest.mark.parametrize(
     "group,num_kv_heads", [(3, 3), (7, 2), (16, 1), (12, 2)], ids=["g3", "g7", "g16", "g12"]
 )
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_uneven_and_large_groups(dtype, group: int, num_kv_heads: int) -> None:
+def test_decode_uneven_and_large_groups(dtype, group: int, num_kv_heads: int, kernel: str) -> None:
     # Groups that are not a power of two pad the CTA's heads; groups over 8 split into chunks.
+    skip_unsupported(kernel, dtype, 64)
     lens = [5, 300, 777, 2049]
-    err = attention_case(dtype, 64, 16, group, lens, None, group, num_kv_heads=num_kv_heads)
+    err = attention_case(
+        dtype, 64, 16, group, lens, None, group, num_kv_heads=num_kv_heads, kernel=kernel
+    )
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
@@ -171,13 +206,32 @@ def test_decode_uneven_and_large_groups(dtype, group: int, num_kv_heads: int) ->
 def test_decode_ring_depths(dtype, head: int, stages: int) -> None:
     # fp32 head 256 at depth 6 needs more than 48 KiB of shared memory (the opt-in path).
     lens = [1, 700, 1500, 63]
-    err = attention_case(dtype, head, 16, 8, lens, 512, stages, stages=stages)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+    for kernel in ("auto", "cuda_core"):
+        err = attention_case(dtype, head, 16, 8, lens, 512, stages, stages=stages, kernel=kernel)
+        assert err <= TOLERANCE[dtype], f"{kernel}: relative error {err:.2e}"
 
 
+def test_tensor_core_kernel_only_where_it_applies() -> None:
+    from streamkv.kernels import cuda_ops
+
+    assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
+    assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128, gpad=1) == "cuda_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=2) == "cuda_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=4) == "tensor_core"
+    assert cuda_ops.resolve_kernel("auto", "float", 128) == "cuda_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 80) == "cuda_core"
+    with pytest.raises(ValueError, match="multiple of 64"):
+        attention_case(torch.float32, 64, 16, 1, [10], None, 0, kernel="tensor_core")
+    with pytest.raises(ValueError, match="decode kernel"):
+        attention_case(torch.float16, 64, 16, 1, [10], None, 0, kernel="three_pass")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["fused-merge", "merge-kernel"])
-@pytest.mark.parametrize("partition_size", [None, 128, 512])
-def test_decode_long_context_and_strided_query(partition_size, fused_merge: bool) -> None:
+@pytest.mark.parametrize("partition_size", [None, 128, 512, 1024])
+def test_decode_long_context_and_strided_query(
+    partition_size, fused_merge: bool, kernel: str
+) -> None:
     # 20k tokens: 40-157 partitions to merge; q is a view into qkv.
     lens = [20000, 3, 9000, 512]
     err = attention_case(
@@ -191,12 +245,14 @@ def test_decode_long_context_and_strided_query(partition_size, fused_merge: bool
         num_kv_heads=8,
         strided_query=True,
         fused_merge=fused_merge,
+        kernel=kernel,
     )
     assert err <= TOLERANCE[torch.bfloat16], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["fused-merge", "merge-kernel"])
-def test_decode_empty_context_gives_zeros(fused_merge: bool) -> None:
+def test_decode_empty_context_gives_zeros(fused_merge: bool, kernel: str) -> None:
     # A padded batch slot (context 0) next to multi-partition sequences.
     from streamkv.kernels import cuda_ops
 
@@ -206,18 +262,21 @@ def test_decode_empty_context_gives_zeros(fused_merge: bool) -> None:
     lens = torch.tensor([700, 0, 300], dtype=torch.int32, device="cuda")
     out = torch.full_like(query, math.nan)
     cuda_ops.paged_attention_decode(
-        query, key, value, tables, lens, 0.125, 700, 128, out=out, fused_merge=fused_merge
+        query,
+        key,
+        value,
+        tables,
+        lens,
+        0.125,
+        700,
+        128,
+        out=out,
+        fused_merge=fused_merge,
+        **kernel_kwargs(kernel),
     )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = torch.tensor([0, 2], device="cuda")
-    ref = ops.paged_attention_decode_ref(
-        query[keep].double(),
-        key.nan_to_num(0.0).double(),
-        value.nan_to_num(0.0).double(),
-        tables[keep],
-        lens[keep],
-        0.125,
-    )
+    ref = reference(query[keep], key, value, tables[keep], lens[keep], 0.125)
     assert rel_err(out[keep], ref) <= TOLERANCE[torch.float16]
 
 
@@ -229,14 +288,7 @@ def test_decode_through_ops_seam_matches_reference() -> None:
     query = torch.randn((3, 16, 128), generator=gen, device="cuda", dtype=torch.float16)
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = ops.paged_attention_decode(query, key, value, tables, lens_t, 0.1)
-    ref = ops.paged_attention_decode_ref(
-        query.double(),
-        key.nan_to_num(0.0).double(),
-        value.nan_to_num(0.0).double(),
-        tables,
-        lens_t,
-        0.1,
-    )
+    ref = reference(query, key, value, tables, lens_t, 0.1)
     assert out.dtype == query.dtype
     assert rel_err(out, ref) <= TOLERANCE[torch.float16]
 
@@ -355,3 +407,44 @@ def test_swap_between_device_pools() -> None:
     ops.swap_blocks(src, dst, mapping)
     for a, b in zip(dst, ref, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_merge_counters_reset_across_launches_and_graph_replays(kernel: str) -> None:
+    # The merge counters are reused without a memset: the merging CTAs put them back to zero.
+    from streamkv.kernels import cuda_ops
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lens = [3000, 700, 129]
+    key, value, tables = make_paged(lens, 2, 16, 128, torch.bfloat16, gen)
+    query = torch.randn((3, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref = reference(query, key, value, tables, lens_t, 0.08)
+    out = torch.full_like(query, math.nan)
+
+    def launch():
+        cuda_ops.paged_attention_decode(
+            query,
+            key,
+            value,
+            tables,
+            lens_t,
+            0.08,
+            3000,
+            128,
+            out=out,
+            fused_merge=True,
+            **kernel_kwargs(kernel),
+        )
+
+    for _ in range(3):
+        out.fill_(math.nan)
+        launch()
+        assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for _ in range(3):
+        out.fill_(math.nan)
+        graph.replay()
+        assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
