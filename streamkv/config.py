@@ -66,6 +66,9 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     # None: "inprocess" for tensor_parallel_size 1, "mp" (one process per rank) above it.
     distributed_executor_backend: str | None = None
+    # False: on CUDA, decode-only steps replay CUDA graphs captured at start-up
+    # (worker/cuda_graphs.py); True: every step runs eagerly. CPU runs always run eagerly.
+    enforce_eager: bool = False
 
     @property
     def executor_backend(self) -> str:
@@ -80,6 +83,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")

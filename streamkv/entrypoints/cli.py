@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"],
                    help="where the model runs: 'inprocess' (a thread of this process) or 'mp' "
                         "(one process per rank); default inprocess at TP 1, mp above")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never replay CUDA graphs for decode steps (on a GPU they are captured "
+                        "at start-up by default; CPU runs are always eager)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -51,6 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,
+        "enforce_eager": args.enforce_eager,
     }
 
 

@@ -30,11 +30,12 @@ def engine_config(
     cpu_kv_cache_space: float = 2.0,
     tensor_parallel_size: int = 1,
     distributed_executor_backend: str | None = None,
+    enforce_eager: bool = False,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
             model, dtype, device, load_format, seed, max_model_len, tensor_parallel_size,
-            distributed_executor_backend,
+            distributed_executor_backend, enforce_eager,
         ),
         cache=CacheConfig(
             block_size, num_kv_blocks, swap_space, num_swap_blocks, enable_prefix_caching,

@@ -41,6 +41,8 @@ class AttentionMetadata:
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # int32 [num_decode, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # int32 [num_decode]
+    # An upper bound on decode_context_lens (the decode kernel's partitions must cover it);
+    # a captured CUDA graph uses max_model_len so that one graph serves every context.
     decode_max_context_len: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
 
@@ -61,8 +63,13 @@ class PagedAttention(torch.nn.Module):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         d = meta.num_decode
+        if d and d == q.shape[0]:  # decode only (every CUDA graph): no output copy
+            return ops.paged_attention_decode(
+                q, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, meta.decode_max_context_len,
+            )
+        out = torch.empty_like(q)
         if d:
             out[:d] = ops.paged_attention_decode(
                 q[:d],

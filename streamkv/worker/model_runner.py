@@ -1,6 +1,7 @@
 """Builds one step's tensors (input ids, positions, slot mapping, block tables), runs the
 model and samples. Decode sequences (one new token) go first so they form one batched
-paged-decode call; prompt spans follow."""
+paged-decode call; prompt spans follow. On CUDA, a decode-only step replays a captured
+graph instead (worker/cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from streamkv.layers.attention import AttentionMetadata, PrefillSpan
 from streamkv.layers.sampler import Sampler
+from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamkv.worker.messages import SeqInput, StepOutput
 
 
@@ -20,6 +22,15 @@ class ModelRunner:
         self.device = device
         self.samples = samples  # False on tensor-parallel ranks other than 0
         self.sampler = Sampler(seed, device)
+        self.graphs: DecodeGraphs | None = None  # None: every step runs eagerly
+
+    def capture_decode_graphs(self, kv_caches, max_model_len: int, max_num_seqs: int) -> None:
+        """Capture the decode-only forward pass for every padded batch size up to
+        ``max_num_seqs`` (capped), over these KV pools and contexts up to ``max_model_len``."""
+        sizes = capture_sizes(max_num_seqs)
+        graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_model_len, sizes, self.device)
+        graphs.capture()
+        self.graphs = graphs
 
     def _slots(self, s: SeqInput) -> list[int]:
         bs, table = self.block_size, s.block_table
@@ -63,12 +74,22 @@ class ModelRunner:
         return input_ids, positions, meta, ordered
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput], kv_caches) -> StepOutput:
+    def forward(
+        self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True
+    ) -> tuple[torch.Tensor, list[SeqInput]]:
+        """Hidden states of every computed token, and the order of their rows. A graph
+        replay's rows past ``len(seqs)`` are padding."""
+        if use_graphs and self.graphs is not None and self.graphs.can_run(seqs, kv_caches):
+            return self.graphs.run(seqs), list(seqs)
+        input_ids, positions, meta, ordered = self.prepare(seqs)
+        return self.model(input_ids, positions, kv_caches, meta), ordered
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True) -> StepOutput:
         out = StepOutput()
         if not seqs:
             return out
-        input_ids, positions, meta, ordered = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
+        hidden, ordered = self.forward(seqs, kv_caches, use_graphs)
         # Only the last row of each sampling sequence needs logits.
         rows, reqs, ids = [], [], []
         end = 0
@@ -80,7 +101,10 @@ class ModelRunner:
                 ids.append(s.seq_id)
         if not rows:
             return out
-        hidden = hidden[torch.tensor(rows, device=self.device)]
+        if rows[-1] == len(rows) - 1:  # rows ascend, so these are rows 0..k-1: no gather
+            hidden = hidden[: len(rows)]
+        else:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
         if not self.samples:
             # A sharded (untied) lm_head all-gathers its logits: this rank must take part.
             if self.model.lm_head is not None and self.model.tp_size > 1:

@@ -104,6 +104,17 @@ class Worker:
             s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size,
             num_device_blocks, num_cpu_blocks, self.dtype, self.device,
         )
+        if self.device.type == "cuda" and not self.config.model.enforce_eager:
+            # The graphs' memory pool (decode activations and attention partials, logged at
+            # capture) comes out of the activation margin num_available_blocks leaves.
+            self.runner.capture_decode_graphs(
+                self.cache.device_cache, self.max_model_len(), self.config.scheduler.max_num_seqs
+            )
+
+    def max_model_len(self) -> int:
+        # The engine's rule, applied here from the config as given: a worker process gets
+        # its config before the engine resolves config.scheduler.max_model_len.
+        return self.config.model.max_model_len or self.hf_config.get("max_position_embeddings") or 2048
 
     def execute(self, step: StepInput) -> StepOutput:
         # Order matters: blocks swapped out this step may be reused by copies and new slots.

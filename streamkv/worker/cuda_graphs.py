@@ -1,0 +1,204 @@
+"""CUDA graphs for decode-only steps (vLLM's "cudagraph" mode).
+
+A decode step of a large model on a fast GPU is bound by the CPU: every layer launches a
+dozen kernels from Python, tens of microseconds each, while the GPU work per launch is
+short. So the forward pass of a step in which every sequence computes exactly one token is
+captured once per padded batch size and replayed:
+
+- Inputs live in static device buffers sized for the largest graph. Each step copies its
+  token ids, positions, slots, context lengths and block tables into them (from pinned host
+  buffers) and replays the graph of the smallest captured batch that holds it. Padding rows
+  get slot -1 (reshape-and-cache skips it) and context length 0 (the decode kernel writes
+  zeros for them); their hidden states are never sampled.
+- Block tables are padded to the width of a ``max_model_len`` sequence, and the decode
+  kernel is captured with ``max_context_len = max_model_len``: the partition count and
+  the partial-result buffers baked into the graph then cover every context the scheduler
+  can produce. Partitions past a sequence's own context exit at once.
+- The graphs share one memory pool; they are captured largest batch first at
+  ``init_cache`` time, after a warm-up run of each size that compiles and loads every kernel
+  and caches its launch attributes, so nothing is loaded or synchronised during capture.
+- Steps with prompt tokens, batches larger than the largest graph, and steps whose KV pools
+  are not the captured ones run eagerly. Sampling always runs eagerly, after the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Sequence
+
+import torch
+
+from streamkv.layers.attention import AttentionMetadata
+from streamkv.worker.messages import SeqInput
+
+logger = logging.getLogger(__name__)
+
+# Past a few hundred sequences a decode step is long enough that launch overhead no longer
+# matters, and every captured size costs capture time and graph memory (vLLM caps at 256 too).
+MAX_CAPTURE_BATCH = 256
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to the largest decode
+    batch the scheduler can form (``max_num_seqs``, capped at ``MAX_CAPTURE_BATCH``), which is
+    itself always captured."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    cap = min(max_num_seqs, MAX_CAPTURE_BATCH)
+    ladder = [1, 2, 4, *range(8, MAX_CAPTURE_BATCH + 1, 8)]
+    return [b for b in ladder if b < cap] + [cap]
+
+
+def padded_batch_size(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the (sorted) captured ``sizes`` that holds ``n`` sequences, or None."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def is_decode_only(seqs: Sequence[SeqInput]) -> bool:
+    return bool(seqs) and all(len(s.token_ids) == 1 for s in seqs)
+
+
+class StaticInputs:
+    """A decode step's model inputs in fixed device buffers, for ``max_batch`` rows and
+    block tables ``max_blocks`` wide. ``fill`` writes a step into the first rows through
+    host staging buffers (pinned on CUDA) and pads the batch to ``batch`` rows."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        pin = device.type == "cuda"
+        # Rows of the int64 buffers: token ids, positions, slots. Padding slots stay -1 and
+        # padding context lengths 0 until a step's real rows overwrite them.
+        self._host_i64 = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=pin)
+        self._host_i64[2] = -1
+        self._host_ctx = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, pin_memory=pin)
+        self._np_i64, self._np_ctx = self._host_i64.numpy(), self._host_ctx.numpy()
+        self._np_tables = self._host_tables.numpy()
+        self._dev_i64 = self._host_i64.to(device, copy=True)
+        self.context_lens = self._host_ctx.to(device, copy=True)
+        self.block_tables = self._host_tables.to(device, copy=True)
+        self.input_ids, self.positions, self.slot_mapping = self._dev_i64.unbind(0)
+        # The host buffers are copied asynchronously; the next step waits for the copy
+        # before it rewrites them (a rank that does not sample never synchronises otherwise).
+        self._copied = torch.cuda.Event() if pin else None
+
+    def metadata(self, batch: int, max_context_len: int) -> AttentionMetadata:
+        """Attention metadata over the first ``batch`` rows."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            num_decode=batch,
+            decode_block_tables=self.block_tables[:batch],
+            decode_context_lens=self.context_lens[:batch],
+            decode_max_context_len=max_context_len,
+        )
+
+    def fill(self, seqs: Sequence[SeqInput], batch: int) -> None:
+        n, bs = len(seqs), self.block_size
+        pos = [s.start_pos for s in seqs]
+        if self._copied is not None:
+            self._copied.synchronize()
+        h = self._np_i64
+        h[0, :n] = [s.token_ids[0] for s in seqs]
+        h[1, :n] = pos
+        h[2, :n] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        h[:2, n:batch] = 0
+        h[2, n:batch] = -1
+        self._np_ctx[:n] = [p + 1 for p in pos]
+        self._np_ctx[n:batch] = 0
+        # Entries past a sequence's own blocks are stale but never read: attention reads
+        # only the blocks that its context length covers.
+        tables = self._np_tables
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        self._dev_i64.copy_(self._host_i64, non_blocking=True)
+        self.context_lens[:batch].copy_(self._host_ctx[:batch], non_blocking=True)
+        self.block_tables[:n].copy_(self._host_tables[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one model and one set of KV pools, with their static
+    inputs. ``replays`` counts the steps that ran as a graph."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        max_model_len: int,
+        sizes: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        self.model, self.kv_caches = model, kv_caches
+        self.max_model_len = max_model_len
+        self.sizes = sorted(set(sizes))
+        self.max_batch = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        self.device = device
+        self.inputs = StaticInputs(self.max_batch, self.max_blocks, block_size, device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0  # device memory the capture took (pool and graphs)
+
+    def model_args(self, batch: int) -> tuple:
+        """The captured model call of ``batch`` rows. The context bound is max_model_len,
+        not the batch's own maximum: one graph must cover any context."""
+        i = self.inputs
+        meta = i.metadata(batch, self.max_model_len)
+        return i.input_ids[:batch], i.positions[:batch], self.kv_caches, meta
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        # The capture stream, the graphs and their pool belong to the current device.
+        with torch.cuda.device(self.device):
+            pool = torch.cuda.graph_pool_handle()
+            for b in reversed(self.sizes):  # largest first: the smaller ones fit in its memory
+                args = self.model_args(b)
+                # Warm-up (every slot is padding, so the KV pools are untouched): compiles and
+                # loads the kernels and caches occupancy and shared-memory attributes, none of
+                # which may happen while capturing.
+                self.model(*args)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(*args)
+                self._graphs[b] = (graph, out)
+            torch.cuda.synchronize(self.device)
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_seconds = time.perf_counter() - start
+        logger.info(
+            "captured %d decode CUDA graphs (batch %d..%d, contexts up to %d) in %.1fs, %.0f MiB",
+            len(self.sizes), self.sizes[0], self.max_batch, self.max_model_len,
+            self.capture_seconds, self.memory_bytes / 2**20,
+        )
+
+    def can_run(self, seqs: Sequence[SeqInput], kv_caches) -> bool:
+        return (
+            kv_caches is self.kv_caches
+            and 0 < len(seqs) <= self.max_batch
+            and is_decode_only(seqs)
+            and all(s.start_pos < self.max_model_len and len(s.block_table) <= self.max_blocks for s in seqs)
+        )
+
+    def run(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
+        """Replays the step (``can_run`` must hold); returns the hidden states of the padded
+        batch, row i for ``seqs[i]``. The tensor is the graph's output buffer: the next replay
+        overwrites it."""
+        n = len(seqs)
+        b = padded_batch_size(n, self.sizes)
+        if b is None:
+            raise ValueError(f"{n} sequences exceed the largest decode graph ({self.max_batch})")
+        graph, out = self._graphs[b]
+        with torch.cuda.device(self.device):
+            self.inputs.fill(seqs, b)
+            graph.replay()
+        self.replays += 1
+        return out
