@@ -15,10 +15,11 @@ Each rank is a fresh interpreter (``python -m streamkv.executor.rank``, see rank
 not multiprocessing's spawn) holding one end of a socket pair. Failure handling: a rank
 that raises sends its traceback before it exits; a rank that dies (killed, out of memory,
 a crash in C++) closes its end of the pipe, which every wait for a reply watches. Either
-way the engine gets a WorkerError at once instead of a hang. Once a
-rank failed the executor is dead: every later call raises. Shutdown asks the ranks to
-exit, then terminates and kills what is left, and reaps them all; a finalizer does the same
-if the executor is dropped or the interpreter exits without a shutdown.
+way the engine gets a WorkerError at once instead of a hang. Once a rank failed, or a call
+was interrupted (Ctrl-C) with its reply unread, the executor is dead: it stops the ranks and
+every later call raises. Shutdown asks the ranks to exit, then terminates and kills what is
+left, and reaps them all; a finalizer does the same if the executor is dropped or the
+interpreter exits without a shutdown.
 """
 
 from __future__ import annotations
@@ -129,19 +130,16 @@ class MultiprocExecutor(Executor):
 
     # -- the Executor interface -----------------------------------------------------------
     def num_available_blocks(self) -> tuple[int, int]:
-        self._broadcast(ipc.dumps(("blocks",)))
-        replies = self._gather("blocks", self.step_timeout)
+        replies = self._call(("blocks",), "blocks")
         # Every rank needs the same block ids, so the smallest pool decides.
         return min(r[1] for r in replies), min(r[2] for r in replies)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        self._broadcast(ipc.dumps(("init_cache", num_device_blocks, num_cpu_blocks)))
-        self._gather("ok", self.step_timeout)
+        self._call(("init_cache", num_device_blocks, num_cpu_blocks), "ok")
 
     def execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        self._broadcast(ipc.dumps(self._encoder.encode(step)))
-        (_, results, worker_s), = self._gather("out", self.step_timeout, ranks=[0])
+        (_, results, worker_s), = self._call(self._encoder.encode(step), "out", ranks=[0])
         out = ipc.decode_output(results)
         self._steps += 1
         self._roundtrip_s += time.perf_counter() - start
@@ -169,6 +167,20 @@ class MultiprocExecutor(Executor):
         }
 
     # -- plumbing -------------------------------------------------------------------------
+    def _call(self, message: tuple, reply: str, ranks: list[int] | None = None) -> list[tuple]:
+        """Send ``message`` to every rank and gather ``reply`` from ``ranks`` (default all)."""
+        try:
+            self._broadcast(ipc.dumps(message))
+            return self._gather(reply, self.step_timeout, ranks)
+        except WorkerError:
+            raise
+        except BaseException:
+            # Interrupted with a reply unread (or the delta tables half updated): the next
+            # call would read a stale answer, so nothing more may be asked of these ranks.
+            self._dead = f"a call to the workers was interrupted while awaiting {reply!r}"
+            self._finalizer()
+            raise
+
     def _broadcast(self, payload: bytes) -> None:
         if self._dead is not None:
             raise WorkerError(f"the workers are gone: {self._dead}")
@@ -228,6 +240,9 @@ class MultiprocExecutor(Executor):
     def _fail(self, message: str):
         self._dead = message
         logger.error("%s; stopping the workers", message.splitlines()[0])
+        for proc in self._procs:  # no graceful exit: the others may be stuck in a collective
+            if proc.poll() is None:
+                proc.terminate()
         self._finalizer()
         raise WorkerError(message)
 

@@ -158,6 +158,24 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tiny_dir, monkeypat
     llm.shutdown()  # idempotent
 
 
+def test_an_interrupted_call_retires_the_workers(tiny_dir, monkeypatch):
+    """Ctrl-C while a reply is in flight: a later call must not read that stale reply."""
+    llm = LLM(str(tiny_dir), num_kv_blocks=64, num_swap_blocks=0, distributed_executor_backend="mp")
+    executor = llm.engine.executor
+    pids = executor.pids
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(executor, "_gather", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(None, GREEDY, prompt_token_ids=[[5, 6, 7]])
+    assert _gone(pids)
+    with pytest.raises(WorkerError, match="interrupted while awaiting 'out'"):
+        llm.generate(None, GREEDY, prompt_token_ids=[[5, 6, 7]])
+    llm.engine.block_manager.check_no_leaks()
+
+
 def test_a_worker_that_fails_to_load_reports_its_error(tmp_path, tiny_dir):
     # A valid config.json (the engine's checks pass) without weights: the ranks fail.
     (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
