@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
@@ -179,23 +179,37 @@ class OpenAIServing:
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**head, "choices": choices, "usage": _usage(num_prompt, num_out)})
 
-    async def _completion_stream(self, head, streams, notify, n, echo, want_lp, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
+    def _completion_stream(self, head, streams, notify, n, echo, want_lp, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
         states = [ChoiceState(k) for k in range(len(streams) * n)]
+
+        def choices(i: int, out) -> Iterator[dict]:
+            for d in deltas(states, i, n, out):
+                if not d.text and d.finish_reason is None and not want_lp:
+                    continue
+                text = d.text
+                if echo and not d.choice.started:
+                    text = echo[i] + text
+                d.choice.started = True
+                yield {"index": d.choice.index, "text": text,
+                       "logprobs": self.logprobs.completion_logprobs(d.choice, d.token_ids, d.logprobs) if want_lp else None,
+                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+        return self._stream(head, streams, notify, states, opts, num_prompt, choices)
+
+    async def _stream(self, head, streams, notify, states, opts: StreamOptions, num_prompt,
+                      choices: Callable[[int, object], Iterator[dict]], opening: Iterable[dict] = ()) -> AsyncIterator[bytes]:
+        """SSE framing shared by completions and chat: the ``opening`` chunks, then one chunk
+        per choice that ``choices(request index, output)`` makes of each engine output; an
+        error event if a request fails; the usage chunk when the client asked for it; the
+        requests aborted however the stream ends; ``[DONE]`` last."""
         try:
+            for choice in opening:
+                yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
             async for i, out in watch(streams, notify):
                 if out.error:
                     yield _error_event(out.error)
                     break
-                for d in deltas(states, i, n, out):
-                    if not d.text and d.finish_reason is None and not want_lp:
-                        continue
-                    text = d.text
-                    if echo and not d.choice.started:
-                        text = echo[i] + text
-                    d.choice.started = True
-                    choice = {"index": d.choice.index, "text": text,
-                              "logprobs": self.logprobs.completion_logprobs(d.choice, d.token_ids, d.logprobs) if want_lp else None,
-                              "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                for choice in choices(i, out):
                     yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
             else:
                 if opts.include_usage:
@@ -239,33 +253,23 @@ class OpenAIServing:
         num_out = sum(len(c.token_ids) for c in final[0].outputs)
         return JSONResponse({**head, "choices": choices, "usage": _usage(len(ids), num_out)})
 
-    async def _chat_stream(self, head, streams, notify, n, top, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
+    def _chat_stream(self, head, streams, notify, n, top, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
         states = [ChoiceState(k) for k in range(n)]
-        try:
-            for st in states:
-                choice = {"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
-            async for _, out in watch(streams, notify):
-                if out.error:
-                    yield _error_event(out.error)
-                    break
-                for d in deltas(states, 0, n, out):
-                    if not d.text and d.finish_reason is None and top is None:
-                        continue
-                    choice = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
-                              "logprobs": self.logprobs.chat_logprobs(d.token_ids, d.logprobs, top) if top is not None else None,
-                              "finish_reason": d.finish_reason}
-                    if d.finish_reason is not None:
-                        choice["stop_reason"] = d.stop_reason
-                    yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
-            else:
-                if opts.include_usage:
-                    yield sse_event({**head, "choices": [], "usage": _usage(num_prompt, _num_out(states))})
-        except (EngineDeadError, RequestAbortedError) as e:
-            yield _error_event(_stream_error(e))
-        finally:
-            self.abort_all(streams)
-        yield DONE
+        opening = [{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                   for st in states]
+
+        def choices(_: int, out) -> Iterator[dict]:
+            for d in deltas(states, 0, n, out):
+                if not d.text and d.finish_reason is None and top is None:
+                    continue
+                choice = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
+                          "logprobs": self.logprobs.chat_logprobs(d.token_ids, d.logprobs, top) if top is not None else None,
+                          "finish_reason": d.finish_reason}
+                if d.finish_reason is not None:
+                    choice["stop_reason"] = d.stop_reason
+                yield choice
+
+        return self._stream(head, streams, notify, states, opts, num_prompt, choices, opening)
 
 
 def render_chat(tok, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
