@@ -74,6 +74,13 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_window(self, start: int) -> list[int]:
+        """``all_token_ids[start:]`` without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens
@@ -133,7 +140,10 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs)
+        seqs = self.seqs  # asked several times per group per step: keep the common case cheap
+        if len(seqs) == 1:
+            return seqs[0].status in _FINISHED
+        return all(s.status in _FINISHED for s in seqs)
 
 
 @dataclass
