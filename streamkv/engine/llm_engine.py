@@ -14,7 +14,7 @@ from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.executor.base import Executor, create_executor
-from streamkv.models.loader import load_tokenizer
+from streamkv.models.loader import load_tokenizer, resolve_max_model_len
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
 from streamkv.worker.messages import SampleRequest, SeqInput, StepInput, StepOutput
@@ -38,11 +38,7 @@ class LLMEngine:
     def _setup(self, config: EngineConfig, executor: Executor) -> None:
         self.tokenizer = load_tokenizer(executor.model_dir)
         hf = executor.hf_config
-        model_max = hf.get("max_position_embeddings") or 2048
-        mml = config.model.max_model_len or model_max
-        if mml > model_max:
-            raise ValueError(f"max_model_len {mml} exceeds the model's context length {model_max}")
-        config.scheduler.max_model_len = mml
+        config.scheduler.max_model_len = resolve_max_model_len(config.model.max_model_len, hf)
         num_device, num_cpu = executor.num_available_blocks()
         if num_device < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")

@@ -119,9 +119,32 @@ def _arch(device: torch.device) -> int:
     return major * 10 + minor
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _module(source: str, names: tuple[str, ...], device: torch.device) -> nvrtc.Module:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return nvrtc.load(source, names, index, _arch(device))
+    return nvrtc.load(source, names, _device_index(device), _arch(device))
+
+
+@lru_cache(maxsize=256)
+def _attention_kernels(
+    dtype: str,
+    head: int,
+    block: int,
+    gpad: int,
+    stages: int,
+    kernel: str,
+    warp_softmax: bool | None,
+    device: int,
+) -> tuple[str, nvrtc.Kernel, nvrtc.Kernel]:
+    """(resolved kernel kind, decode kernel, merge kernel) for one variant on one device:
+    looked up once, not on every layer's call."""
+    kind = resolve_kernel(kernel, dtype, head, gpad)
+    names = attention_names(dtype, head, block, (gpad,), stages, warp_softmax)
+    module = _module(ATTENTION_SOURCE, names, torch.device("cuda", device))
+    decode = module.kernel(decode_name(dtype, head, block, gpad, stages, kind, warp_softmax))
+    return kind, decode, module.kernel(reduce_name(dtype, head))
 
 
 def _stream(device: torch.device) -> int:
@@ -160,7 +183,7 @@ def choose_partition_size(
     grain balanced the multiprocessors better.
     """
     sizes = [p for p in PARTITION_SIZES if p % block_size == 0]
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     for p in sizes:
         slots = _sm_count(index) * max(1, kernel.occupancy(ATTENTION_THREADS, shared_mem(p)))
         ctas = ctas_per_partition * -(-max_context_len // p)
@@ -203,7 +226,7 @@ def _merge_counters(device: torch.device, n: int) -> int:
         buf = torch.zeros(n, dtype=torch.int32, device=device)
         _GRAPH_COUNTERS.append(buf)  # the graph's memory pool owns it; keep the tensor alive
         return buf.data_ptr()
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     key = (index, _stream(device))
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
@@ -264,12 +287,16 @@ def paged_attention_decode(
     group = num_heads // num_kv_heads
     gpad = min(8, _next_pow2(group))
     chunks = -(-group // gpad)
-    dname = DTYPE_NAMES[dtype]
-    kernel = resolve_kernel(kernel, dname, head, gpad)
-    names = attention_names(dname, head, block_size, (gpad,), stages, warp_softmax)
-    module = _module(ATTENTION_SOURCE, names, query.device)
-    decode = module.kernel(decode_name(dname, head, block_size, gpad, stages, kernel, warp_softmax))
-    reduce = module.kernel(reduce_name(dname, head))
+    kernel, decode, reduce = _attention_kernels(
+        DTYPE_NAMES[dtype],
+        head,
+        block_size,
+        gpad,
+        stages,
+        kernel,
+        warp_softmax,
+        _device_index(query.device),
+    )
     if partition_size is None:
         partition_size = choose_partition_size(
             decode,

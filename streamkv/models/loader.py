@@ -154,6 +154,15 @@ def load_tokenizer(model_dir: Path):
         return None
 
 
+def resolve_max_model_len(requested: int | None, hf_config: dict) -> int:
+    """The context length to serve: ``requested``, else the model's own (2048 when its
+    config names none); more than the model's own is an error."""
+    model_max = hf_config.get("max_position_embeddings") or 2048
+    if requested is not None and requested > model_max:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_max}")
+    return requested or model_max
+
+
 def load_config(model_dir: Path) -> dict:
     from streamkv.models.common import limit_context_to_window
 

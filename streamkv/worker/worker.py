@@ -8,7 +8,7 @@ import logging
 import torch
 
 from streamkv.config import EngineConfig
-from streamkv.models.loader import load_config, resolve_model_dir
+from streamkv.models.loader import load_config, resolve_max_model_len, resolve_model_dir
 from streamkv.models.registry import build_model
 from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from streamkv.worker.messages import StepInput, StepOutput
@@ -107,14 +107,12 @@ class Worker:
         if self.device.type == "cuda" and not self.config.model.enforce_eager:
             # The graphs' memory pool (decode activations and attention partials, logged at
             # capture) comes out of the activation margin num_available_blocks leaves.
+            # From the config as given: a worker process gets its config before the engine
+            # resolves config.scheduler.max_model_len.
+            max_model_len = resolve_max_model_len(self.config.model.max_model_len, self.hf_config)
             self.runner.capture_decode_graphs(
-                self.cache.device_cache, self.max_model_len(), self.config.scheduler.max_num_seqs
+                self.cache.device_cache, max_model_len, self.config.scheduler.max_num_seqs
             )
-
-    def max_model_len(self) -> int:
-        # The engine's rule, applied here from the config as given: a worker process gets
-        # its config before the engine resolves config.scheduler.max_model_len.
-        return self.config.model.max_model_len or self.hf_config.get("max_position_embeddings") or 2048
 
     def execute(self, step: StepInput) -> StepOutput:
         # Order matters: blocks swapped out this step may be reused by copies and new slots.
