@@ -35,10 +35,22 @@ DTYPE = torch.bfloat16
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs until one timed replay touches this much
 SWEEP_STAGES = (0, 2, 3, 4)
 KERNELS = ("tensor_core", "cuda_core")
+TC_UNROLLS = (1, 2, 3, 4)  # the tensor-core kernel's chunks per warp step, all swept
+WARMUP_S = 0.3  # seconds of the default configuration before a row's first timing
+SPIN_CYCLES = 200_000  # ~100 µs: the host queues the timed work while the GPU spins
 
 
-def gpu_time_ms(fn: Callable[[], object], iters: int, graph: bool = True) -> float:
-    """Median time of fn, replayed from a CUDA graph (no launch overhead) or called eagerly."""
+def gpu_time_ms(
+    fn: Callable[[], object], iters: int, graph: bool = True, busy: bool | None = None
+) -> float:
+    """Median time of fn, replayed from a CUDA graph or called eagerly.
+
+    ``busy`` (default: with graphs) queues a spin kernel ahead of the start event, so the
+    event pair brackets device time only: on an idle stream the start event is stamped at
+    once and the interval also holds the host's submission of the graph (several µs, most
+    of the difference at 64 x 1k in session 3). Eager timings keep the launch costs in.
+    """
+    busy = graph if busy is None else busy
     fn()
     torch.cuda.synchronize()
     if graph:
@@ -53,6 +65,8 @@ def gpu_time_ms(fn: Callable[[], object], iters: int, graph: bool = True) -> flo
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if busy:
+            torch.cuda._sleep(SPIN_CYCLES)
         a.record()
         run()
         b.record()
@@ -112,11 +126,19 @@ def build() -> dict:
 
 
 # ---------------------------------------------------------------------------------- checks
-def paged_inputs(batch: int, ctx: list[int], gen, dtype=DTYPE, group: int = 4, extra: int = 0):
+def paged_inputs(
+    batch: int,
+    ctx: list[int],
+    gen,
+    dtype=DTYPE,
+    group: int = 4,
+    extra: int = 0,
+    head: int = HEAD,
+):
     """Random pool with a random block table per sequence (+ `extra` unused blocks)."""
     counts = [-(-c // BLOCK) for c in ctx]
     num_blocks = sum(counts) + extra
-    shape = (num_blocks, KV_HEADS, BLOCK, HEAD)
+    shape = (num_blocks, KV_HEADS, BLOCK, head)
     key = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     value = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
@@ -125,7 +147,7 @@ def paged_inputs(batch: int, ctx: list[int], gen, dtype=DTYPE, group: int = 4, e
     for s, n in enumerate(counts):
         tables[s, :n] = perm[first : first + n]
         first += n
-    query = torch.randn((batch, KV_HEADS * group, HEAD), generator=gen, device="cuda", dtype=dtype)
+    query = torch.randn((batch, KV_HEADS * group, head), generator=gen, device="cuda", dtype=dtype)
     lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
     return query, key, value, tables, lens
 
@@ -224,10 +246,10 @@ def sdpa_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """Flash SDPA on contiguous [B, H, T, D] K/V, two equivalent ways to express GQA decode."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    batch, heads, _ = q.shape
+    batch, heads, head = q.shape
     group = heads // k.shape[1]
     q_heads = q.unsqueeze(2)  # [B, 32, 1, D] with enable_gqa
-    q_rows = q.view(batch, k.shape[1], group, HEAD)  # [B, 8, 4, D]: a group's heads as rows
+    q_rows = q.view(batch, k.shape[1], group, head)  # [B, 8, 4, D]: a group's heads as rows
 
     def gqa():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -238,23 +260,30 @@ def sdpa_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
             return F.scaled_dot_product_attention(q_rows, k, v, scale=scale)
 
     return {
-        "enable_gqa": (gqa, lambda o: o.view(batch, heads, HEAD)),
-        "heads_as_rows": (rows, lambda o: o.reshape(batch, heads, HEAD)),
+        "enable_gqa": (gqa, lambda o: o.view(batch, heads, head)),
+        "heads_as_rows": (rows, lambda o: o.reshape(batch, heads, head)),
     }
 
 
 def bench_attention(
-    batch: int, ctx: int, iters: int, copy_gbs: float, sweep: bool, group: int = Q_HEADS // KV_HEADS
+    batch: int,
+    ctx: int,
+    iters: int,
+    copy_gbs: float,
+    sweep: bool,
+    group: int = Q_HEADS // KV_HEADS,
+    head: int = HEAD,
 ) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 100003 + ctx)
-    kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD * 2
-    io_bytes = kv_bytes + 2 * batch * KV_HEADS * group * HEAD * 2
+    kv_bytes = 2 * batch * ctx * KV_HEADS * head * 2
+    io_bytes = kv_bytes + 2 * batch * KV_HEADS * group * head * 2
     sets = max(1, min(32, -(-L2_ROTATE_BYTES // kv_bytes)))
-    scale = HEAD**-0.5
-    inputs = [paged_inputs(batch, [ctx] * batch, gen, group=group) for _ in range(sets)]
+    scale = head**-0.5
+    inputs = [paged_inputs(batch, [ctx] * batch, gen, group=group, head=head) for _ in range(sets)]
     row: dict = {
         "batch": batch,
         "context": ctx,
+        "head": head,
         "q_heads": KV_HEADS * group,
         "bytes": io_bytes,
         "rotated_sets": sets,
@@ -266,6 +295,7 @@ def bench_attention(
         fused=cuda_ops.FUSED_MERGE,
         kernel=cuda_ops.DECODE_KERNEL,
         warp_softmax=None,
+        unroll=None,
     ):
         return lambda: [
             cuda_ops.paged_attention_decode(
@@ -281,15 +311,24 @@ def bench_attention(
                 fused_merge=fused,
                 kernel=kernel,
                 warp_softmax=warp_softmax,
+                unroll=unroll,
             )
             for q, k, v, bt, lens in inputs
         ]
 
-    # The default configuration three times over the row's other timings, median reported:
-    # single measurements of one configuration drifted by up to ~10% within a run.
-    ms = statistics.median(gpu_time_ms(ours(), iters) for _ in range(3)) / sets
-    row.update(ours_us=ms * 1e3, ours_gbs=io_bytes / ms / 1e6)
-    row["ours_eager_us"] = gpu_time_ms(ours(), iters, graph=False) / sets * 1e3
+    # The default configuration is timed three times spread over the row (first, after the
+    # sweep, after SDPA) and the median reported: single measurements of one configuration
+    # drifted by up to ~10% within a run, and a row's first timing read high until the GPU had
+    # run the new inputs for a while (session 3: 79.3 first vs 72.7 later at 64 x 1k), hence
+    # the warm-up.
+    default = ours()
+    t_end = time.perf_counter() + WARMUP_S
+    while time.perf_counter() < t_end:
+        default()
+        torch.cuda.synchronize()
+    default_ms = [gpu_time_ms(default, iters) / sets]
+    row["ours_eager_us"] = gpu_time_ms(default, iters, graph=False) / sets * 1e3
+    row["ours_idle_stream_us"] = gpu_time_ms(default, iters, busy=False) / sets * 1e3
     if sweep:  # kernel x merge x partition size (None: the automatic choice), ring depths
         row["sweep_us"] = {}
 
@@ -318,12 +357,21 @@ def bench_attention(
                 kernel="tensor_core",
                 warp_softmax=not cuda_ops.TC_WARP_SOFTMAX,
             )
+        for unroll in TC_UNROLLS:
+            if unroll != cuda_ops.TC_UNROLL.get(head, 1):
+                measure(
+                    f"tensor_core unroll {unroll} partition None",
+                    kernel="tensor_core",
+                    unroll=unroll,
+                )
         best = min((v, k) for k, v in row["sweep_us"].items() if isinstance(v, float))
         row["sweep_best"] = {
             "config": best[1],
             "us": best[0],
             "of_copy_bw": io_bytes / best[0] / 1e3 / copy_gbs,
         }
+
+    default_ms.append(gpu_time_ms(default, iters) / sets)
 
     # SDPA on contiguous copies of exactly the same K/V.
     contiguous = []
@@ -344,6 +392,11 @@ def bench_attention(
         row[f"sdpa_{name}_us"] = sdpa_ms * 1e3
         if best is None or sdpa_ms < best[0]:
             best = (sdpa_ms, name, ref_out)
+    default_ms.append(gpu_time_ms(default, iters) / sets)
+    ms = statistics.median(default_ms)
+    row.update(
+        ours_us=ms * 1e3, ours_gbs=io_bytes / ms / 1e6, ours_each_us=[t * 1e3 for t in default_ms]
+    )
     if best is not None:
         q, k, v, bt, lens = inputs[0]
         ours_out = cuda_ops.paged_attention_decode(q, k, v, bt, lens, scale, ctx)
@@ -527,6 +580,7 @@ def print_attention_tables(rows: list[dict], gpu: str, copy_gbs: float) -> None:
         [
             ("batch", "batch", "d"),
             ("context", "context", "d"),
+            ("head", "head", "d"),
             ("q_heads", "q heads", "d"),
             ("ours_us", "ours us", ".1f"),
             ("ours_gbs", "GB/s", ".0f"),
@@ -534,6 +588,7 @@ def print_attention_tables(rows: list[dict], gpu: str, copy_gbs: float) -> None:
             ("sdpa_us", "sdpa us", ".1f"),
             ("vs_sdpa", "ours/sdpa", ".3f"),
             ("ours_eager_us", "eager us", ".1f"),
+            ("ours_idle_stream_us", "idle-stream us", ".1f"),
             ("best_us", "best us", ".1f"),
             ("best_of_copy", "best of copy", ".2f"),
             ("best_config", "best config", "s"),
@@ -557,6 +612,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[1, 2, 8],
         help="GQA ratios besides 4 timed (with the kernel sweep) at batch 64/256, context 1k/4k",
+    )
+    p.add_argument(
+        "--other-heads",
+        type=int,
+        nargs="*",
+        default=[64, 256],
+        help="head sizes besides 128 timed (with the kernel sweep) at GQA 4, 64 x 1k and 256 x 4k",
     )
     p.add_argument(
         "--only-attention", action="store_true", help="skip the cache-op and swap timings"
@@ -590,11 +652,15 @@ def main(argv: list[str] | None = None) -> int:
     report["copy_gbs"] = copy_gbs
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
 
-    def time_rows(key: str, points, group: int = Q_HEADS // KV_HEADS) -> list[dict]:
+    def time_rows(
+        key: str, points, group: int = Q_HEADS // KV_HEADS, head: int = HEAD
+    ) -> list[dict]:
         rows = []
         for batch, ctx in points:
             try:
-                row = bench_attention(batch, ctx, args.iters, copy_gbs, not args.no_sweep, group)
+                row = bench_attention(
+                    batch, ctx, args.iters, copy_gbs, not args.no_sweep, group, head
+                )
             except Exception as e:  # out of memory, or a failure: keep the other sizes
                 row = {"batch": batch, "context": ctx, "skipped": f"{type(e).__name__}: {e}"}
             rows.append(row)
@@ -610,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     for group in args.other_groups:
         points = ((64, 1024), (64, 4096), (256, 1024), (256, 4096))
         other += time_rows(f"attention_group_{group}", points, group)
+    for head in args.other_heads:
+        points = ((64, 1024), (256, 4096))
+        other += time_rows(f"attention_head_{head}", points, head=head)
     report["attention_other_groups"] = other
     if args.only_attention:
         save()

@@ -567,6 +567,13 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
+// Minimum CTAs per multiprocessor promised to ptxas for the tensor-core kernel: 1 lets it use
+// the registers it wants (see below), except that two chunks per step at head size 128 are held
+// to 128 registers so that 4 CTAs (16 warps) fit a multiprocessor.
+__host__ __device__ constexpr int tc_min_ctas(int head, int unroll) {
+  return head == 128 && unroll == 2 ? 4 : 1;
+}
+
 __device__ __forceinline__ unsigned word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -591,11 +598,16 @@ __device__ __forceinline__ unsigned word(const uint4& v, int i) {
 // and the warps' (max, sum, output) are rescaled to the partition's max at the end; otherwise
 // one block-wide softmax between two CTA barriers.
 //
+// UNROLL: chunks a warp loads per step before it multiplies any of them (16 rows, 4 KB at
+// head 128), so UNROLL chunks per warp are in flight while it waits: more bytes in flight
+// for more registers (fewer CTAs per multiprocessor). Pass 2's first step is loaded before
+// the softmax.
+//
 // __launch_bounds__(kThreads, 1), not (kThreads): with a minimum of one CTA per multiprocessor
 // stated, ptxas used 86 registers instead of 69 for bf16 / 128, and that code was up to 25%
 // faster on an H200 (docs/kernels.md).
-template <typename T, int HEAD, int BLOCK, int GPAD, bool WARP_SOFTMAX>
-__global__ void __launch_bounds__(kThreads, 1) paged_attention_decode_tc_kernel(
+template <typename T, int HEAD, int BLOCK, int GPAD, bool WARP_SOFTMAX, int UNROLL>
+__global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_attention_decode_tc_kernel(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
     float* __restrict__ part_sum, int* __restrict__ merge_counters,
     const T* __restrict__ query, const T* __restrict__ key_cache,
@@ -608,6 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_decode_tc_kernel(
   static_assert(Tr::VEC == 8, "tensor-core decode is for 16-bit caches");
   static_assert(GPAD <= 8 && (GPAD & (GPAD - 1)) == 0, "GPAD is a power of two <= 8");
   static_assert(kMaxPartition % BLOCK == 0, "partition must hold whole blocks");
+  static_assert(UNROLL >= 1 && UNROLL <= 4, "UNROLL is 1 to 4 chunks per warp step");
   constexpr int NH = 8;            // mma N: the CTA's heads, zero-padded
   constexpr int CHUNK = 16;        // tokens per warp step
   constexpr int KV1 = HEAD / 32;   // pass 1: vectors per row per lane
@@ -650,33 +663,63 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_decode_tc_kernel(
                                           (t % BLOCK) * HEAD);
   };
   float* logits = smem;  // [partition][NH]
+  constexpr int STEP = kWarps * UNROLL;  // chunks a CTA takes per step
 
   // Pass 1: logits of tokens (grp, grp + 8) of each chunk for heads (2 quad, 2 quad + 1).
-  for (int ch = warp; ch < n_chunks; ch += kWarps) {
-    const int t0 = ch * CHUNK + grp, t1 = t0 + 8;
-    const bool ok0 = t0 < n_tok, ok1 = t1 < n_tok;
-    const uint4* r0 = ok0 ? row(key_cache, t0) : nullptr;
-    const uint4* r1 = ok1 ? row(key_cache, t1) : nullptr;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // A step loads UNROLL chunks (ch0, ch0 + kWarps, ...) before multiplying any of them.
+  for (int ch0 = warp; ch0 < n_chunks; ch0 += STEP) {
+    uint4 k0[UNROLL][KV1], k1[UNROLL][KV1];
 #pragma unroll
-    for (int v = 0; v < KV1; ++v) {
-      const uint4 k0 = ok0 ? __ldg(r0 + quad + 4 * v) : zero;
-      const uint4 k1 = ok1 ? __ldg(r1 + quad + 4 * v) : zero;
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t0 = (ch0 + u * kWarps) * CHUNK + grp, t1 = t0 + 8;
+      const bool ok0 = t0 < n_tok, ok1 = t1 < n_tok;
+      const uint4* r0 = ok0 ? row(key_cache, t0) : nullptr;
+      const uint4* r1 = ok1 ? row(key_cache, t1) : nullptr;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned a[4] = {word(k0, 2 * h), word(k1, 2 * h), word(k0, 2 * h + 1),
-                               word(k1, 2 * h + 1)};
-        const unsigned b[2] = {word(qf[v], 2 * h), word(qf[v], 2 * h + 1)};
-        Mma<T>::run(acc, a, b);
+      for (int v = 0; v < KV1; ++v) {
+        k0[u][v] = ok0 ? __ldg(r0 + quad + 4 * v) : zero;
+        k1[u][v] = ok1 ? __ldg(r1 + quad + 4 * v) : zero;
       }
     }
-    if (ok0)
-      *reinterpret_cast<float2*>(logits + t0 * NH + 2 * quad) =
-          make_float2(acc[0] * scale, acc[1] * scale);
-    if (ok1)
-      *reinterpret_cast<float2*>(logits + t1 * NH + 2 * quad) =
-          make_float2(acc[2] * scale, acc[3] * scale);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t0 = (ch0 + u * kWarps) * CHUNK + grp, t1 = t0 + 8;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int v = 0; v < KV1; ++v) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const unsigned a[4] = {word(k0[u][v], 2 * h), word(k1[u][v], 2 * h),
+                                 word(k0[u][v], 2 * h + 1), word(k1[u][v], 2 * h + 1)};
+          const unsigned b[2] = {word(qf[v], 2 * h), word(qf[v], 2 * h + 1)};
+          Mma<T>::run(acc, a, b);
+        }
+      }
+      if (t0 < n_tok)
+        *reinterpret_cast<float2*>(logits + t0 * NH + 2 * quad) =
+            make_float2(acc[0] * scale, acc[1] * scale);
+      if (t1 < n_tok)
+        *reinterpret_cast<float2*>(logits + t1 * NH + 2 * quad) =
+            make_float2(acc[2] * scale, acc[3] * scale);
+    }
   }
+
+  // Pass 2's first step of V loads goes out now, before the softmax: the probabilities are
+  // not needed to fetch V, so the memory system stays busy across the barrier and softmax.
+  // Token i of a chunk's lane: 2 quad + (i & 1) + 8 (i >> 1).
+  uint4 vv[UNROLL][KV2][4];
+  auto load_v = [&](int ch0) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = (ch0 + u * kWarps) * CHUNK + 2 * quad + (i & 1) + (i >> 1) * 8;
+        const uint4* r = t < n_tok ? row(value_cache, t) : nullptr;
+#pragma unroll
+        for (int j = 0; j < KV2; ++j) vv[u][j][i] = t < n_tok ? __ldg(r + grp + 8 * j) : zero;
+      }
+  };
+  load_v(warp);
 
   if constexpr (WARP_SOFTMAX) {
     // Lane works on head lane % GPAD over this warp's tokens k = lane / GPAD, + 32 / GPAD, ...
@@ -719,31 +762,30 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_decode_tc_kernel(
   float o[MT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
-  for (int ch = warp; ch < n_chunks; ch += kWarps) {
-    float p[4];
+  for (int ch0 = warp; ch0 < n_chunks; ch0 += STEP) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int t = ch * CHUNK + 2 * quad + (i & 1) + (i >> 1) * 8;
-      p[i] = t < n_tok && grp < GPAD ? logits[t * NH + grp] : 0.f;
-    }
-    const unsigned b[2] = {Mma<T>::pack(p[0], p[1]), Mma<T>::pack(p[2], p[3])};
-#pragma unroll
-    for (int j = 0; j < KV2; ++j) {
-      uint4 vv[4];
+    for (int u = 0; u < UNROLL; ++u) {
+      const int ch = ch0 + u * kWarps;
+      float p[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int t = ch * CHUNK + 2 * quad + (i & 1) + (i >> 1) * 8;
-        vv[i] = t < n_tok ? __ldg(row(value_cache, t) + grp + 8 * j) : zero;
+        p[i] = t < n_tok && grp < GPAD ? logits[t * NH + grp] : 0.f;
       }
+      const unsigned b[2] = {Mma<T>::pack(p[0], p[1]), Mma<T>::pack(p[2], p[3])};
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const unsigned w0 = word(vv[0], w), w1 = word(vv[1], w);
-        const unsigned w2 = word(vv[2], w), w3 = word(vv[3], w);
-        const unsigned a[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
-                               __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632)};
-        Mma<T>::run(o[4 * j + w], a, b);
+      for (int j = 0; j < KV2; ++j) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const unsigned w0 = word(vv[u][j][0], w), w1 = word(vv[u][j][1], w);
+          const unsigned w2 = word(vv[u][j][2], w), w3 = word(vv[u][j][3], w);
+          const unsigned a[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+                                 __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632)};
+          Mma<T>::run(o[4 * j + w], a, b);
+        }
       }
     }
+    if (ch0 + STEP < n_chunks) load_v(ch0 + STEP);
   }
   __syncthreads();  // everyone is done with the probabilities: outs reuses their memory
 

@@ -31,9 +31,16 @@ DECODE_STAGES = 0  # CUDA-core decode kernel: 0 = register loads, >= 2 = cp.asyn
 DECODE_KERNEL = "auto"
 TENSOR_CORE_DTYPES = ("__half", "__nv_bfloat16")
 TC_WARP_SOFTMAX = False  # tensor-core kernel: softmax per warp (True) or per CTA (False)
+# Tensor-core kernel: 16-token chunks a warp loads per step (UNROLL, 1-4) by head size;
+# docs/kernels.md has the measurements.
+TC_UNROLL = {64: 4, 128: 2, 256: 1}
 # Partitions merged by the decode kernel's last CTA instead of a second launch: faster with
 # a few partitions per sequence, much slower with many (one CTA merges them all), so off.
 FUSED_MERGE = False
+# choose_partition_size's long_waves: 1024-token partitions when the grid fits one wave or
+# spans at least this many (per kernel; docs/kernels.md has the sweeps).
+TC_LONG_WAVES = 2
+CUDA_CORE_LONG_WAVES = 8
 ATTENTION_THREADS = 128  # kThreads in paged_attention.cu
 ATTENTION_WARPS = ATTENTION_THREADS // 32
 COPY_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
@@ -69,14 +76,19 @@ def decode_name(
     stages: int,
     kernel: str,
     warp_softmax: bool | None = None,
+    unroll: int | None = None,
 ) -> str:
     """``warp_softmax``: the tensor-core kernel's softmax per warp instead of per CTA
-    (``WARP_SOFTMAX``; None: ``TC_WARP_SOFTMAX``)."""
+    (``WARP_SOFTMAX``; None: ``TC_WARP_SOFTMAX``); ``unroll``: its chunks per warp step
+    (``UNROLL``; None: ``TC_UNROLL`` for the head size)."""
     if resolve_kernel(kernel, dtype, head, gpad) == "tensor_core":
         ws = TC_WARP_SOFTMAX if warp_softmax is None else warp_softmax
+        un = TC_UNROLL.get(head, 1) if unroll is None else unroll
+        if not 1 <= un <= 4:
+            raise ValueError(f"tensor-core unroll must be 1 to 4 chunks, got {un}")
         return (
             f"streamkv::paged_attention_decode_tc_kernel<{dtype}, {head}, {block}, {gpad}, "
-            f"{'true' if ws else 'false'}>"
+            f"{'true' if ws else 'false'}, {un}>"
         )
     return f"streamkv::paged_attention_decode_kernel<{dtype}, {head}, {block}, {gpad}, {stages}>"
 
@@ -92,6 +104,7 @@ def attention_names(
     gpads=GROUP_PADS,
     stages: int | None = None,
     warp_softmax: bool | None = None,
+    unroll: int | None = None,
 ) -> tuple[str, ...]:
     """Name expressions of one attention program: the CUDA-core decode kernel for each of
     ``gpads``, the tensor-core one where the dtype and head size allow (``gpads`` of 2 or
@@ -100,7 +113,8 @@ def attention_names(
     names = [decode_name(dtype, head, block, g, stages, "cuda_core") for g in gpads]
     if tensor_core_ok(dtype, head):
         names += [
-            decode_name(dtype, head, block, g, stages, "tensor_core", warp_softmax) for g in gpads
+            decode_name(dtype, head, block, g, stages, "tensor_core", warp_softmax, unroll)
+            for g in gpads
         ]
     names.append(reduce_name(dtype, head))
     return tuple(names)
@@ -136,14 +150,17 @@ def _attention_kernels(
     stages: int,
     kernel: str,
     warp_softmax: bool | None,
+    unroll: int | None,
     device: int,
 ) -> tuple[str, nvrtc.Kernel, nvrtc.Kernel]:
     """(resolved kernel kind, decode kernel, merge kernel) for one variant on one device:
     looked up once, not on every layer's call."""
     kind = resolve_kernel(kernel, dtype, head, gpad)
-    names = attention_names(dtype, head, block, (gpad,), stages, warp_softmax)
+    names = attention_names(dtype, head, block, (gpad,), stages, warp_softmax, unroll)
     module = _module(ATTENTION_SOURCE, names, torch.device("cuda", device))
-    decode = module.kernel(decode_name(dtype, head, block, gpad, stages, kind, warp_softmax))
+    decode = module.kernel(
+        decode_name(dtype, head, block, gpad, stages, kind, warp_softmax, unroll)
+    )
     return kind, decode, module.kernel(reduce_name(dtype, head))
 
 
@@ -172,6 +189,7 @@ def choose_partition_size(
     block_size: int,
     shared_mem: Callable[[int], int],
     device: torch.device,
+    long_waves: int = 8,
 ) -> int:
     """Longest partition that still fills most of the GPU's CTA slots.
 
@@ -179,8 +197,9 @@ def choose_partition_size(
     and keep the merge small; short ones keep multiprocessors busy when there are few
     sequences. The rule, from the sweeps of benchmarks/bench_kernels.py on an H200: the
     longest size whose grid is at least 3/4 of a wave; 1024 only when its grid fits one wave
-    (one partition per sequence, no merge) or spans 8 or more, since between those 512's finer
-    grain balanced the multiprocessors better.
+    (one partition per sequence, no merge) or spans ``long_waves`` or more, since between
+    those 512's finer grain balanced the multiprocessors better (8 for the CUDA-core kernel;
+    2 for the tensor-core kernel, whose 1024-token CTAs were as fast or faster from 2 waves).
     """
     sizes = [p for p in PARTITION_SIZES if p % block_size == 0]
     index = _device_index(device)
@@ -189,7 +208,7 @@ def choose_partition_size(
         ctas = ctas_per_partition * -(-max_context_len // p)
         if 4 * ctas < 3 * slots:
             continue
-        if p > 512 and slots < ctas < 8 * slots:
+        if p > 512 and slots < ctas < long_waves * slots:
             continue
         return p
     return sizes[-1]
@@ -249,10 +268,11 @@ def paged_attention_decode(
     fused_merge: bool = FUSED_MERGE,
     kernel: str = DECODE_KERNEL,
     warp_softmax: bool | None = None,
+    unroll: int | None = None,
 ) -> torch.Tensor:
     """``partition_size`` (tokens per CTA), ``out`` (cache dtype, [seqs, heads, head]),
-    ``stages``, ``fused_merge``, ``kernel`` and ``warp_softmax`` are for tests and
-    benchmarks; ops.py leaves them be."""
+    ``stages``, ``fused_merge``, ``kernel``, ``warp_softmax`` and ``unroll`` are for tests
+    and benchmarks; ops.py leaves them be."""
     num_seqs, num_heads, head = query.shape
     _, num_kv_heads, block_size, cache_head = key_cache.shape
     dtype = key_cache.dtype
@@ -295,6 +315,7 @@ def paged_attention_decode(
         stages,
         kernel,
         warp_softmax,
+        unroll,
         _device_index(query.device),
     )
     if partition_size is None:
@@ -305,6 +326,7 @@ def paged_attention_decode(
             block_size,
             lambda p: attention_smem(p, gpad, head, dtype, stages, kernel),
             query.device,
+            TC_LONG_WAVES if kernel == "tensor_core" else CUDA_CORE_LONG_WAVES,
         )
     if partition_size % block_size or not 0 < partition_size <= PARTITION_SIZES[0]:
         raise ValueError(f"partition size {partition_size} vs block size {block_size}")

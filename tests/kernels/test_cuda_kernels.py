@@ -35,6 +35,10 @@ STAGE_CASES = ((torch.bfloat16, 128), (torch.float32, 256), (torch.float16, 80))
 # "+warp_softmax": the tensor-core kernel with its per-warp softmax (the other variant than
 # the default, TC_WARP_SOFTMAX).
 KERNELS = ("tensor_core", "tensor_core+warp_softmax", "cuda_core", "auto")
+# The tensor-core kernel's chunks per warp step (UNROLL).
+TC_UNROLLS = (1, 2, 3, 4)
+TC_DTYPES = (torch.float16, torch.bfloat16)
+TC_HEADS = ((64, 8), (128, 16), (256, 32))  # (head size, block size)
 
 
 def kernel_kwargs(kernel: str) -> dict:
@@ -75,6 +79,16 @@ def _precompile():
         )
         for d, h in STAGE_CASES
         for st in RING_DEPTHS
+    ]
+    jobs += [
+        (
+            cuda_ops.ATTENTION_SOURCE,
+            cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[d], h, b, (g,), None, None, u),
+        )
+        for d in TC_DTYPES
+        for h, b in TC_HEADS
+        for g in (4, 8)
+        for u in TC_UNROLLS
     ]
     jobs.append((cuda_ops.CACHE_OPS_SOURCE, cuda_ops.cache_ops_names()))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
@@ -141,6 +155,7 @@ def attention_case(
     stages: int | None = None,
     fused_merge: bool | None = None,
     kernel: str | None = None,
+    unroll: int | None = None,
 ) -> float:
     from streamkv.kernels import cuda_ops
 
@@ -161,6 +176,8 @@ def attention_case(
         extra["fused_merge"] = fused_merge
     if kernel is not None:
         extra.update(kernel_kwargs(kernel))
+    if unroll is not None:
+        extra["unroll"] = unroll
     cuda_ops.paged_attention_decode(
         query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out, **extra
     )
@@ -209,6 +226,28 @@ def test_decode_ring_depths(dtype, head: int, stages: int) -> None:
     for kernel in ("auto", "cuda_core"):
         err = attention_case(dtype, head, 16, 8, lens, 512, stages, stages=stages, kernel=kernel)
         assert err <= TOLERANCE[dtype], f"{kernel}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("unroll", TC_UNROLLS)
+@pytest.mark.parametrize("head,block", TC_HEADS, ids=str)
+@pytest.mark.parametrize("dtype", TC_DTYPES, ids=str)
+def test_tensor_core_chunks_per_step(dtype, head: int, block: int, unroll: int) -> None:
+    # Contexts that end inside a step (partial chunks, whole chunks past the context within a
+    # step) and partitions of every size.
+    lens = [1, 17, 100, 129, 700, 1025, 1500, 2100]
+    for group, partition in ((8, 128), (4, 512), (3, 1024), (8, None)):
+        err = attention_case(
+            dtype,
+            head,
+            block,
+            group,
+            lens,
+            partition,
+            unroll * 10 + group + head,
+            kernel="tensor_core",
+            unroll=unroll,
+        )
+        assert err <= TOLERANCE[dtype], f"group {group}: relative error {err:.2e}"
 
 
 def test_tensor_core_kernel_only_where_it_applies() -> None:

@@ -47,6 +47,17 @@ def test_attention_variants_compile(dtype: str, arch: int, fresh_cache) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_core_step_variants_compile(arch: int, fresh_cache) -> None:
+    # Every chunks-per-step choice of the tensor-core kernel, not only the defaults
+    # (tests/kernels/test_cuda_kernels.py runs them), at the largest head size.
+    names = tuple(
+        cuda_ops.decode_name("__nv_bfloat16", 256, 16, 8, 0, "tensor_core", False, u)
+        for u in (1, 2, 3, 4)
+    )
+    _assert_complete(nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, arch), names)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cache_ops_compile(arch: int, fresh_cache) -> None:
     names = cuda_ops.cache_ops_names()
     _assert_complete(nvrtc.compile_program(cuda_ops.CACHE_OPS_SOURCE, names, arch), names)

@@ -1,0 +1,54 @@
+"""The decode kernels' partition-size rule, on a made-up GPU (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.bindings.driver")
+
+from streamkv.kernels import cuda_ops  # noqa: E402
+
+SMS = 132
+
+
+class FakeKernel:
+    def __init__(self, per_sm: int) -> None:
+        self.per_sm = per_sm
+
+    def occupancy(self, threads: int, smem: int) -> int:
+        return self.per_sm
+
+
+@pytest.fixture(autouse=True)
+def h200_like(monkeypatch):
+    monkeypatch.setattr(cuda_ops, "_sm_count", lambda index: SMS)
+    monkeypatch.setattr(cuda_ops, "_device_index", lambda device: 0)
+
+
+def choose(per_sm: int, columns: int, context: int, long_waves: int, block: int = 16) -> int:
+    return cuda_ops.choose_partition_size(
+        FakeKernel(per_sm), columns, context, block, lambda p: 0, torch.device("cpu"), long_waves
+    )
+
+
+@pytest.mark.parametrize(
+    "batch,context,long_waves,want",
+    [
+        (64, 1024, 2, 1024),  # 512 CTAs: under one wave of 528, one partition per sequence
+        (256, 1024, 2, 1024),  # 2048 CTAs, 3.9 waves: past the tensor-core kernel's 2
+        (256, 1024, 8, 512),  # ... but inside the CUDA-core kernel's 1-8 wave gap
+        (64, 16384, 8, 1024),  # 15.5 waves
+        (16, 1024, 2, 256),  # 128 CTAs at 1024 would idle most of the GPU: 512 at 256
+        (1, 1024, 2, 128),  # never enough CTAs: the shortest partition
+    ],
+)
+def test_partition_rule(batch: int, context: int, long_waves: int, want: int) -> None:
+    assert choose(4, batch * 8, context, long_waves) == want
+
+
+def test_tail_of_a_second_wave_is_avoided() -> None:
+    # 3 CTAs per multiprocessor (396 slots): 512 CTAs of 1024 tokens are 1.3 waves, so 512
+    # tokens (1024 CTAs) are taken even for the tensor-core kernel.
+    assert choose(3, 64 * 8, 1024, 2) == 512
+
