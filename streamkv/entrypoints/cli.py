@@ -29,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="shard the model over this many worker processes (GPUs on CUDA)")
     g.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"],
                    help="where the model runs: 'inprocess' (a thread of this process) or 'mp' "
-                        "(one process per rank); default inprocess at TP 1, mp above")
+                        "(one process per rank); default inprocess at TP 1 (mp for `serve` on "
+                        "a GPU), mp above")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode steps (on a GPU they are captured "
                         "at start-up by default; CPU runs are always eager)")
