@@ -71,7 +71,7 @@ def run(args) -> dict:
         prof.disable()
     seconds = time.perf_counter() - t
     if prof:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(20)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(25)
     return {"num_seqs": args.num_seqs, "output_len": args.output_len, "steps": steps,
             "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "profiled": bool(prof)}
 
@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--max-prompt-len", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sort", default="cumulative", help="cProfile sort key (cumulative, tottime)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     result = run(args)

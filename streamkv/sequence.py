@@ -11,32 +11,19 @@ from streamkv.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    SWAPPED = enum.auto()
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH = enum.auto()
-    FINISHED_ABORTED = enum.auto()
+    # Value: (code, finish reason or None). ``finished`` and ``finish_reason`` are plain
+    # attributes, not properties over a set: they are read several times per sequence per
+    # step, and an Enum's hash is a Python-level call.
+    WAITING = (1, None)
+    RUNNING = (2, None)
+    SWAPPED = (3, None)
+    FINISHED_STOPPED = (4, "stop")
+    FINISHED_LENGTH = (5, "length")
+    FINISHED_ABORTED = (6, "abort")
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASON.get(self)
-
-
-_FINISHED = {
-    SequenceStatus.FINISHED_STOPPED,
-    SequenceStatus.FINISHED_LENGTH,
-    SequenceStatus.FINISHED_ABORTED,
-}
-_FINISH_REASON = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-}
+    def __init__(self, code: int, reason: str | None) -> None:
+        self.finish_reason: str | None = reason
+        self.finished: bool = reason is not None
 
 
 @dataclass(slots=True)
@@ -142,8 +129,8 @@ class SequenceGroup:
     def finished(self) -> bool:
         seqs = self.seqs  # asked several times per group per step: keep the common case cheap
         if len(seqs) == 1:
-            return seqs[0].status in _FINISHED
-        return all(s.status in _FINISHED for s in seqs)
+            return seqs[0].status.finished
+        return all(s.status.finished for s in seqs)
 
 
 @dataclass

@@ -107,7 +107,9 @@ class BlockManager:
         return keys
 
     # -- growth and copy-on-write -------------------------------------------------------
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks ``ensure_slots(seq, num_new_tokens)`` would take (growth plus a
+        copy-on-write of a shared block)."""
         table = self.tables[seq.seq_id]
         first = seq.num_computed_tokens // self.block_size
         grow = max(0, _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table))
@@ -115,7 +117,7 @@ class BlockManager:
         return grow + cow
 
     def can_append_slots(self, demands: Iterable[tuple[Sequence, int]]) -> bool:
-        needed = sum(self._blocks_needed(seq, n) for seq, n in demands)
+        needed = sum(self.blocks_needed(seq, n) for seq, n in demands)
         return needed <= self.device.num_free
 
     def ensure_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:

@@ -102,8 +102,27 @@ class Scheduler:
         num_seqs = 0
         queue = deque(sorted(self.running, key=lambda g: g.arrival_time))
         self.running = []
+        bm, max_seqs = self.bm, self.config.max_num_seqs
         while queue:
             group = queue.popleft()
+            seqs = group.seqs
+            if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING:
+                # The common case, one running sequence: the general path below without its
+                # lists and generators. It falls through to that path only to preempt.
+                seq = seqs[0]
+                n = min(len(seq) - seq.num_computed_tokens, budget)
+                if n <= 0 or num_seqs >= max_seqs:
+                    self.running.append(group)
+                    continue
+                if bm.blocks_needed(seq, n) <= bm.device.num_free:
+                    copies = bm.ensure_slots(seq, n)
+                    if copies:
+                        out.copies.extend(copies)
+                    out.scheduled.append(ScheduledSeq(group, seq, n))
+                    self.running.append(group)
+                    budget -= n
+                    num_seqs += 1
+                    continue
             seqs = group.live_seqs(SequenceStatus.RUNNING)
             demands = self._demands(seqs, budget)
             if demands is None or num_seqs + len(seqs) > self.config.max_num_seqs:

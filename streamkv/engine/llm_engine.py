@@ -109,12 +109,17 @@ class LLMEngine:
         return outputs
 
     def _step_input(self, sched: SchedulerOutput) -> StepInput:
+        # Block tables go out as the block manager's own lists, not copies: the in-process
+        # worker reads them during this step only, and the multiprocess executor's encoder
+        # keeps copies of its own for its deltas.
+        tables = self.block_manager.tables
         seqs = []
         for s in sched.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            tokens = [seq.token_at(i) for i in range(start, start + s.num_new_tokens)]
-            sample = self._sample_request(s.group, seq) if s.do_sample else None
-            seqs.append(SeqInput(seq.seq_id, tokens, start, list(self.block_manager.block_table(seq)), sample))
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            tokens = [seq.token_at(start)] if n == 1 else seq.token_window(start)[:n]
+            sample = self._sample_request(s.group, seq) if start + n == len(seq) else None
+            seqs.append(SeqInput(seq.seq_id, tokens, start, tables[seq.seq_id], sample))
         return StepInput(seqs, sched.swap_in, sched.swap_out, sched.copies)
 
     def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:

@@ -32,25 +32,28 @@ class OutputProcessor:
 
     def process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         bm = self.engine.block_manager
+        mark = bm.mark_computed if bm.enable_prefix_caching else None
+        results = result.results
         touched: dict[str, SequenceGroup] = {}
+        beams: dict[str, list] = {}
         now = time.monotonic()
         for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            bm.mark_computed(s.seq)
-            touched[s.group.request_id] = s.group
-        beams: dict[str, list] = {}
-        for s in sched.scheduled:
-            res = result.results.get(s.seq.seq_id)
-            if res is None or s.seq.status.finished:
+            seq, group = s.seq, s.group
+            seq.num_computed_tokens += s.num_new_tokens
+            if mark is not None:
+                mark(seq)
+            touched[group.request_id] = group
+            res = results.get(seq.seq_id)
+            if res is None or seq.status.finished:
                 continue
-            if s.group.first_token_time is None:
-                s.group.first_token_time = now
-            if s.group.sampling_params.use_beam_search:
-                beams.setdefault(s.group.request_id, []).append((s.seq, res))
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if group.sampling_params.use_beam_search:
+                beams.setdefault(group.request_id, []).append((seq, res))
             else:
-                self._append_samples(s.group, s.seq, res)
-        for request_id, results in beams.items():
-            beam_step(self, touched[request_id], results)
+                self._append_samples(group, seq, res)
+        for request_id, group_results in beams.items():
+            beam_step(self, touched[request_id], group_results)
         for group in sched.failed:
             touched[group.request_id] = group
         self.engine.scheduler.free_finished_seqs()
@@ -60,7 +63,7 @@ class OutputProcessor:
                 group.seqs = [s for s in group.seqs if not s.status.finished]
         outputs = []
         for group in touched.values():
-            if group.finished and group.finished_time is None:
+            if group.finished_time is None and group.finished:
                 group.finished_time = now
             outputs.append(self.make_output(group))
         return outputs
@@ -122,25 +125,29 @@ class OutputProcessor:
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:
         params = group.sampling_params
+        finished = group.finished
         seqs = group.seqs
         if params.use_beam_search:
-            seqs = ranked_beams(group)
-        elif group.finished and params.best_of > params.n:
+            seqs = ranked_beams(group) if finished else group.seqs
+        elif finished and params.best_of > params.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        want_logprobs = params.logprobs is not None
+        stop = params.stop
         completions = []
-        for i, seq in enumerate(seqs if group.finished else group.seqs):
+        for i, seq in enumerate(seqs):
             text = seq.output_text
-            if not seq.status.finished and params.stop:
-                text = text[: len(text) - holdback(text, params.stop)]
+            status = seq.status
+            if stop and not status.finished:
+                text = text[: len(text) - holdback(text, stop)]
             completions.append(
                 CompletionOutput(
-                    index=i if group.finished else seq.sample_index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                    finish_reason=seq.status.finish_reason,
-                    stop_reason=seq.stop_reason,
+                    i if finished else seq.sample_index,
+                    text,
+                    seq.output_token_ids[:],
+                    seq.cumulative_logprob,
+                    seq.output_logprobs[:] if want_logprobs else None,
+                    status.finish_reason,
+                    seq.stop_reason,
                 )
             )
         metrics = {"arrival_time": group.arrival_time}
@@ -149,11 +156,11 @@ class OutputProcessor:
         if group.finished_time is not None:
             metrics["finished_time"] = group.finished_time
         return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.seqs[0].prompt_token_ids,
-            outputs=completions,
-            finished=group.finished,
-            error=group.error,
-            metrics=metrics,
+            group.request_id,
+            group.prompt,
+            group.seqs[0].prompt_token_ids,
+            completions,
+            finished,
+            group.error,
+            metrics,
         )

@@ -27,24 +27,35 @@ class EngineStats:
 
     def record_step(self, sched: SchedulerOutput) -> None:
         self.steps += 1
+        # A one-token step of a sequence that already has output is a decode (generation)
+        # token; everything else (prompts, chunks, recomputation) is prompt work.
+        generated = prompt = 0
         for s in sched.scheduled:
-            if s.do_sample and s.num_new_tokens == 1 and s.seq.output_token_ids:
-                self.num_generation_tokens += 1
+            n = s.num_new_tokens
+            if n == 1 and s.seq.output_token_ids:
+                generated += 1
             else:
-                self.num_prompt_tokens += s.num_new_tokens
+                prompt += n
+        self.num_generation_tokens += generated
+        self.num_prompt_tokens += prompt
         used = self.bm.device.num_used
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, used)
         if not self.bm.tables or (self.steps - 1) % MEMORY_SAMPLE_EVERY:
             return
         block_size = self.bm.block_size
-        fill: dict[int, int] = {}
+        tables = self.bm.tables
+        fill: dict[int, int] = {}  # block -> tokens in it (the most any sharer has written)
         for group in self.scheduler.running:
             for seq in group.seqs:
-                table = self.bm.tables.get(seq.seq_id)
+                table = tables.get(seq.seq_id)
                 if table is None:
                     continue
                 seq_len = seq.num_computed_tokens
-                for i, block in enumerate(table):
+                full = min(seq_len // block_size, len(table))
+                # Full blocks hold block_size tokens, the most there is: no comparison needed.
+                fill.update(dict.fromkeys(table[:full], block_size))
+                for i in range(full, len(table)):
+                    block = table[i]
                     filled = min(max(seq_len - i * block_size, 0), block_size)
                     if filled >= fill.get(block, 0):
                         fill[block] = filled
