@@ -27,7 +27,7 @@ PARTITION_SIZES = (1024, 512, 256, 128)  # tokens per CTA, multiples of every bl
 DECODE_STAGES = 0  # CUDA-core decode kernel: 0 = register loads, >= 2 = cp.async ring depth
 # "tensor_core" (mma.sync; fp16 / bf16 caches, head sizes that are multiples of 64) or
 # "cuda_core" (fp32 multiply-adds, every dtype and head size); "auto" takes the tensor-core
-# kernel where it applies and a CTA serves 4+ query heads (resolve_kernel). docs/kernels.md has the measurements behind the choice.
+# kernel where it applies and a CTA serves 2+ query heads (resolve_kernel). docs/kernels.md has the measurements behind the choice.
 DECODE_KERNEL = "auto"
 TENSOR_CORE_DTYPES = ("__half", "__nv_bfloat16")
 TC_WARP_SOFTMAX = False  # tensor-core kernel: softmax per warp (True) or per CTA (False)
@@ -53,13 +53,13 @@ def tensor_core_ok(dtype: str, head: int) -> bool:
 
 
 def resolve_kernel(kernel: str, dtype: str, head: int, gpad: int = 8) -> str:
-    """``auto``: the tensor-core kernel where it applies and a KV head serves 4 or more
-    query heads (padded); with 1 or 2 the CUDA-core kernel does few enough multiply-adds per
-    byte that it was faster on an H200."""
+    """``auto``: the tensor-core kernel where it applies and a KV head serves 2 or more
+    query heads (padded). With one (multi-head attention) the CUDA-core kernel does few
+    enough multiply-adds per byte to keep up, in fewer registers (docs/kernels.md)."""
     if kernel not in ("auto", "tensor_core", "cuda_core"):
         raise ValueError(f"decode kernel must be auto, tensor_core or cuda_core, got {kernel!r}")
     if kernel == "auto":
-        return "tensor_core" if tensor_core_ok(dtype, head) and gpad >= 4 else "cuda_core"
+        return "tensor_core" if tensor_core_ok(dtype, head) and gpad >= 2 else "cuda_core"
     if kernel == "tensor_core" and not tensor_core_ok(dtype, head):
         raise ValueError(
             f"the tensor-core decode kernel needs an fp16 / bf16 cache and a head size that is a "

@@ -157,9 +157,13 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        # Cached but unused blocks are returned to the driver on both sides of the count:
+        # torch.cuda.graph empties the cache when a capture starts, which made the figure
+        # negative when taken against a full cache. The graphs' private pool stays held.
         # The capture stream, the graphs and their pool belong to the current device.
         with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+            free_before = torch.cuda.mem_get_info(self.device)[0]
             pool = torch.cuda.graph_pool_handle()
             for b in reversed(self.sizes):  # largest first: the smaller ones fit in its memory
                 args = self.model_args(b)
@@ -172,7 +176,8 @@ class DecodeGraphs:
                     out = self.model(*args)
                 self._graphs[b] = (graph, out)
             torch.cuda.synchronize(self.device)
-        self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+            torch.cuda.empty_cache()
+            self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.capture_seconds = time.perf_counter() - start
         logger.info(
             "captured %d decode CUDA graphs (batch %d..%d, contexts up to %d) in %.1fs, %.0f MiB",

@@ -235,7 +235,7 @@ def test_tensor_core_chunks_per_step(dtype, head: int, block: int, unroll: int) 
     # Contexts that end inside a step (partial chunks, whole chunks past the context within a
     # step) and partitions of every size.
     lens = [1, 17, 100, 129, 700, 1025, 1500, 2100]
-    for group, partition in ((8, 128), (4, 512), (3, 1024), (8, None)):
+    for group, partition in ((8, 128), (4, 512), (3, 1024), (2, 256), (8, None)):
         err = attention_case(
             dtype,
             head,
@@ -255,7 +255,7 @@ def test_tensor_core_kernel_only_where_it_applies() -> None:
 
     assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
     assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128, gpad=1) == "cuda_core"
-    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=2) == "cuda_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=2) == "tensor_core"
     assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=4) == "tensor_core"
     assert cuda_ops.resolve_kernel("auto", "float", 128) == "cuda_core"
     assert cuda_ops.resolve_kernel("auto", "__half", 80) == "cuda_core"

@@ -1,4 +1,4 @@
-"""The decode kernels' partition-size rule, on a made-up GPU (no GPU needed)."""
+"""The decode kernels' partition-size rule and kernel choice, on a made-up GPU (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,18 @@ def test_tail_of_a_second_wave_is_avoided() -> None:
     # tokens (1024 CTAs) are taken even for the tensor-core kernel.
     assert choose(3, 64 * 8, 1024, 2) == 512
 
+
+
+def test_kernel_choice() -> None:
+    # Tensor cores for fp16 / bf16, head sizes that are multiples of 64, 2+ heads per CTA.
+    assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
+    assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128, gpad=1) == "cuda_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=2) == "tensor_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 256, gpad=8) == "tensor_core"
+    assert cuda_ops.resolve_kernel("auto", "float", 128) == "cuda_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 80) == "cuda_core"
+    assert cuda_ops.resolve_kernel("cuda_core", "__half", 128) == "cuda_core"
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cuda_ops.resolve_kernel("tensor_core", "float", 128)
+    with pytest.raises(ValueError, match="decode kernel"):
+        cuda_ops.resolve_kernel("three_pass", "__half", 128)
