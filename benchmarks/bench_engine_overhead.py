@@ -65,7 +65,7 @@ def run(args) -> dict:
     if prof:
         prof.enable()
     while engine.groups:
-        engine.step()
+        engine.step(finished_only=args.finished_only)
         steps += 1
     if prof:
         prof.disable()
@@ -73,6 +73,7 @@ def run(args) -> dict:
     if prof:
         pstats.Stats(prof).sort_stats(args.sort).print_stats(25)
     return {"num_seqs": args.num_seqs, "output_len": args.output_len, "steps": steps,
+            "finished_only": args.finished_only,
             "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "profiled": bool(prof)}
 
 
@@ -83,6 +84,8 @@ def main() -> int:
     ap.add_argument("--max-prompt-len", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--finished-only", action="store_true",
+                    help="outputs for finished requests only, as offline LLM.generate asks")
     ap.add_argument("--sort", default="cumulative", help="cProfile sort key (cumulative, tottime)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

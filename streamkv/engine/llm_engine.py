@@ -98,10 +98,13 @@ class LLMEngine:
         return next(self._seq_ids)
 
     # -- the step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One iteration. Returns an output for every request the step touched, or with
+        ``finished_only`` for those that finished (what offline generation keeps: it skips
+        building a snapshot of every running request on every step)."""
         sched = self.scheduler.schedule()
         result = self.executor.execute(self._step_input(sched)) if not sched.is_empty else StepOutput()
-        outputs = self.outputs.process(sched, result)
+        outputs = self.outputs.process(sched, result, finished_only)
         self.stats_.record_step(sched)
         for out in outputs:
             if out.finished:

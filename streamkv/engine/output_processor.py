@@ -30,7 +30,9 @@ class OutputProcessor:
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
 
-    def process(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+    def process(
+        self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False
+    ) -> list[RequestOutput]:
         bm = self.engine.block_manager
         mark = bm.mark_computed if bm.enable_prefix_caching else None
         results = result.results
@@ -63,8 +65,11 @@ class OutputProcessor:
                 group.seqs = [s for s in group.seqs if not s.status.finished]
         outputs = []
         for group in touched.values():
-            if group.finished_time is None and group.finished:
-                group.finished_time = now
+            if group.finished:
+                if group.finished_time is None:
+                    group.finished_time = now
+            elif finished_only:
+                continue
             outputs.append(self.make_output(group))
         return outputs
 

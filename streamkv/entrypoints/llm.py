@@ -124,7 +124,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="requests")
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:

@@ -119,3 +119,29 @@ def test_abort_frees_blocks(llm):
     out = engine.abort_request("to-abort")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
+
+
+def test_finished_only_steps_return_the_same_final_outputs(llm):
+    # LLM.generate steps with finished_only=True; streaming consumers take every output.
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("One, two,", "The sky is", "def f(x):")]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, stop=["\n\n"]) for n in (3, 9, 6)
+    ]
+    engine = llm.engine
+    finals: dict[str, dict] = {}
+    for mode in (False, True):
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"{mode}-{i}", None, p, prompt_token_ids=ids)
+        seen, final = [], {}
+        while engine.has_unfinished_requests():
+            outs = engine.step(finished_only=mode)
+            seen += outs
+            final.update({o.request_id.split("-")[1]: o for o in outs if o.finished})
+        assert all(o.finished for o in seen) if mode else any(not o.finished for o in seen)
+        finals[mode] = {
+            k: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+            for k, o in final.items()
+        }
+    assert finals[True] == finals[False] and len(finals[True]) == 3
+    engine.block_manager.check_no_leaks()
