@@ -30,12 +30,17 @@ class SamplingParams:
     early_stopping: bool | str = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before
+    # sampling (and before the returned logprobs, like the penalties). -100 in effect bans a
+    # token and +100 forces it.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.best_of is None:
             self.best_of = self.n
         self.verify()
@@ -76,6 +81,11 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("logit_bias", "must map non-negative integer token ids to numbers")
+            if isinstance(b, bool) or not isinstance(b, int | float) or not -100.0 <= b <= 100.0:
+                raise bad("logit_bias", "values must be numbers in [-100, 100]")
         if self.use_beam_search:
             if self.best_of < 2:
                 raise bad("best_of", "must be >= 2 with use_beam_search (it is the beam width)")

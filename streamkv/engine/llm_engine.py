@@ -77,6 +77,12 @@ class LLMEngine:
         vocab = self.executor.hf_config["vocab_size"]
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        # Token ids of the parameters index the logits in the worker: an id past the vocabulary
+        # would fail the whole batch's step, so it is refused here, for this request alone.
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
         if params.use_beam_search:
@@ -137,6 +143,7 @@ class LLMEngine:
             num_candidates=beams_to_keep(p.best_of, len(self.eos_token_ids)) if p.use_beam_search else 0,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
+            logit_bias=p.logit_bias,
         )
         if p.needs_penalties:
             req.prompt_token_ids = seq.prompt_token_ids

@@ -18,6 +18,7 @@ from streamkv.sampling_params import SamplingParams
 MAX_SAMPLES = 16  # cap on n and best_of
 MAX_LOGPROBS = 20  # cap on completions' logprobs and chat's top_logprobs
 MAX_STOP = 32  # stop strings per request
+MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 _INT64 = (-(2**63), 2**64 - 1)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -193,6 +194,25 @@ def _int_list(f: Fields, name: str) -> list[int] | None:
     return v
 
 
+def _logit_bias(f: Fields) -> dict[int, float] | None:
+    """OpenAI's form: an object whose keys are token ids as decimal strings."""
+    v = f.get("logit_bias", "dict")
+    if not v:
+        return None
+    if len(v) > MAX_LOGIT_BIAS:
+        raise f.bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens")
+    out = {}
+    for key, bias in v.items():
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18
+        tid = int(key) if digits else None
+        if tid is None:
+            raise f.bad("logit_bias", f"keys must be token ids, got {str(key)[:40]!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise f.bad("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for {str(key)[:40]!r}")
+        out[tid] = float(bias)
+    return out
+
+
 def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
     n = f.capped("n", 1, MAX_SAMPLES, 1)
     best_of = f.capped("best_of", 1, MAX_SAMPLES)
@@ -221,7 +241,7 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None, stream: b
         if early not in (True, False, "never"):
             raise f.bad("early_stopping", "must be true, false or \"never\"")
         kwargs["early_stopping"] = early
-    f.unsupported("logit_bias", allowed=({},))
+    kwargs["logit_bias"] = _logit_bias(f)
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:

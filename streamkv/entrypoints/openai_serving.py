@@ -64,6 +64,10 @@ class OpenAIServing:
         bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise APIError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in tokens if t >= info.vocab_size), None)
+            if bad is not None:
+                raise APIError(f"{name}: token id {bad} is out of range [0, {info.vocab_size})", param=name)
         want = len(ids) + (params.max_tokens or 1)
         if want > info.max_model_len:
             raise APIError(

@@ -3,7 +3,8 @@
 Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from ``p``).
 Seeded requests draw ``q`` from a generator keyed by (seed, sample index, output position),
 so a sample's random stream does not depend on the batch it runs in, nor on preemption.
-Returned logprobs are of the distribution after penalties, before temperature and filters.
+Returned logprobs are of the distribution after penalties and logit bias, before temperature
+and filters.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
         if (r.presence_penalty or r.frequency_penalty) and r.output_token_ids:
             counts = torch.bincount(torch.tensor(r.output_token_ids, device=logits.device), minlength=logits.shape[1])[: logits.shape[1]]
             logits[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0)
+        if r.logit_bias:
+            ids = torch.tensor(list(r.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(r.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if r.banned_token_ids:
             logits[i, r.banned_token_ids] = float("-inf")
 
@@ -34,7 +38,8 @@ def _filter(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
     temps = torch.tensor([r.temperature for r in reqs], device=logits.device).unsqueeze(1)
     logits = logits / temps
     if any(r.top_k > 0 for r in reqs):
-        k = torch.tensor([r.top_k if r.top_k > 0 else logits.shape[1] for r in reqs], device=logits.device)
+        vocab = logits.shape[1]  # a top_k past the vocabulary keeps every token
+        k = torch.tensor([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in reqs], device=logits.device)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(r.top_p < 1.0 for r in reqs):
@@ -92,7 +97,8 @@ class Sampler:
         chosen_lp = logprobs[row_idx, chosen]
         max_top = max((r.logprobs or 0) for r in reqs)
         max_cand = max(r.num_candidates for r in reqs)
-        top = logprobs.topk(max(max_top, max_cand), dim=-1) if max(max_top, max_cand) > 0 else None
+        k_top = min(max(max_top, max_cand), logprobs.shape[1])
+        top = logprobs.topk(k_top, dim=-1) if k_top > 0 else None
         chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
         top_vals = top.values.tolist() if top is not None else None
         top_ids = top.indices.tolist() if top is not None else None

@@ -28,6 +28,7 @@ class SampleRequest:
     prompt_token_ids: list[int] | None = None  # sent only when a penalty needs them
     output_token_ids: list[int] | None = None
     banned_token_ids: list[int] | None = None  # e.g. EOS before min_tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
 
 @dataclass(slots=True)

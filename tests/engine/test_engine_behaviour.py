@@ -145,3 +145,25 @@ def test_finished_only_steps_return_the_same_final_outputs(llm):
         }
     assert finals[True] == finals[False] and len(finals[True]) == 3
     engine.block_manager.check_no_leaks()
+
+
+def test_token_ids_past_the_vocabulary_are_refused_alone(llm):
+    # They would index the logits inside a batched step and fail every request in it.
+    ok = SamplingParams(temperature=0, max_tokens=3)
+    for bad in (
+        SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[10**6]),
+        SamplingParams(max_tokens=3, logit_bias={10**6: 1.0}),
+    ):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=bad)
+    # A top_k past the vocabulary is no filter at all, not an error.
+    big_k = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, top_k=10**6, seed=1))
+    assert len(big_k[0].outputs[0].token_ids) == 3
+    assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=ok)[0].outputs[0].token_ids) == 3
+    llm.engine.block_manager.check_no_leaks()
+
+
+def test_logit_bias_offline(llm):
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, logit_bias={42: 100.0}))
+    assert out[0].outputs[0].token_ids == [42, 42, 42, 42]

@@ -136,7 +136,28 @@ BAD_COMPLETIONS = [
     (dict(prompt="hi", extra_body={"top_k": 0}), openai.BadRequestError, "top_k"),
     (dict(prompt="hi", extra_body={"frobnicate": 1}), openai.BadRequestError, "frobnicate"),
     (dict(prompt="hi", extra_body={"max_tokens": "ten"}), openai.BadRequestError, "max_tokens"),
+    # Token ids past the vocabulary would index the logits: refused, the server lives on.
+    (dict(prompt="hi", extra_body={"stop_token_ids": [10**6], "min_tokens": 2}), openai.BadRequestError, "stop_token_ids"),
+    (dict(prompt="hi", logit_bias={"1000000": 5}), openai.BadRequestError, "logit_bias"),
+    (dict(prompt="hi", logit_bias={"12": 101}), openai.BadRequestError, "logit_bias"),
+    (dict(prompt="hi", logit_bias={"twelve": 1}), openai.BadRequestError, "logit_bias"),
 ]
+
+
+def test_logit_bias_forces_and_bans_tokens(server, client):
+    prompt = "1, 2, 3,"
+    # A large positive bias on one token makes greedy decoding repeat it.
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logit_bias={"42": 100})
+    want = httpx.post(f"{server.url}/detokenize", json={"tokens": [42, 42, 42]}).json()["prompt"]
+    assert forced.choices[0].text == want
+    # -100 on the token greedy decoding chooses first bans it.
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    first = base.choices[0].logprobs.tokens[0]
+    first_id = httpx.post(f"{server.url}/tokenize", json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    assert len(first_id) == 1
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
+                                      logit_bias={str(first_id[0]): -100})
+    assert again.choices[0].logprobs.tokens[0] != first
 
 
 @pytest.mark.parametrize("kwargs,error,param", BAD_COMPLETIONS, ids=[p for _, _, p in BAD_COMPLETIONS])

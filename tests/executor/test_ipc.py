@@ -16,7 +16,8 @@ def _roundtrip(enc: ipc.StepEncoder, dec: ipc.StepDecoder, step: StepInput) -> S
 
 def test_steps_roundtrip_through_table_deltas():
     enc, dec = ipc.StepEncoder(), ipc.StepDecoder()
-    sample = SampleRequest(num_samples=2, temperature=0.7, seed=3, prompt_token_ids=[1, 2], banned_token_ids=[0])
+    sample = SampleRequest(num_samples=2, temperature=0.7, seed=3, prompt_token_ids=[1, 2], banned_token_ids=[0],
+                           logit_bias={7: -2.5, 9: 100.0})
     steps = [
         StepInput([SeqInput(1, [5, 6, 7], 0, [4, 9], sample), SeqInput(2, [8], 20, [3, 1])], copies=[(1, 2)]),
         # seq 1 grows by a block, seq 2's last block is replaced (copy-on-write)
