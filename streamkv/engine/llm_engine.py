@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 from streamkv.config import EngineConfig
 from streamkv.core.block_manager import BlockManager
@@ -16,8 +17,8 @@ from streamkv.engine.stats import EngineStats
 from streamkv.executor.base import Executor, create_executor
 from streamkv.models.loader import load_tokenizer, resolve_max_model_len
 from streamkv.sampling_params import SamplingParams
-from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
-from streamkv.worker.messages import SampleRequest, SeqInput, StepInput, StepOutput
+from streamkv.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
+from streamkv.worker.messages import SampleRequest, SeqInput, StepFailed, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +110,31 @@ class LLMEngine:
         ``finished_only`` for those that finished (what offline generation keeps: it skips
         building a snapshot of every running request on every step)."""
         sched = self.scheduler.schedule()
-        result = self.executor.execute(self._step_input(sched)) if not sched.is_empty else StepOutput()
+        try:
+            result = self.executor.execute(self._step_input(sched)) if not sched.is_empty else StepOutput()
+        except StepFailed as e:
+            return self._fail_step(sched, e)
         outputs = self.outputs.process(sched, result, finished_only)
         self.stats_.record_step(sched)
         for out in outputs:
             if out.finished:
                 self.groups.pop(out.request_id, None)
+        return outputs
+
+    def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[RequestOutput]:
+        """The worker could not run this step: its requests end with the error (their blocks
+        freed); requests outside the step, and later steps, go on."""
+        failed = {s.group.request_id: s.group for s in sched.scheduled}
+        logger.error("a step failed; ending its %d request(s): %s", len(failed), error)
+        self.scheduler.running = [g for g in self.scheduler.running if g.request_id not in failed]
+        for group in failed.values():
+            self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED, f"the step failed: {error}")
+        outputs = []
+        for group in [*failed.values(), *sched.failed]:
+            if group.finished_time is None:
+                group.finished_time = time.monotonic()
+            outputs.append(self.outputs.make_output(group))
+            self.groups.pop(group.request_id, None)
         return outputs
 
     def _step_input(self, sched: SchedulerOutput) -> StepInput:

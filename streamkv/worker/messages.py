@@ -56,6 +56,12 @@ class SampleResult:
     candidates: list[tuple[int, float]] | None = None  # beam search
 
 
+class StepFailed(Exception):
+    """The model or the sampler raised during a step, after the step's swaps and copies were
+    done, and the device is still usable: the engine fails that step's requests and goes on.
+    (Raised by an in-process worker; a worker process reports any error and exits.)"""
+
+
 @dataclass(slots=True)
 class StepOutput:
     results: dict[int, SampleResult] = field(default_factory=dict)  # seq_id -> result

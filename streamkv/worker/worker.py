@@ -11,7 +11,7 @@ from streamkv.config import EngineConfig
 from streamkv.models.loader import load_config, resolve_max_model_len, resolve_model_dir
 from streamkv.models.registry import build_model
 from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from streamkv.worker.messages import StepInput, StepOutput
+from streamkv.worker.messages import StepFailed, StepInput, StepOutput
 from streamkv.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -119,4 +119,12 @@ class Worker:
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
         self.cache.copy(step.copies)
-        return self.runner.execute(step.seqs, self.cache.device_cache)
+        try:
+            return self.runner.execute(step.seqs, self.cache.device_cache)
+        except Exception as e:
+            if self.device.type == "cuda":
+                try:  # a kernel fault is sticky: then nothing on this device can go on
+                    torch.cuda.synchronize(self.device)
+                except Exception:
+                    raise e from None
+            raise StepFailed(f"{type(e).__name__}: {e}") from e
