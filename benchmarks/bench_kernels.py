@@ -326,7 +326,12 @@ def bench_attention(
     while time.perf_counter() < t_end:
         default()
         torch.cuda.synchronize()
-    default_ms = [gpu_time_ms(default, iters) / sets]
+    default_ms: list[float] = []
+
+    def time_default() -> None:
+        default_ms.append(gpu_time_ms(default, iters) / sets)
+
+    time_default()
     row["ours_eager_us"] = gpu_time_ms(default, iters, graph=False) / sets * 1e3
     row["ours_idle_stream_us"] = gpu_time_ms(default, iters, busy=False) / sets * 1e3
     if sweep:  # kernel x merge x partition size (None: the automatic choice), ring depths
@@ -371,7 +376,7 @@ def bench_attention(
             "of_copy_bw": io_bytes / best[0] / 1e3 / copy_gbs,
         }
 
-    default_ms.append(gpu_time_ms(default, iters) / sets)
+    time_default()
 
     # SDPA on contiguous copies of exactly the same K/V.
     contiguous = []
@@ -392,7 +397,7 @@ def bench_attention(
         row[f"sdpa_{name}_us"] = sdpa_ms * 1e3
         if best is None or sdpa_ms < best[0]:
             best = (sdpa_ms, name, ref_out)
-    default_ms.append(gpu_time_ms(default, iters) / sets)
+    time_default()
     ms = statistics.median(default_ms)
     row.update(
         ours_us=ms * 1e3, ours_gbs=io_bytes / ms / 1e6, ours_each_us=[t * 1e3 for t in default_ms]

@@ -115,11 +115,7 @@ class Scheduler:
                     self.running.append(group)
                     continue
                 if bm.blocks_needed(seq, n) <= bm.device.num_free:
-                    copies = bm.ensure_slots(seq, n)
-                    if copies:
-                        out.copies.extend(copies)
-                    out.scheduled.append(ScheduledSeq(group, seq, n))
-                    self.running.append(group)
+                    self._schedule_group(group, ((seq, n),), out)
                     budget -= n
                     num_seqs += 1
                     continue

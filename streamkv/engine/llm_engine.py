@@ -17,10 +17,18 @@ from streamkv.engine.stats import EngineStats
 from streamkv.executor.base import Executor, create_executor
 from streamkv.models.loader import load_tokenizer, resolve_max_model_len
 from streamkv.sampling_params import SamplingParams
-from streamkv.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
+from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
 from streamkv.worker.messages import SampleRequest, SeqInput, StepFailed, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
+
+
+class InvalidParameter(ValueError):
+    """A request refused at admission because of one sampling parameter (``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class LLMEngine:
@@ -83,7 +91,7 @@ class LLMEngine:
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
+                raise InvalidParameter(name, f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
         if params.use_beam_search:
@@ -126,9 +134,9 @@ class LLMEngine:
         freed); requests outside the step, and later steps, go on."""
         failed = {s.group.request_id: s.group for s in sched.scheduled}
         logger.error("a step failed; ending its %d request(s): %s", len(failed), error)
-        self.scheduler.running = [g for g in self.scheduler.running if g.request_id not in failed]
-        for group in failed.values():
-            self.scheduler.finish_group(group, SequenceStatus.FINISHED_ABORTED, f"the step failed: {error}")
+        for request_id, group in failed.items():
+            self.scheduler.abort(request_id)
+            group.error = f"the step failed: {error}"
         outputs = []
         for group in [*failed.values(), *sched.failed]:
             if group.finished_time is None:
@@ -147,7 +155,7 @@ class LLMEngine:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             tokens = [seq.token_at(start)] if n == 1 else seq.token_window(start)[:n]
-            sample = self._sample_request(s.group, seq) if start + n == len(seq) else None
+            sample = self._sample_request(s.group, seq) if s.do_sample else None
             seqs.append(SeqInput(seq.seq_id, tokens, start, tables[seq.seq_id], sample))
         return StepInput(seqs, sched.swap_in, sched.swap_out, sched.copies)
 

@@ -33,8 +33,7 @@ class OutputProcessor:
     def process(
         self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False
     ) -> list[RequestOutput]:
-        bm = self.engine.block_manager
-        mark = bm.mark_computed if bm.enable_prefix_caching else None
+        mark = self.engine.block_manager.mark_computed
         results = result.results
         touched: dict[str, SequenceGroup] = {}
         beams: dict[str, list] = {}
@@ -42,8 +41,7 @@ class OutputProcessor:
         for s in sched.scheduled:
             seq, group = s.seq, s.group
             seq.num_computed_tokens += s.num_new_tokens
-            if mark is not None:
-                mark(seq)
+            mark(seq)
             touched[group.request_id] = group
             res = results.get(seq.seq_id)
             if res is None or seq.status.finished:

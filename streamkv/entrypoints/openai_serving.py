@@ -64,10 +64,6 @@ class OpenAIServing:
         bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise APIError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
-        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = next((t for t in tokens if t >= info.vocab_size), None)
-            if bad is not None:
-                raise APIError(f"{name}: token id {bad} is out of range [0, {info.vocab_size})", param=name)
         want = len(ids) + (params.max_tokens or 1)
         if want > info.max_model_len:
             raise APIError(
@@ -100,8 +96,8 @@ class OpenAIServing:
             for r in results:
                 if isinstance(r, RequestStream):
                     self.engine.abort(r.request_id)
-            if isinstance(errors[0], ValueError):
-                raise APIError(str(errors[0])) from None
+            if isinstance(errors[0], ValueError):  # the engine refused it (InvalidParameter names the field)
+                raise APIError(str(errors[0]), param=getattr(errors[0], "param", None)) from None
             raise errors[0]
         return results, notify
 

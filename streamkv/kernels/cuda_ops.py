@@ -107,8 +107,8 @@ def attention_names(
     unroll: int | None = None,
 ) -> tuple[str, ...]:
     """Name expressions of one attention program: the CUDA-core decode kernel for each of
-    ``gpads``, the tensor-core one where the dtype and head size allow (``gpads`` of 2 or
-    more), and the reduce."""
+    ``gpads``, the tensor-core one for each of them where the dtype and head size allow, and
+    the reduce."""
     stages = DECODE_STAGES if stages is None else stages
     names = [decode_name(dtype, head, block, g, stages, "cuda_core") for g in gpads]
     if tensor_core_ok(dtype, head):

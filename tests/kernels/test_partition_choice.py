@@ -59,6 +59,7 @@ def test_kernel_choice() -> None:
     assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
     assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128, gpad=1) == "cuda_core"
     assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=2) == "tensor_core"
+    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=4) == "tensor_core"
     assert cuda_ops.resolve_kernel("auto", "__half", 256, gpad=8) == "tensor_core"
     assert cuda_ops.resolve_kernel("auto", "float", 128) == "cuda_core"
     assert cuda_ops.resolve_kernel("auto", "__half", 80) == "cuda_core"
