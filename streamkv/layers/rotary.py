@@ -1,5 +1,6 @@
 """Rotary position embeddings (non-interleaved halves, as in Hugging Face Llama), with the
-``llama3`` frequency scaling used by Llama 3.1+."""
+``llama3`` frequency scaling used by Llama 3.1+. The scaling lives in the cos/sin tables;
+the rotation itself is ``kernels/fused.rotary_embedding``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 
 import torch
 from torch import nn
+
+from streamkv.kernels import fused
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -50,14 +53,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; rotated in their dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        """q: [T, Hq, D], k: [T, Hk, D], rotated in place in their dtype (one kernel on
+        CUDA, kernels/fused.py); returns them."""
+        fused.rotary_embedding(positions, q, k, self.cos, self.sin)
+        return q, k

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamkv.layers.activation import SiluAndMul
 from streamkv.layers.attention import AttentionMetadata, PagedAttention
 from streamkv.layers.linear import ParallelLinear
 from streamkv.layers.norm import RMSNorm
@@ -64,7 +65,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k)  # in place, in the q/k/v projection's output
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.view(t, q_size))
 
@@ -74,10 +75,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ParallelLinear(s.hidden_size, [s.intermediate_size] * 2, bias=bias, **kw)
         self.down_proj = ParallelLinear(s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,9 +91,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.norm_eps, **dd)
         self.mlp = LlamaMLP(s, mlp_bias, **kw)
 
-    def forward(self, positions, x, kv_cache, meta, rotary):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, kv_cache, meta, rotary):
+        """Returns (this layer's MLP output, the residual stream before it is added): the
+        next norm adds the two, fused (vLLM's layout). The first layer gets residual None."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta, rotary)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -117,10 +125,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, theta, scaling, device=device)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv, meta, self.rotary)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv, meta, self.rotary)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

@@ -64,14 +64,25 @@ class OPTDecoderLayer(nn.Module):
         self.fc2 = ParallelLinear(s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw)
         self.final_layer_norm = LayerNorm(s.hidden_size, **ln)
 
-    def forward(self, x: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.self_attn_layer_norm(x) if self.pre_norm else x
-        x = x + self.self_attn(h, kv_cache, meta)
-        if not self.pre_norm:
-            x = self.self_attn_layer_norm(x)
-        h = self.final_layer_norm(x) if self.pre_norm else x
-        x = x + self.fc2(self.act(self.fc1(h)))
-        return x if self.pre_norm else self.final_layer_norm(x)
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(h)))  # fc1's bias is in its GEMM
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pre-LN: returns (the MLP output, the residual stream before it is added), the next
+        norm adding the two, fused (as the Llama layers do); the first layer gets residual
+        None. Post-LN: returns (the layer's normalised output, None)."""
+        if not self.pre_norm:  # x = LN(x + attn(x)); x = LN(x + mlp(x))
+            h, _ = self.self_attn_layer_norm(self.self_attn(x, kv_cache, meta), x)
+            out, _ = self.final_layer_norm(self._mlp(h), h)
+            return out, None
+        if residual is None:
+            residual, h = x, self.self_attn_layer_norm(x)
+        else:
+            h, residual = self.self_attn_layer_norm(x, residual)
+        h, residual = self.final_layer_norm(self.self_attn(h, kv_cache, meta), residual)
+        return self._mlp(h), residual
 
 
 class OPTForCausalLM(nn.Module):
@@ -112,10 +123,13 @@ class OPTForCausalLM(nn.Module):
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, kv, meta)
+            x, residual = layer(x, residual, kv, meta)
         if self.final_layer_norm is not None:
-            x = self.final_layer_norm(x)
+            x = self.final_layer_norm(x) if residual is None else self.final_layer_norm(x, residual)[0]
+        elif residual is not None:
+            x = residual + x
         if self.project_out is not None:
             x = self.project_out(x)
         return x
