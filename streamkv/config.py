@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+# How the KV pool is handed out. "paged" is the engine; the orca-* policies are the paper's
+# contiguous-reservation baselines (core/contiguous.py), for benchmarks only.
+KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 EXECUTOR_BACKENDS = ("inprocess", "mp")
 
 
@@ -17,8 +20,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space: float = 2.0  # GiB for the KV pool when the model runs on the CPU
+    kv_allocation: str = "paged"  # benchmark baselines: see KV_ALLOCATIONS
 
     def verify(self) -> None:
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}.")
+        if self.kv_allocation != "paged" and self.enable_prefix_caching:
+            raise ValueError(f"kv_allocation {self.kv_allocation!r} has no prefix cache: turn prefix "
+                             "caching off (enable_prefix_caching=False, --no-enable-prefix-caching).")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

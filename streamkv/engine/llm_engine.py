@@ -8,7 +8,7 @@ import logging
 import time
 
 from streamkv.config import EngineConfig
-from streamkv.core.block_manager import BlockManager
+from streamkv.core.contiguous import create_block_manager
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine.beam_search import BeamState, beams_to_keep
 from streamkv.engine.detokenizer import Detokenizer
@@ -52,14 +52,14 @@ class LLMEngine:
         if num_device < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
         executor.init_cache(num_device, num_cpu)
-        self.block_manager = BlockManager(
-            config.cache.block_size, num_device, num_cpu, config.cache.enable_prefix_caching
+        self.block_manager = create_block_manager(
+            config.cache, num_device, num_cpu, config.scheduler.max_model_len
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = eos_ids(self.tokenizer, hf, executor.model_dir)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.outputs = OutputProcessor(self, self.detokenizer, self.eos_token_ids)
-        self.stats_ = EngineStats(self.block_manager, self.scheduler)
+        self.stats_ = EngineStats(self.block_manager, self.scheduler, config.scheduler.max_model_len)
         self._seq_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)

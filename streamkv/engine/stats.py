@@ -1,21 +1,90 @@
 """Engine counters and time-averaged memory figures (the paper's utilization and sharing
 metrics). Counters are exact; the memory figures walk every running sequence's block table,
 O(blocks) Python work, so they are sampled every ``MEMORY_SAMPLE_EVERY`` steps (the first
-step included) rather than on the step path every time."""
+step included) rather than on the step path every time.
+
+KV waste (the paper's Fig 2): at each sample every slot that requests hold, plus the free
+slots that fragmentation makes unusable, falls into one of four kinds:
+
+    token      holds a computed token's K/V (a shared block counts once)
+    reserved   held for a token the request will still write
+    internal   held but never written: a block's tail past the request's final length, or
+               a contiguous reservation larger than the request
+    external   free, but outside the largest free run: a contiguous run that the largest
+               hole cannot take cannot use it either (always 0 for paged allocation)
+
+A request's slots that will ever be written are its final length minus one (the last
+sampled token's K/V is never computed); the final length is prompt + max_tokens (within
+max_model_len), and the benchmarks send ignore_eos with max_tokens = the true output, so
+there it is exact. Shares are averaged
+over the sampled steps. Also averaged, over every step that ran something: the number of
+requests batched together (the paper's Fig 13).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from streamkv.core.block_manager import BlockManager
+from streamkv.core.contiguous import ContiguousBlockManager, final_len
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.sequence import SequenceGroup
 
 # 256 sequences of 1k tokens are 16k table entries: a few ms of Python, against a decode step
 # of ~10 ms on an H200 with CUDA graphs. Every 8th step keeps the average within reach.
 MEMORY_SAMPLE_EVERY = 8
 
 
+WASTE_KINDS = ("token", "reserved", "internal", "external")
+
+
+@dataclass(slots=True)
+class KVWaste:
+    """KV slots by what they hold at one step (see the module docstring)."""
+
+    token: int = 0
+    reserved: int = 0
+    internal: int = 0
+    external: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.token + self.reserved + self.internal + self.external
+
+    def shares(self) -> dict[str, float]:
+        total = self.total
+        return {k: getattr(self, k) / total if total else 0.0 for k in WASTE_KINDS}
+
+
+def contiguous_waste(bm: ContiguousBlockManager, groups: list[SequenceGroup], max_model_len: int) -> KVWaste:
+    """O(sequences): a run's slots split by arithmetic. A forked child not yet bound reads
+    its parent's run; the run it will take is a spare, counted as reserved."""
+    bs, w = bm.block_size, KVWaste()
+    for group in groups:
+        for seq in group.seqs:
+            run = bm.runs.get(seq.seq_id)
+            if run is None:
+                continue
+            slots = run.num_blocks * bs
+            written = min(final_len(len(seq.prompt_token_ids), group.sampling_params, max_model_len) - 1, slots)
+            w.token += seq.num_computed_tokens
+            w.reserved += max(written - seq.num_computed_tokens, 0)
+            w.internal += slots - max(written, seq.num_computed_tokens)
+    w.reserved += bm.spare_blocks() * bs
+    w.external = bm.external_fragmentation_blocks() * bs
+    return w
+
+
 class EngineStats:
-    def __init__(self, bm: BlockManager, scheduler: Scheduler) -> None:
+    def __init__(self, bm: BlockManager | ContiguousBlockManager, scheduler: Scheduler,
+                 max_model_len: int | None = None) -> None:
         self.bm, self.scheduler = bm, scheduler
+        # None: final lengths are not capped by the context (tests without a config).
+        self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
+        self.waste_share_sums = dict.fromkeys(WASTE_KINDS, 0.0)
+        self.waste_samples = 0
+        self.batched_requests_sum = 0
+        self.batched_steps = 0
         self.peak_kv_blocks_used = 0
         self.steps = 0
         self._util_sum = 0.0
@@ -29,13 +98,20 @@ class EngineStats:
         self.steps += 1
         # A one-token step of a sequence that already has output is a decode (generation)
         # token; everything else (prompts, chunks, recomputation) is prompt work.
-        generated = prompt = 0
+        generated = prompt = requests = 0
+        last_group = None
         for s in sched.scheduled:
             n = s.num_new_tokens
             if n == 1 and s.seq.output_token_ids:
                 generated += 1
             else:
                 prompt += n
+            if s.group is not last_group:  # a group's sequences are scheduled side by side
+                requests += 1
+                last_group = s.group
+        if requests:
+            self.batched_requests_sum += requests
+            self.batched_steps += 1
         self.num_generation_tokens += generated
         self.num_prompt_tokens += prompt
         used = self.bm.device.num_used
@@ -45,6 +121,7 @@ class EngineStats:
         block_size = self.bm.block_size
         tables = self.bm.tables
         fill: dict[int, int] = {}  # block -> tokens in it (the most any sharer has written)
+        will: dict[int, int] = {}  # partly filled block -> slots any sharer will ever write
         for group in self.scheduler.running:
             for seq in group.seqs:
                 table = tables.get(seq.seq_id)
@@ -54,11 +131,18 @@ class EngineStats:
                 full = min(seq_len // block_size, len(table))
                 # Full blocks hold block_size tokens, the most there is: no comparison needed.
                 fill.update(dict.fromkeys(table[:full], block_size))
+                if full == len(table):
+                    continue
+                final = final_len(len(seq.prompt_token_ids), group.sampling_params, self.max_model_len) - 1
                 for i in range(full, len(table)):
                     block = table[i]
                     filled = min(max(seq_len - i * block_size, 0), block_size)
                     if filled >= fill.get(block, 0):
                         fill[block] = filled
+                    written = min(max(final - i * block_size, 0), block_size)
+                    if written > will.get(block, 0):
+                        will[block] = written
+        self._record_waste(fill, will)
         if fill:
             self._util_sum += sum(fill.values()) / (len(fill) * block_size)
             self._util_steps += 1
@@ -67,8 +151,28 @@ class EngineStats:
             self._saving_sum += 1 - len(fill) / logical
             self._saving_steps += 1
 
+    def _record_waste(self, fill: dict[int, int], will: dict[int, int]) -> None:
+        if isinstance(self.bm, ContiguousBlockManager):
+            waste = contiguous_waste(self.bm, self.scheduler.running, self.max_model_len)
+        else:
+            bs = self.bm.block_size
+            token = sum(fill.values())
+            internal = sum(bs - max(w, fill[b]) for b, w in will.items())
+            waste = KVWaste(token, len(fill) * bs - token - internal, internal, 0)
+        if waste.total == 0:
+            return
+        for kind, share in waste.shares().items():
+            self.waste_share_sums[kind] += share
+        self.waste_samples += 1
+
+    def waste_shares(self) -> dict[str, float]:
+        """Time-averaged share of the held KV memory of each kind (0s before any sample)."""
+        n = self.waste_samples
+        return {k: v / n if n else 0.0 for k, v in self.waste_share_sums.items()}
+
     def as_dict(self) -> dict:
         bm = self.bm
+        shares = self.waste_shares()
         return {
             "num_kv_blocks": bm.device.num_blocks,
             "num_free_kv_blocks": bm.device.num_free,
@@ -89,4 +193,12 @@ class EngineStats:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
+            "kv_allocation": getattr(bm, "policy", "paged"),
+            **{f"kv_{kind}_share": shares[kind] for kind in WASTE_KINDS},
+            # Raw sums and counts, so a client can average over its own window (differences).
+            "kv_waste_share_sums": dict(self.waste_share_sums),
+            "kv_waste_samples": self.waste_samples,
+            "avg_batched_requests": self.batched_requests_sum / self.batched_steps if self.batched_steps else 0.0,
+            "batched_requests_sum": self.batched_requests_sum,
+            "batched_steps": self.batched_steps,
         }

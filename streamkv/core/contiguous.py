@@ -1,0 +1,334 @@
+"""The paper's baselines: Orca-style contiguous KV reservations behind the BlockManager's
+interface. Benchmark use only (``kv_allocation`` / ``--kv-allocation``): they exist so that a
+run can swap the memory manager and keep everything else (scheduler, workers, kernels).
+
+At admission a request reserves one contiguous run of KV slots per sequence, sized by the
+policy, and keeps it until it ends:
+
+    orca-max     max_model_len slots
+    orca-pow2    the next power of two of prompt + output (capped at max_model_len)
+    orca-oracle  exactly prompt + output
+
+"Output" is the length the request will reach: ``max_tokens`` (capped so the sequence fits
+max_model_len). The benchmark harness sends every request with ``ignore_eos`` and
+``max_tokens`` = the workload's true output length, so this *is* the oracle's knowledge;
+a request that stops early (EOS, a stop string) leaves the rest of its run unused, which the
+waste accounting counts as internal fragmentation, as it would be in Orca.
+
+Why no new kernels: the slot space is the block pool itself, laid out in block-id order, and
+a reservation is a run of consecutive block ids ``[start, start + k)``. A sequence's block
+table is the prefix of its run that it has reached, so ``block_table[i] = start + i`` and the
+flat slot of token t is ``start * block_size + t``: one contiguous span, read by the same
+paged kernels. The only cost of this encoding is that runs start on block boundaries and are
+whole blocks (up to ``block_size - 1`` slots of rounding per sequence, counted as internal
+fragmentation; block size 1 makes reservations exact). Free space is managed by a real
+first-fit allocator over block ids, so holes between runs (external fragmentation) form as
+they would in any contiguous allocator.
+
+Parallel sampling and beam search: a group reserves ``best_of`` runs at admission (one per
+sequence it will hold), as Orca must. A forked child first reads its parent's blocks (no KV
+is written between a fork and the next step); on its first ``ensure_slots`` it takes one of
+the group's spare runs and the parent's blocks are copied into it (returned as block copies,
+the same path copy-on-write uses). The copies run before the step's forward pass, and a
+group's sequences are always scheduled together, so the parent's next write comes after.
+
+Reservations cover every token a request can reach, so these managers never need a slot
+mid-request and the scheduler never preempts for them; swapping is not offered.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from streamkv.config import CacheConfig
+from streamkv.core.block_manager import AllocStatus, BlockManager
+from streamkv.core.block_pool import BlockPool, NoFreeBlocksError
+from streamkv.sampling_params import SamplingParams
+from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
+
+ORCA_POLICIES = ("orca-max", "orca-pow2", "orca-oracle")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def final_len(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
+    """Tokens a sequence holds when it ends by length (prompt + max_tokens, within the
+    context). With ``ignore_eos`` this is the length it will reach."""
+    if params.max_tokens is None:
+        return max(max_model_len, prompt_len)
+    return min(prompt_len + params.max_tokens, max(max_model_len, prompt_len))
+
+
+def reservation_slots(policy: str, final: int, max_model_len: int) -> int:
+    if policy == "orca-max":
+        return max(max_model_len, final)
+    if policy == "orca-pow2":
+        return min(1 << (final - 1).bit_length(), max(max_model_len, final))
+    if policy == "orca-oracle":
+        return final
+    raise ValueError(f"unknown contiguous policy {policy!r}; expected one of {ORCA_POLICIES}")
+
+
+@dataclass(slots=True)
+class Run:
+    """A reservation: consecutive block ids ``[start, start + num_blocks)``."""
+
+    start: int
+    num_blocks: int
+
+    def blocks(self, n: int | None = None) -> list[int]:
+        return list(range(self.start, self.start + (self.num_blocks if n is None else n)))
+
+
+class FirstFitAllocator:
+    """Free space as sorted, coalesced ``[start, length]`` holes; a request takes the first
+    hole large enough (lowest address)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._holes: list[list[int]] = [[0, num_blocks]] if num_blocks else []
+        self.num_free = num_blocks
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def largest_free(self) -> int:
+        return max((h[1] for h in self._holes), default=0)
+
+    @property
+    def num_holes(self) -> int:
+        return len(self._holes)
+
+    def can_fit(self, sizes: Iterable[int]) -> bool:
+        """Whether first-fit could place all of ``sizes`` (in order) right now."""
+        holes = [h[1] for h in self._holes]
+        for size in sizes:
+            i = next((i for i, free in enumerate(holes) if free >= size), None)
+            if i is None:
+                return False
+            holes[i] -= size
+        return True
+
+    def allocate(self, size: int) -> Run:
+        if size < 1:
+            raise ValueError(f"a run needs at least one block, got {size}")
+        for i, hole in enumerate(self._holes):
+            if hole[1] >= size:
+                run = Run(hole[0], size)
+                hole[0] += size
+                hole[1] -= size
+                if hole[1] == 0:
+                    del self._holes[i]
+                self.num_free -= size
+                return run
+        raise NoFreeBlocksError(f"no free run of {size} blocks (largest hole: {self.largest_free})")
+
+    def free(self, run: Run) -> None:
+        start, end = run.start, run.start + run.num_blocks
+        if start < 0 or end > self.num_blocks:
+            raise RuntimeError(f"run [{start}, {end}) is outside the pool")
+        i = bisect.bisect_left(self._holes, [start, 0])
+        before = self._holes[i - 1] if i else None
+        after = self._holes[i] if i < len(self._holes) else None
+        if (before and before[0] + before[1] > start) or (after and after[0] < end):
+            raise RuntimeError(f"double free of run [{start}, {end})")
+        if before and before[0] + before[1] == start:
+            before[1] += run.num_blocks
+            if after and after[0] == end:
+                before[1] += after[1]
+                del self._holes[i]
+        elif after and after[0] == end:
+            after[0], after[1] = start, after[1] + run.num_blocks
+        else:
+            self._holes.insert(i, [start, run.num_blocks])
+        self.num_free += run.num_blocks
+
+    def check_whole(self) -> None:
+        if self._holes != ([[0, self.num_blocks]] if self.num_blocks else []):
+            raise AssertionError(f"runs still reserved; free holes: {self._holes[:8]}")
+
+
+@dataclass(slots=True)
+class _Family:
+    """The sequences of one request and the runs it reserved but has not bound yet."""
+
+    run_blocks: int
+    members: int = 0
+    spares: list[Run] | None = None
+
+
+class ContiguousBlockManager:
+    enable_prefix_caching = False
+    watermark_blocks = 0  # runs never grow, so no headroom is kept for growth
+
+    def __init__(self, policy: str, block_size: int, num_device_blocks: int, num_cpu_blocks: int,
+                 max_model_len: int) -> None:
+        reservation_slots(policy, 1, max_model_len)  # validates the policy name
+        self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
+        self.device = FirstFitAllocator(num_device_blocks)
+        self.cpu = BlockPool(num_cpu_blocks)  # stays empty: see can_swap_out
+        self.tables: dict[int, list[int]] = {}
+        self.cpu_tables: dict[int, list[int]] = {}
+        self.runs: dict[int, Run] = {}  # bound sequences
+        self._family_of: dict[int, int] = {}
+        self._families: dict[int, _Family] = {}
+        self._unbound: set[int] = set()  # forked children still reading the parent's blocks
+        self._plan: dict[int, tuple[int, int, int]] = {}  # seq -> (family, run blocks, spares)
+        self.num_cow_copies = 0  # blocks copied into a forked child's own run
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
+    # -- admission ----------------------------------------------------------------------
+    def run_blocks_for(self, group: SequenceGroup) -> int:
+        final = final_len(len(group.seqs[0].prompt_token_ids), group.sampling_params, self.max_model_len)
+        return _cdiv(reservation_slots(self.policy, final, self.max_model_len), self.block_size)
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        """Plans the group's reservation (``allocate`` carries it out): one run per waiting
+        sequence, plus spares up to ``best_of`` for the samples or beams it will fork."""
+        seqs = group.live_seqs(SequenceStatus.WAITING)
+        k = self.run_blocks_for(group)
+        count = max(len(seqs), group.sampling_params.best_of or 1)
+        if k * count > self.device.num_blocks:
+            return AllocStatus.NEVER
+        family = seqs[0].seq_id
+        for i, seq in enumerate(seqs):
+            self._plan[seq.seq_id] = (family, k, count - len(seqs) if i == 0 else 0)
+        return AllocStatus.OK if self.device.can_fit([k] * count) else AllocStatus.LATER
+
+    def allocate(self, seq: Sequence) -> int:
+        if seq.seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
+        family_id, k, spares = self._plan.pop(seq.seq_id, (seq.seq_id, _cdiv(len(seq), self.block_size), 0))
+        if not self.device.can_fit([k] * (1 + spares)):
+            raise NoFreeBlocksError(f"no room for {1 + spares} run(s) of {k} blocks")
+        family = self._families.setdefault(family_id, _Family(k, spares=[]))
+        run = self.device.allocate(k)
+        family.spares.extend(self.device.allocate(k) for _ in range(spares))
+        family.members += 1
+        self._family_of[seq.seq_id] = family_id
+        self.runs[seq.seq_id] = run
+        self.tables[seq.seq_id] = run.blocks(_cdiv(len(seq), self.block_size))
+        seq.num_computed_tokens = 0
+        return 0
+
+    # -- growth (within the run) and forks ----------------------------------------------
+    def _family(self, seq: Sequence) -> _Family:
+        return self._families[self._family_of[seq.seq_id]]
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        if seq.seq_id in self._unbound:
+            family = self._family(seq)
+            return 0 if family.spares else family.run_blocks
+        return 0
+
+    def can_append_slots(self, demands: Iterable[tuple[Sequence, int]]) -> bool:
+        spare: dict[int, int] = {}
+        sizes = []
+        for seq, _ in demands:
+            if seq.seq_id not in self._unbound:
+                continue
+            fid = self._family_of[seq.seq_id]
+            family = self._families[fid]
+            spare.setdefault(fid, len(family.spares))
+            if spare[fid]:
+                spare[fid] -= 1
+            else:
+                sizes.append(family.run_blocks)
+        return self.device.can_fit(sizes)
+
+    def ensure_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        copies: list[tuple[int, int]] = []
+        if seq.seq_id in self._unbound:
+            family = self._family(seq)
+            run = family.spares.pop() if family.spares else self.device.allocate(family.run_blocks)
+            view = self.tables[seq.seq_id]
+            own = run.blocks(len(view))
+            copies = [(src, dst) for src, dst in zip(view, own) if src != dst]
+            self.num_cow_copies += len(copies)
+            self.runs[seq.seq_id], self.tables[seq.seq_id] = run, own
+            self._unbound.discard(seq.seq_id)
+        run, table = self.runs[seq.seq_id], self.tables[seq.seq_id]
+        need = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        if need > run.num_blocks:
+            raise RuntimeError(f"sequence {seq.seq_id} outgrew its reservation ({need} > {run.num_blocks} blocks)")
+        table.extend(range(run.start + len(table), run.start + need))
+        return copies
+
+    def mark_computed(self, seq: Sequence) -> None:
+        return None  # no prefix cache
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        fid = self._family_of[parent.seq_id]
+        self._family_of[child.seq_id] = fid
+        self._families[fid].members += 1
+        self.tables[child.seq_id] = list(self.tables[parent.seq_id])
+        self._unbound.add(child.seq_id)
+
+    def free(self, seq: Sequence) -> None:
+        self._plan.pop(seq.seq_id, None)
+        self.tables.pop(seq.seq_id, None)
+        self._unbound.discard(seq.seq_id)
+        fid = self._family_of.pop(seq.seq_id, None)
+        if fid is None:
+            return
+        family = self._families[fid]
+        family.members -= 1
+        run = self.runs.pop(seq.seq_id, None)
+        if run is not None:
+            family.spares.append(run)  # a later fork of this request may bind it
+        if family.members == 0:
+            for spare in family.spares:
+                self.device.free(spare)
+            del self._families[fid]
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
+    # -- no swapping: a reservation never needs to make room mid-request ----------------
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return False
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        return False
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        raise RuntimeError("contiguous KV allocation does not swap")
+
+    swap_in = swap_out
+
+    # -- accounting ---------------------------------------------------------------------
+    def spare_blocks(self) -> int:
+        """Blocks reserved for sequences a request has yet to fork (or bind)."""
+        return sum(r.num_blocks for f in self._families.values() for r in f.spares)
+
+    def external_fragmentation_blocks(self) -> int:
+        """Free blocks outside the largest hole: free, but too scattered for a run that
+        the largest hole cannot take."""
+        return self.device.num_free - self.device.largest_free
+
+    def num_shared_blocks(self) -> int:
+        return len({b for s in self._unbound for b in self.tables[s]})
+
+    def num_logical_blocks(self) -> int:
+        return sum(len(t) for t in self.tables.values())
+
+    def check_no_leaks(self) -> None:
+        if self.tables or self._families or self.runs:
+            raise AssertionError(f"tables left: {list(self.tables)}, families: {list(self._families)}")
+        self.device.check_whole()
+        self.cpu.check_whole()
+
+
+def create_block_manager(cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int,
+                         max_model_len: int) -> BlockManager | ContiguousBlockManager:
+    """The engine's block manager for ``cache.kv_allocation``."""
+    if cache.kv_allocation == "paged":
+        return BlockManager(cache.block_size, num_device_blocks, num_cpu_blocks, cache.enable_prefix_caching)
+    return ContiguousBlockManager(cache.kv_allocation, cache.block_size, num_device_blocks,
+                                  num_cpu_blocks, max_model_len)
