@@ -118,20 +118,52 @@ def paged_attention_decode_ref(
     return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
 
 
-def paged_attention_prefill(
-    query: torch.Tensor,  # [q_len, num_heads, head_size] for one sequence
+def paged_attention_prefill_varlen(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]: the spans' rows back to back
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [num_blocks_of_seq] int32
-    context_len: int,  # tokens in the cache after this step, the query's included
+    block_tables: torch.Tensor,  # [num_spans, max_blocks] int32, padded with any valid id
+    cu_query_lens: torch.Tensor,  # [num_spans + 1] int32: span i is rows cu[i] .. cu[i + 1]
+    context_lens: torch.Tensor,  # [num_spans] int32: tokens in the cache, the span's included
     scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size], query's dtype
 ) -> torch.Tensor:
-    """Causal attention for the last ``q_len`` tokens of a sequence over its paged context.
+    """Causal attention for every prefill span of a step, each being the last
+    ``cu[i + 1] - cu[i]`` tokens of its sequence, over its paged context.
 
-    Used for prompts, prompt chunks, recompute after preemption and prefix-cache hits: the
-    cached prefix and the new tokens are read the same way, through the block table. Both
-    devices use torch's SDPA on the gathered K/V (docs/kernels.md).
+    One call (one launch on CUDA) serves prompts, prompt chunks, recompute after preemption
+    and prefix-cache hits alike: the cached prefix and the new tokens (already written by
+    reshape_and_cache) are read the same way, through the block table. fp16 / bf16 caches
+    on CUDA run kernels_cu/prefill_attention.cu; anything else runs the reference.
     """
+    if _use_cuda(query):
+        from streamkv.kernels import prefill
+
+        if prefill.supports(key_cache.dtype, query.shape[-1]):
+            return prefill.paged_attention_prefill_varlen(
+                query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out
+            )
+    return paged_attention_prefill_varlen_ref(
+        query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out
+    )
+
+
+def paged_attention_prefill_varlen_ref(
+    query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out=None
+) -> torch.Tensor:
+    """Each span through torch's SDPA on its gathered K/V (docs/kernels.md)."""
+    if out is None:
+        out = torch.empty_like(query)
+    cu = cu_query_lens.tolist()
+    for i, ctx in enumerate(context_lens.tolist()):
+        if cu[i + 1] > cu[i]:
+            out[cu[i] : cu[i + 1]] = _prefill_span_ref(
+                query[cu[i] : cu[i + 1]], key_cache, value_cache, block_tables[i], ctx, scale
+            )
+    return out
+
+
+def _prefill_span_ref(query, key_cache, value_cache, block_table, context_len: int, scale: float):
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     num_blocks = (context_len + block_size - 1) // block_size
@@ -143,6 +175,7 @@ def paged_attention_prefill(
     if q_len == context_len:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
+        # SDPA's is_causal aligns the diagonal top-left; a span's rows sit at the bottom.
         prefix = context_len - q_len
         rows = torch.arange(q_len, device=query.device)[:, None] + prefix
         cols = torch.arange(context_len, device=query.device)[None, :]

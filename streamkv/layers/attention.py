@@ -1,40 +1,23 @@
 """Paged attention as a model layer: new K/V go into their slots, attention reads K/V back
 through block tables. Decode tokens (one per sequence) run as one batched paged-decode call;
-each prefill span (a prompt, a chunk of one, or a recompute) runs causal attention over its
-paged context, cached prefix included."""
+every prefill span of the step (prompts, chunks of them, recompute, prefix-cache hits) runs
+as one varlen call over its paged context, cached prefix included."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from streamkv.kernels import ops
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """[T, H, D] x [T, Hkv, D] causal self-attention (grouped-query aware)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(0, 1)
-
-
-@dataclass
-class PrefillSpan:
-    start: int  # token rows [start, end) of the batch
-    end: int
-    block_table: torch.Tensor  # int32 [num_blocks]
-    context_len: int  # tokens in the cache once this span is written
-
-
-@dataclass
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs for one step; built once, shared by every layer.
 
-    Decode tokens come first in the batch (rows [0, num_decode)), prefill spans after.
+    Decode tokens come first in the batch (rows [0, num_decode)), prefill spans after, back
+    to back: span i is rows num_decode + cu[i] .. num_decode + cu[i + 1].
     """
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
@@ -44,7 +27,28 @@ class AttentionMetadata:
     # An upper bound on decode_context_lens (the decode kernel's partitions must cover it);
     # a captured CUDA graph uses max_model_len so that one graph serves every context.
     decode_max_context_len: int = 0
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    prefill_cu_query_lens: torch.Tensor | None = None  # int32 [num_spans + 1], from 0
+    prefill_context_lens: torch.Tensor | None = None  # int32 [num_spans], span included
+    prefill_block_tables: torch.Tensor | None = None  # int32 [num_spans, max_blocks]
+
+    @property
+    def num_prefill_spans(self) -> int:
+        return 0 if self.prefill_context_lens is None else self.prefill_context_lens.shape[0]
+
+    @classmethod
+    def for_prompt(
+        cls, num_tokens: int, block_table: list[int], block_size: int, device=None
+    ) -> AttentionMetadata:
+        """One fresh prompt written into ``block_table`` from position 0 (tests, tools)."""
+        blocks = torch.tensor(block_table, dtype=torch.int64)
+        pos = torch.arange(num_tokens)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        return cls(
+            slot_mapping=slots.to(device),
+            prefill_cu_query_lens=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            prefill_context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            prefill_block_tables=blocks.to(torch.int32).view(1, -1).to(device),
+        )
 
 
 class PagedAttention(torch.nn.Module):
@@ -72,27 +76,12 @@ class PagedAttention(torch.nn.Module):
         out = torch.empty_like(q)
         if d:
             out[:d] = ops.paged_attention_decode(
-                q[:d],
-                key_cache,
-                value_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                self.scale,
-                meta.decode_max_context_len,
+                q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, meta.decode_max_context_len,
             )
-        for span in meta.prefills:
-            if span.context_len == span.end - span.start:
-                # A fresh prompt: its K/V are all in hand, no need to read them back.
-                out[span.start : span.end] = _causal_attention(
-                    q[span.start : span.end], k[span.start : span.end], v[span.start : span.end], self.scale
-                )
-                continue
-            out[span.start : span.end] = ops.paged_attention_prefill(
-                q[span.start : span.end],
-                key_cache,
-                value_cache,
-                span.block_table,
-                span.context_len,
-                self.scale,
+        if meta.num_prefill_spans:
+            ops.paged_attention_prefill_varlen(
+                q[d:], key_cache, value_cache, meta.prefill_block_tables,
+                meta.prefill_cu_query_lens, meta.prefill_context_lens, self.scale, out=out[d:],
             )
         return out

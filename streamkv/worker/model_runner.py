@@ -5,9 +5,12 @@ graph instead (worker/cuda_graphs.py)."""
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
-from streamkv.layers.attention import AttentionMetadata, PrefillSpan
+from streamkv.layers.attention import AttentionMetadata
 from streamkv.layers.sampler import Sampler
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamkv.worker.messages import SeqInput, StepOutput
@@ -32,45 +35,51 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    def _slots(self, s: SeqInput) -> list[int]:
-        bs, table = self.block_size, s.block_table
-        return [table[p // bs] * bs + p % bs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
-
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[SeqInput]]:
+        """The step's tensors from two host buffers (two host-to-device copies): int64 input
+        ids / positions / slots, and int32 context lengths, the prefill spans' cumulative
+        query lengths and one padded block table of every sequence (decodes' rows first)."""
         decodes = [s for s in seqs if len(s.token_ids) == 1]
-        prefills = [s for s in seqs if len(s.token_ids) > 1]
-        ordered = decodes + prefills
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for s in ordered:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-            slots.extend(self._slots(s))
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
-        if decodes:
-            width = max(len(s.block_table) for s in decodes)
-            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
-            lens = [s.start_pos + 1 for s in decodes]
-            meta.num_decode = len(decodes)
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
-            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-            meta.decode_max_context_len = max(lens)
-        row = len(decodes)
-        for s in prefills:
-            n = len(s.token_ids)
-            meta.prefills.append(
-                PrefillSpan(
-                    start=row,
-                    end=row + n,
-                    block_table=torch.tensor(s.block_table, dtype=torch.int32, device=dev),
-                    context_len=s.start_pos + n,
-                )
-            )
-            row += n
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        ordered = decodes + [s for s in seqs if len(s.token_ids) > 1]
+        n_seq, n_dec, bs = len(ordered), len(decodes), self.block_size
+        lens = np.fromiter((len(s.token_ids) for s in ordered), np.int64, n_seq)
+        starts = np.fromiter((s.start_pos for s in ordered), np.int64, n_seq)
+        cu = np.zeros(n_seq + 1, np.int64)
+        np.cumsum(lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        width = max(len(s.block_table) for s in ordered)
+        tables = np.zeros((n_seq, width), np.int64)
+        for i, s in enumerate(ordered):
+            tables[i, : len(s.block_table)] = s.block_table
+
+        host64 = np.empty((3, num_tokens), np.int64)
+        ids, pos, slots = host64
+        ids[:] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in ordered), np.int64, num_tokens)
+        pos[:] = np.arange(num_tokens) + np.repeat(starts - cu[:-1], lens)
+        slots[:] = tables[np.repeat(np.arange(n_seq), lens), pos // bs] * bs + pos % bs
+        n_pre = n_seq - n_dec
+        at_tables = n_seq + n_pre + 1  # host32: context lens | prefill cu | block tables
+        host32 = np.empty(at_tables + n_seq * width, np.int32)
+        host32[:n_seq] = starts + lens  # this step's tokens included
+        host32[n_seq:at_tables] = cu[n_dec:] - cu[n_dec]
+        host32[at_tables:] = tables.reshape(-1)
+
+        if self.device.type == "cuda":
+            # Pinned through torch's caching host allocator, which keeps each block until its
+            # asynchronous copy is done: no host sync and no pinned allocation per step.
+            dev64, dev32 = (torch.from_numpy(h).pin_memory().to(self.device, non_blocking=True) for h in (host64, host32))
+        else:
+            dev64, dev32 = torch.from_numpy(host64), torch.from_numpy(host32)
+        input_ids, positions, slot_mapping = dev64.unbind(0)
+        ctx, cu_prefill = dev32[:n_seq], dev32[n_seq:at_tables]
+        dev_tables = dev32[at_tables:].view(n_seq, width)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode=n_dec)
+        if n_dec:
+            meta.decode_block_tables, meta.decode_context_lens = dev_tables[:n_dec], ctx[:n_dec]
+            meta.decode_max_context_len = int(host32[:n_dec].max())
+        if n_pre:
+            meta.prefill_cu_query_lens = cu_prefill
+            meta.prefill_context_lens, meta.prefill_block_tables = ctx[n_dec:], dev_tables[n_dec:]
         return input_ids, positions, meta, ordered
 
     @torch.inference_mode()

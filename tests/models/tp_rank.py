@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from streamkv.layers.attention import AttentionMetadata, PrefillSpan
+from streamkv.layers.attention import AttentionMetadata
 from streamkv.models.registry import build_model
 
 WORLD = 2
@@ -22,10 +22,7 @@ def prefill_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
         (torch.zeros(blocks, kv_heads, block_size, s.head_dim), torch.zeros(blocks, kv_heads, block_size, s.head_dim))
         for _ in range(s.num_layers)
     ]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(t),
-        prefills=[PrefillSpan(0, t, torch.arange(blocks, dtype=torch.int32), t)],
-    )
+    meta = AttentionMetadata.for_prompt(t, list(range(blocks)), block_size)
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(ids), torch.arange(t), caches, meta))
 
