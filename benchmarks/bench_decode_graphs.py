@@ -1,13 +1,19 @@
-"""Decode steps per second with CUDA graphs vs eager, in one run on one GPU.
+"""Decode step time with CUDA graphs (and eagerly), and where the GPU time of a step goes.
 
-    python benchmarks/bench_decode_graphs.py --out decode_graphs.json
+    python benchmarks/bench_decode_graphs.py --batch-sizes 1 256 --context 512 --profile \\
+        --out decode_graphs.json
 
 Builds one Worker (default: the llama3-8b preset, dummy bf16 weights drawn on the GPU),
 lets it capture its decode graphs, then times full decode steps through
 ``ModelRunner.execute`` (input preparation, forward, greedy sampling) for each batch size,
-first replaying graphs, then eagerly, on the same KV pool. Every sequence starts with
-``--context`` cached tokens and grows by one per step. Prints a table and writes JSON.
-Imports only the worker side of streamkv (torch, cuda-bindings): no server dependencies.
+first replaying graphs, then eagerly (unless ``--no-eager``), on the same KV pool. Every
+sequence starts with ``--context`` cached tokens and grows by one per step.
+
+``--profile`` also records ``--profile-steps`` graph steps per batch size with
+torch.profiler and splits their GPU kernel time into GEMM, decode attention, KV-cache
+writes, the fused elementwise kernels and everything else (torch's elementwise kernels,
+reductions, copies, sampling), per step. Prints tables and writes JSON. Imports only the
+worker side of streamkv (torch, cuda-bindings), so an older checkout can run this file too.
 """
 
 from __future__ import annotations
@@ -28,9 +34,26 @@ from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from streamkv.worker.messages import SampleRequest, SeqInput  # noqa: E402
 from streamkv.worker.worker import Worker  # noqa: E402
 
+GEMM_MARKS = ("gemm", "cutlass", "xmma", "nvjet", "splitk", "cublas")
+FUSED_MARKS = ("rms_norm_kernel", "add_layer_norm_kernel", "rotary_embedding_kernel", "silu_and_mul_kernel")
+CATEGORIES = ("gemm", "attention", "cache_write", "fused_elementwise", "other")
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    if "paged_attention" in name:
+        return "attention"
+    if "reshape_and_cache" in name:
+        return "cache_write"
+    if any(m in kernel for m in FUSED_MARKS):
+        return "fused_elementwise"
+    if any(m in name for m in GEMM_MARKS):
+        return "gemm"
+    return "other"
+
 
 def build(args) -> Worker:
-    blocks_per_seq = -(-(args.context + args.warmup + args.steps + 1) // args.block_size)
+    blocks_per_seq = -(-(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size)
     num_blocks = max(args.batch_sizes) * blocks_per_seq
     config = EngineConfig(
         model=ModelConfig(args.model, args.dtype, "cuda", "dummy", max_model_len=args.max_model_len),
@@ -53,81 +76,135 @@ def decode_seqs(batch: int, context: int, blocks_per_seq: int, vocab: int) -> li
     ]
 
 
+def run_steps(worker: Worker, seqs: list[SeqInput], first_pos: int, steps: int, use_graphs: bool) -> None:
+    runner, kv = worker.runner, worker.cache.device_cache
+    for k in range(steps):
+        for s in seqs:
+            s.start_pos = first_pos + k
+        runner.execute(seqs, kv, use_graphs=use_graphs)  # sampling synchronises each step
+
+
 def time_steps(worker: Worker, seqs: list[SeqInput], context: int, warmup: int, steps: int,
                use_graphs: bool) -> float:
     """Seconds per decode step (wall clock: the CPU work is what graphs save)."""
-    runner, kv = worker.runner, worker.cache.device_cache
-    for k in range(warmup + steps):
-        if k == warmup:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-        for s in seqs:
-            s.start_pos = context + k
-        runner.execute(seqs, kv, use_graphs=use_graphs)  # sampling synchronises each step
+    run_steps(worker, seqs, context, warmup, use_graphs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run_steps(worker, seqs, context + warmup, steps, use_graphs)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
+
+
+def _kernel_time_us(avg) -> float:
+    for field in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+        value = getattr(avg, field, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+def profile_steps(worker: Worker, seqs: list[SeqInput], first_pos: int, steps: int) -> dict:
+    """GPU kernel time per step by category, and the top kernels, over ``steps`` graph steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_steps(worker, seqs, first_pos, steps, True)
+        torch.cuda.synchronize()
+    split = {c: {"ms_per_step": 0.0, "kernels_per_step": 0.0} for c in CATEGORIES}
+    top = []
+    for avg in prof.key_averages():
+        us = _kernel_time_us(avg)
+        if us <= 0 or avg.key.startswith(("Memcpy", "Memset")):
+            continue
+        c = category(avg.key)
+        split[c]["ms_per_step"] += us / 1e3 / steps
+        split[c]["kernels_per_step"] += avg.count / steps
+        top.append({"kernel": avg.key[:120], "category": c, "ms_per_step": us / 1e3 / steps,
+                    "calls_per_step": avg.count / steps})
+    top.sort(key=lambda r: -r["ms_per_step"])
+    total = sum(v["ms_per_step"] for v in split.values())
+    return {"total_ms_per_step": total, "split": split, "top": top[:15]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b", help="a preset or HF directory (dummy weights)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--context", type=int, default=512, help="cached tokens per sequence at the start")
     ap.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size and mode")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None,
-                    help="the graphs' context bound (default: the model's); decode partitions cover it")
+                    help="the graphs' largest context bucket (default: the model's context)")
+    ap.add_argument("--no-eager", action="store_true", help="time graph replays only")
+    ap.add_argument("--profile", action="store_true", help="split the GPU kernel time of graph steps")
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if not args.profile:
+        args.profile_steps = 0
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     worker = build(args)
     graphs = worker.runner.graphs
+    buckets = getattr(graphs, "buckets", [graphs.max_model_len])  # older checkouts: one bound
+    graph_count = getattr(graphs, "count", len(graphs.sizes))
     vocab = worker.hf_config["vocab_size"]
-    blocks_per_seq = -(-(args.context + args.warmup + args.steps + 1) // args.block_size)
+    blocks_per_seq = -(-(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size)
     rows = []
     for batch in args.batch_sizes:
         seqs = decode_seqs(batch, args.context, blocks_per_seq, vocab)
         before = graphs.replays
         graph_s = time_steps(worker, seqs, args.context, args.warmup, args.steps, True)
-        eager_s = time_steps(worker, seqs, args.context, args.warmup, args.steps, False)
         if graphs.replays - before != args.warmup + args.steps:  # every graph step, no eager one
             raise RuntimeError(f"batch {batch}: {graphs.replays - before} replays, "
                                f"expected {args.warmup + args.steps}")
-        rows.append({
-            "batch": batch,
-            "graph_steps_per_s": 1 / graph_s,
-            "eager_steps_per_s": 1 / eager_s,
-            "graph_ms_per_step": 1e3 * graph_s,
-            "eager_ms_per_step": 1e3 * eager_s,
-            "graph_tokens_per_s": batch / graph_s,
-            "eager_tokens_per_s": batch / eager_s,
-            "speedup": eager_s / graph_s,
-        })
+        row = {"batch": batch, "graph_ms_per_step": 1e3 * graph_s, "graph_tokens_per_s": batch / graph_s}
+        if args.profile:
+            row["profile"] = profile_steps(worker, seqs, args.context + args.warmup + args.steps,
+                                           args.profile_steps)
+        if not args.no_eager:
+            eager_s = time_steps(worker, seqs, args.context, args.warmup, args.steps, False)
+            row.update(eager_ms_per_step=1e3 * eager_s, speedup=eager_s / graph_s)
+        rows.append(row)
 
-    print(f"{args.model} {args.dtype} on {torch.cuda.get_device_name()}: context {args.context}+, "
-          f"{args.steps} steps; {len(graphs.sizes)} graphs (batch {graphs.sizes[0]}..{graphs.max_batch}, "
-          f"contexts up to {graphs.max_model_len}) captured in {graphs.capture_seconds:.1f}s, "
+    print(f"{args.label + ': ' if args.label else ''}{args.model} {args.dtype} on {torch.cuda.get_device_name()}: "
+          f"context {args.context}+, {args.steps} steps; {graph_count} graphs (batch {graphs.sizes[0]}.."
+          f"{graphs.max_batch}, context buckets {buckets}) captured in {graphs.capture_seconds:.1f}s, "
           f"{graphs.memory_bytes / 2**20:.0f} MiB")
-    print(f"{'batch':>6} {'graph steps/s':>14} {'eager steps/s':>14} {'graph ms':>9} {'eager ms':>9} {'speedup':>8}")
+    print(f"{'batch':>6} {'graph ms':>9} {'eager ms':>9} {'speedup':>8} {'tokens/s':>10}")
     for r in rows:
-        print(f"{r['batch']:>6} {r['graph_steps_per_s']:>14.1f} {r['eager_steps_per_s']:>14.1f} "
-              f"{r['graph_ms_per_step']:>9.2f} {r['eager_ms_per_step']:>9.2f} {r['speedup']:>7.2f}x")
+        eager = f"{r['eager_ms_per_step']:>9.2f} {r['speedup']:>7.2f}x" if "speedup" in r else f"{'-':>9} {'-':>8}"
+        print(f"{r['batch']:>6} {r['graph_ms_per_step']:>9.2f} {eager} {r['graph_tokens_per_s']:>10.0f}")
+    if args.profile:
+        print(f"\nGPU kernel time per graph step (ms, kernels), {args.profile_steps} profiled steps")
+        print(f"{'batch':>6} {'total':>7} " + " ".join(f"{c:>22}" for c in CATEGORIES))
+        for r in rows:
+            p = r["profile"]
+            cells = " ".join(f"{p['split'][c]['ms_per_step']:>13.3f} ({p['split'][c]['kernels_per_step']:>5.0f})"
+                             for c in CATEGORIES)
+            print(f"{r['batch']:>6} {p['total_ms_per_step']:>7.3f} {cells}")
+        for r in rows:
+            print(f"\nbatch {r['batch']}: top kernels (ms per step, calls per step)")
+            for k in r["profile"]["top"]:
+                print(f"  {k['ms_per_step']:>7.3f} {k['calls_per_step']:>6.0f}  {k['category']:<17} {k['kernel']}")
     if args.out:
         result = {
+            "label": args.label,
             "args": vars(args),
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "python": platform.python_version(),
             "capture_s": graphs.capture_seconds,
             "graph_memory_mib": graphs.memory_bytes / 2**20,
+            "graph_count": graph_count,
             "graph_sizes": graphs.sizes,
-            "graph_max_context": graphs.max_model_len,
+            "context_buckets": buckets,
             "rows": rows,
         }
         with open(args.out, "w") as f:

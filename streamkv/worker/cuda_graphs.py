@@ -10,12 +10,16 @@ captured once per padded batch size and replayed:
   buffers) and replays the graph of the smallest captured batch that holds it. Padding rows
   get slot -1 (reshape-and-cache skips it) and context length 0 (the decode kernel writes
   zeros for them); their hidden states are never sampled.
-- Block tables are padded to the width of a ``max_model_len`` sequence, and the decode
-  kernel is captured with ``max_context_len = max_model_len``: the partition count and
-  the partial-result buffers baked into the graph then cover every context the scheduler
-  can produce. Partitions past a sequence's own context exit at once.
-- The graphs share one memory pool; they are captured largest batch first at
-  ``init_cache`` time, after a warm-up run of each size that compiles and loads every kernel
+- Block tables are padded to the width of a ``max_model_len`` sequence. The decode
+  attention kernel's grid (partition size and count) and its partial-result buffers are
+  baked into a graph for a context bound, so each batch size is captured once per
+  *context bucket* (``context_buckets``: 1024, x4 steps, and ``max_model_len``), and a
+  step replays the graph of the smallest bucket that holds its longest context. One graph
+  for ``max_model_len`` made a batch of 256 short contexts launch 8x the CTAs it needed
+  and merge partitions it never split (docs/kernels.md has the figures). Partitions past a
+  sequence's own context exit at once.
+- The graphs share one memory pool; they are captured largest batch and bucket first at
+  ``init_cache`` time, after a warm-up run of each that compiles and loads every kernel
   and caches its launch attributes, so nothing is loaded or synchronised during capture.
 - Steps with prompt tokens, batches larger than the largest graph, and steps whose KV pools
   are not the captured ones run eagerly. Sampling always runs eagerly, after the graph.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +43,12 @@ logger = logging.getLogger(__name__)
 # Past a few hundred sequences a decode step is long enough that launch overhead no longer
 # matters, and every captured size costs capture time and graph memory (vLLM caps at 256 too).
 MAX_CAPTURE_BATCH = 256
+# The first context bucket: the decode kernel's longest partition, so at large batches
+# every context up to it runs unsplit, as an eager step would. Buckets then grow 4x: a
+# context in a bucket up to 4x its length wastes only idle CTAs and a short merge, while
+# each bucket costs one graph per batch size in capture time and memory.
+FIRST_CONTEXT_BUCKET = 1024
+CONTEXT_BUCKET_GROWTH = 4
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -49,6 +60,24 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     cap = min(max_num_seqs, MAX_CAPTURE_BATCH)
     ladder = [1, 2, 4, *range(8, MAX_CAPTURE_BATCH + 1, 8)]
     return [b for b in ladder if b < cap] + [cap]
+
+
+def context_buckets(max_model_len: int) -> list[int]:
+    """Context bounds to capture each batch size for: FIRST_CONTEXT_BUCKET, growing by
+    CONTEXT_BUCKET_GROWTH, and ``max_model_len`` itself (always the last)."""
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    buckets, c = [], FIRST_CONTEXT_BUCKET
+    while c < max_model_len:
+        buckets.append(c)
+        c *= CONTEXT_BUCKET_GROWTH
+    return [*buckets, max_model_len]
+
+
+def context_bucket(longest: int, buckets: Sequence[int]) -> int | None:
+    """The smallest of the (sorted) ``buckets`` that holds a ``longest``-token context, or None."""
+    i = bisect_left(buckets, longest)
+    return buckets[i] if i < len(buckets) else None
 
 
 def padded_batch_size(n: int, sizes: Sequence[int]) -> int | None:
@@ -121,8 +150,10 @@ class StaticInputs:
 
 
 class DecodeGraphs:
-    """The captured decode graphs of one model and one set of KV pools, with their static
-    inputs. ``replays`` counts the steps that ran as a graph."""
+    """The captured decode graphs of one model and one set of KV pools, one per (batch size,
+    context bucket), with their static inputs. ``replays`` counts the steps that ran as a
+    graph. ``buckets`` (default ``context_buckets(max_model_len)``) must end at
+    ``max_model_len``, so that every servable context has a graph."""
 
     def __init__(
         self,
@@ -132,26 +163,43 @@ class DecodeGraphs:
         max_model_len: int,
         sizes: Sequence[int],
         device: torch.device,
+        buckets: Sequence[int] | None = None,
     ) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model, self.kv_caches = model, kv_caches
         self.max_model_len = max_model_len
+        self.buckets = sorted(set(context_buckets(max_model_len) if buckets is None else buckets))
+        if self.buckets[-1] != max_model_len or self.buckets[0] < 1:
+            raise ValueError(f"context buckets {self.buckets} must be positive and end at {max_model_len}")
         self.sizes = sorted(set(sizes))
         self.max_batch = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
         self.device = device
         self.inputs = StaticInputs(self.max_batch, self.max_blocks, block_size, device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
+        self.bucket_replays: Counter[int] = Counter()  # replays per context bucket
         self.capture_seconds = 0.0
         self.memory_bytes = 0  # device memory the capture took (pool and graphs)
 
-    def model_args(self, batch: int) -> tuple:
-        """The captured model call of ``batch`` rows. The context bound is max_model_len,
-        not the batch's own maximum: one graph must cover any context."""
+    @property
+    def count(self) -> int:
+        return len(self._graphs)
+
+    def bucket_for(self, seqs: Sequence[SeqInput]) -> int:
+        """The smallest context bucket that holds every sequence's context after this step."""
+        longest = max(s.start_pos for s in seqs) + 1
+        bucket = context_bucket(longest, self.buckets)
+        if bucket is None:
+            raise ValueError(f"a context of {longest} exceeds max_model_len {self.max_model_len}")
+        return bucket
+
+    def model_args(self, batch: int, bucket: int | None = None) -> tuple:
+        """The captured model call of ``batch`` rows for contexts up to ``bucket`` (default
+        max_model_len): the bound, not the batch's own maximum, sizes the decode grid."""
         i = self.inputs
-        meta = i.metadata(batch, self.max_model_len)
+        meta = i.metadata(batch, self.max_model_len if bucket is None else bucket)
         return i.input_ids[:batch], i.positions[:batch], self.kv_caches, meta
 
     @torch.inference_mode()
@@ -165,23 +213,25 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
             free_before = torch.cuda.mem_get_info(self.device)[0]
             pool = torch.cuda.graph_pool_handle()
-            for b in reversed(self.sizes):  # largest first: the smaller ones fit in its memory
-                args = self.model_args(b)
-                # Warm-up (every slot is padding, so the KV pools are untouched): compiles and
-                # loads the kernels and caches occupancy and shared-memory attributes, none of
-                # which may happen while capturing.
-                self.model(*args)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(*args)
-                self._graphs[b] = (graph, out)
+            # Largest first: the smaller ones fit in its memory.
+            for b in reversed(self.sizes):
+                for c in reversed(self.buckets):
+                    args = self.model_args(b, c)
+                    # Warm-up (every slot is padding, so the KV pools are untouched): compiles
+                    # and loads the kernels and caches occupancy and shared-memory attributes,
+                    # none of which may happen while capturing.
+                    self.model(*args)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self.model(*args)
+                    self._graphs[(b, c)] = (graph, out)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.capture_seconds = time.perf_counter() - start
         logger.info(
-            "captured %d decode CUDA graphs (batch %d..%d, contexts up to %d) in %.1fs, %.0f MiB",
-            len(self.sizes), self.sizes[0], self.max_batch, self.max_model_len,
+            "captured %d decode CUDA graphs (batch %d..%d, context buckets %s) in %.1fs, %.0f MiB",
+            self.count, self.sizes[0], self.max_batch, self.buckets,
             self.capture_seconds, self.memory_bytes / 2**20,
         )
 
@@ -201,9 +251,11 @@ class DecodeGraphs:
         b = padded_batch_size(n, self.sizes)
         if b is None:
             raise ValueError(f"{n} sequences exceed the largest decode graph ({self.max_batch})")
-        graph, out = self._graphs[b]
+        bucket = self.bucket_for(seqs)
+        graph, out = self._graphs[(b, bucket)]
         with torch.cuda.device(self.device):
             self.inputs.fill(seqs, b)
             graph.replay()
         self.replays += 1
+        self.bucket_replays[bucket] += 1
         return out

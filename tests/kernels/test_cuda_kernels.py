@@ -444,7 +444,8 @@ def test_swap_between_device_pools() -> None:
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fused_merge_counters_reset_across_launches_and_graph_replays(kernel: str) -> None:
-    # The merge counters are reused without a memset: the merging CTAs put them back to zero.
+    # The fused merge's counters: zeroed per launch (a memset node in the graph), left at zero
+    # by the merging CTAs; the merge must be right on every launch and every replay.
     from streamkv.kernels import cuda_ops
 
     gen = torch.Generator(device="cuda").manual_seed(11)

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("cuda.bindings.driver")
 
-from streamkv.kernels import cuda_ops  # noqa: E402
+from streamkv.kernels import decode_attention, decode_variants, launch  # noqa: E402
 
 SMS = 132
 
@@ -22,12 +22,12 @@ class FakeKernel:
 
 @pytest.fixture(autouse=True)
 def h200_like(monkeypatch):
-    monkeypatch.setattr(cuda_ops, "_sm_count", lambda index: SMS)
-    monkeypatch.setattr(cuda_ops, "_device_index", lambda device: 0)
+    monkeypatch.setattr(launch, "sm_count", lambda index: SMS)
+    monkeypatch.setattr(launch, "device_index", lambda device: 0)
 
 
 def choose(per_sm: int, columns: int, context: int, long_waves: int, block: int = 16) -> int:
-    return cuda_ops.choose_partition_size(
+    return decode_attention.choose_partition_size(
         FakeKernel(per_sm), columns, context, block, lambda p: 0, torch.device("cpu"), long_waves
     )
 
@@ -56,15 +56,15 @@ def test_tail_of_a_second_wave_is_avoided() -> None:
 
 def test_kernel_choice() -> None:
     # Tensor cores for fp16 / bf16, head sizes that are multiples of 64, 2+ heads per CTA.
-    assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
-    assert cuda_ops.resolve_kernel("auto", "__nv_bfloat16", 128, gpad=1) == "cuda_core"
-    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=2) == "tensor_core"
-    assert cuda_ops.resolve_kernel("auto", "__half", 64, gpad=4) == "tensor_core"
-    assert cuda_ops.resolve_kernel("auto", "__half", 256, gpad=8) == "tensor_core"
-    assert cuda_ops.resolve_kernel("auto", "float", 128) == "cuda_core"
-    assert cuda_ops.resolve_kernel("auto", "__half", 80) == "cuda_core"
-    assert cuda_ops.resolve_kernel("cuda_core", "__half", 128) == "cuda_core"
+    assert decode_variants.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
+    assert decode_variants.resolve_kernel("auto", "__nv_bfloat16", 128, gpad=1) == "cuda_core"
+    assert decode_variants.resolve_kernel("auto", "__half", 64, gpad=2) == "tensor_core"
+    assert decode_variants.resolve_kernel("auto", "__half", 64, gpad=4) == "tensor_core"
+    assert decode_variants.resolve_kernel("auto", "__half", 256, gpad=8) == "tensor_core"
+    assert decode_variants.resolve_kernel("auto", "float", 128) == "cuda_core"
+    assert decode_variants.resolve_kernel("auto", "__half", 80) == "cuda_core"
+    assert decode_variants.resolve_kernel("cuda_core", "__half", 128) == "cuda_core"
     with pytest.raises(ValueError, match="multiple of 64"):
-        cuda_ops.resolve_kernel("tensor_core", "float", 128)
+        decode_variants.resolve_kernel("tensor_core", "float", 128)
     with pytest.raises(ValueError, match="decode kernel"):
-        cuda_ops.resolve_kernel("three_pass", "__half", 128)
+        decode_variants.resolve_kernel("three_pass", "__half", 128)

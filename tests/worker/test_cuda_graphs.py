@@ -28,6 +28,8 @@ from streamkv.worker.cuda_graphs import (
     MAX_CAPTURE_BATCH,
     StaticInputs,
     capture_sizes,
+    context_bucket,
+    context_buckets,
     is_decode_only,
     padded_batch_size,
 )
@@ -79,6 +81,21 @@ def test_capture_sizes():
     assert capture_sizes(10_000)[-1] == MAX_CAPTURE_BATCH
     with pytest.raises(ValueError):
         capture_sizes(0)
+
+
+def test_context_buckets():
+    assert context_buckets(8192) == [1024, 4096, 8192]
+    assert context_buckets(2048) == [1024, 2048]
+    assert context_buckets(4096) == [1024, 4096]  # max_model_len is always the last
+    assert context_buckets(512) == [512]
+    assert context_buckets(131072) == [1024, 4096, 16384, 65536, 131072]
+    with pytest.raises(ValueError):
+        context_buckets(0)
+    buckets = context_buckets(8192)
+    assert [context_bucket(n, buckets) for n in (1, 1024, 1025, 4096, 4097, 8192)] == [
+        1024, 1024, 4096, 4096, 8192, 8192,
+    ]
+    assert context_bucket(8193, buckets) is None
 
 
 def test_padded_batch_size():
@@ -182,7 +199,9 @@ def test_replay_equals_eager_same_step(tiny_dir, model, dtype):
     with torch.inference_mode():
         replayed = runner.forward(seqs, kv)[0].clone()
         assert graphs.replays == 1
-        padded = worker.model(*graphs.model_args(8))
+        bucket = graphs.bucket_for(seqs)
+        assert bucket == 2048 and graphs.bucket_replays[bucket] == 1
+        padded = worker.model(*graphs.model_args(8, bucket))
         eager, _ = runner.forward(seqs, kv, use_graphs=False)
     assert graphs.replays == 1
     assert replayed.shape[0] == 8 and torch.isfinite(replayed).all()
@@ -192,7 +211,7 @@ def test_replay_equals_eager_same_step(tiny_dir, model, dtype):
     # rounding differences only grow slowly over 30 layers.
     assert _rel_err(replayed, padded) <= (1e-5 if dtype == "float32" else 2e-2)
     # The unpadded eager step splits the 1900-token context into other partitions than the
-    # graph (captured for max_model_len), so its fp32 partial sums meet in another order; in
+    # graph (captured for its 2048-token bucket), so its fp32 partial sums meet in another order; in
     # bf16 a one-ulp flip then grows over 30 layers of random weights (2.5e-2 seen on an H200).
     assert _rel_err(replayed[:5], eager) <= (1e-4 if dtype == "float32" else 5e-2)
 
@@ -213,6 +232,23 @@ def test_greedy_graphs_equal_eager(tiny_dir, batch):
     got = _tokens(graphs.generate(None, GREEDY, prompt_token_ids=prompts))
     assert got == want
     assert _runner(graphs).graphs.replays >= GREEDY.max_tokens // 2
+
+
+@cuda
+def test_greedy_graphs_equal_eager_across_context_buckets(tiny_dir):
+    """Contexts that grow across the first bucket's bound (1024 of [1024, 2048]) mid-run:
+    both buckets' graphs replay and the tokens still equal an eager run."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1000) for _ in range(1000 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(device="cuda", num_kv_blocks=512, num_swap_blocks=0, max_num_seqs=8)
+    want = _tokens(LLM(str(tiny_dir), enforce_eager=True, **kw).generate(None, params, prompt_token_ids=prompts))
+    llm = LLM(str(tiny_dir), **kw)
+    graphs = _runner(llm).graphs
+    assert graphs.buckets == [1024, 2048] and graphs.count == 2 * len(graphs.sizes)
+    got = _tokens(llm.generate(None, params, prompt_token_ids=prompts))
+    assert got == want
+    assert graphs.bucket_replays[1024] > 0 and graphs.bucket_replays[2048] > 0
 
 
 @cuda

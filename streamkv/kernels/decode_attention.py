@@ -1,0 +1,215 @@
+"""Paged decode attention on CUDA (``kernels_cu/paged_attention.cu``): one query token per
+sequence over its paged context, split into partitions (flash-decoding) and merged.
+
+``paged_attention_decode`` picks the instantiation for its tensors (``decode_variants``),
+chooses the partition size from the grid it would launch (``choose_partition_size``) and
+launches on torch's current stream; it never synchronises the host. ``max_context_len``
+bounds the partitions: a CUDA graph is captured for one bound per context bucket
+(worker/cuda_graphs.py), an eager call uses the batch's own maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+import torch
+
+from streamkv.kernels import launch, nvrtc
+from streamkv.kernels.decode_variants import (
+    ATTENTION_SOURCE,
+    ATTENTION_THREADS,
+    PARTITION_SIZES,
+    DecodeVariant,
+    attention_names,
+    attention_smem,
+    decode_name,
+    reduce_name,
+    resolve_kernel,
+)
+from streamkv.kernels.launch import DTYPE_NAMES, FLOAT, INT, LONG, PTR
+
+# choose_partition_size's long_waves: 1024-token partitions when the grid fits one wave or
+# spans at least this many (per kernel; docs/kernels.md has the sweeps).
+TC_LONG_WAVES = 2
+CUDA_CORE_LONG_WAVES = 8
+DEFAULT_VARIANT = DecodeVariant()
+
+
+@lru_cache(maxsize=256)
+def _attention_kernels(
+    dtype: str, head: int, block: int, gpad: int, variant: DecodeVariant, device: int
+) -> tuple[str, nvrtc.Kernel, nvrtc.Kernel]:
+    """(resolved kernel kind, decode kernel, merge kernel) for one variant on one device:
+    looked up once, not on every layer's call."""
+    v = variant
+    kind = resolve_kernel(v.kernel, dtype, head, gpad)
+    names = attention_names(dtype, head, block, (gpad,), v.stages, v.warp_softmax, v.unroll)
+    module = launch.module(ATTENTION_SOURCE, names, torch.device("cuda", device))
+    decode = module.kernel(
+        decode_name(dtype, head, block, gpad, v.stages, kind, v.warp_softmax, v.unroll)
+    )
+    return kind, decode, module.kernel(reduce_name(dtype, head))
+
+
+def choose_partition_size(
+    kernel: nvrtc.Kernel,
+    ctas_per_partition: int,
+    max_context_len: int,
+    block_size: int,
+    shared_mem: Callable[[int], int],
+    device: torch.device,
+    long_waves: int = 8,
+) -> int:
+    """Longest partition that still fills most of the GPU's CTA slots.
+
+    Long partitions amortise each CTA's fixed cost (block ids, q, the cross-warp output sum)
+    and keep the merge small; short ones keep multiprocessors busy when there are few
+    sequences. The rule, from the sweeps of benchmarks/bench_kernels.py on an H200: the
+    longest size whose grid is at least 3/4 of a wave; 1024 only when its grid fits one wave
+    (one partition per sequence, no merge) or spans ``long_waves`` or more, since between
+    those 512's finer grain balanced the multiprocessors better (8 for the CUDA-core kernel;
+    2 for the tensor-core kernel, whose 1024-token CTAs were as fast or faster from 2 waves).
+    """
+    sizes = [p for p in PARTITION_SIZES if p % block_size == 0]
+    sms = launch.sm_count(launch.device_index(device))
+    for p in sizes:
+        slots = sms * max(1, kernel.occupancy(ATTENTION_THREADS, shared_mem(p)))
+        ctas = ctas_per_partition * -(-max_context_len // p)
+        if 4 * ctas < 3 * slots:
+            continue
+        if p > 512 and slots < ctas < long_waves * slots:
+            continue
+        return p
+    return sizes[-1]
+
+
+def _check(query, key_cache, value_cache) -> None:
+    head, (_, num_kv_heads, _, cache_head) = query.shape[-1], key_cache.shape
+    dtype = key_cache.dtype
+    if dtype not in DTYPE_NAMES or value_cache.dtype != dtype:
+        raise TypeError(f"unsupported KV cache dtype {dtype} / {value_cache.dtype}")
+    if cache_head != head or value_cache.shape != key_cache.shape:
+        raise ValueError(f"query head size {head} vs caches {tuple(key_cache.shape)}")
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")
+    if not (launch.aligned16(key_cache) and launch.aligned16(value_cache)) or (
+        head * key_cache.element_size()
+    ) % 16:
+        raise ValueError("KV cache rows must be 16-byte aligned")
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    partition_size: int | None = None,
+    out: torch.Tensor | None = None,
+    variant: DecodeVariant = DEFAULT_VARIANT,
+) -> torch.Tensor:
+    """``partition_size`` (tokens per CTA), ``out`` (cache dtype, [seqs, heads, head]) and
+    ``variant`` are for tests and benchmarks; ops.py leaves them be."""
+    _check(query, key_cache, value_cache)
+    num_seqs, num_heads, head = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    dtype = key_cache.dtype
+    q = query.to(dtype)
+    if q.stride(-1) != 1 or q.stride(1) != head or not launch.aligned16(q):
+        q = q.contiguous()
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if num_seqs else 0
+    if out is None:
+        out = torch.empty((num_seqs, num_heads, head), dtype=dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous [seqs, heads, head] tensor of the cache dtype")
+    if num_seqs == 0:
+        return out.to(query.dtype)
+    group = num_heads // num_kv_heads
+    gpad = min(8, launch.next_pow2(group))
+    chunks = -(-group // gpad)
+    device = launch.device_index(query.device)
+    kind, decode, reduce = _attention_kernels(
+        DTYPE_NAMES[dtype], head, block_size, gpad, variant, device
+    )
+
+    def smem(p: int) -> int:
+        return attention_smem(p, gpad, head, dtype, variant.stages, kind)
+
+    if partition_size is None:
+        partition_size = choose_partition_size(
+            decode, num_seqs * num_kv_heads * chunks, max_context_len, block_size, smem,
+            query.device, TC_LONG_WAVES if kind == "tensor_core" else CUDA_CORE_LONG_WAVES,
+        )
+    if partition_size % block_size or not 0 < partition_size <= PARTITION_SIZES[0]:
+        raise ValueError(f"partition size {partition_size} vs block size {block_size}")
+    max_parts = max(1, -(-max_context_len // partition_size))
+    part_ptrs = (0, 0, 0)
+    if max_parts > 1:
+        part_out = torch.empty(
+            (num_seqs, num_heads, max_parts, head), dtype=torch.float32, device=query.device
+        )
+        part_stats = torch.empty(
+            (2, num_seqs, num_heads, max_parts), dtype=torch.float32, device=query.device
+        )
+        part_ptrs = (part_out.data_ptr(), part_stats[0].data_ptr(), part_stats[1].data_ptr())
+    fused = variant.fused_merge and max_parts > 1
+    # The fused merge's arrival counters, one per (sequence, kv head chunk): zeroed here
+    # (inside a graph the memset replays with it); the merging CTAs leave them at zero.
+    counters = (
+        torch.zeros(num_seqs * num_kv_heads * chunks, dtype=torch.int32, device=query.device)
+        if fused
+        else None
+    )
+    stream = launch.stream(query.device)
+    decode.launch(
+        (max_parts, num_kv_heads * chunks, num_seqs),
+        (ATTENTION_THREADS, 1, 1),
+        [
+            (PTR, out.data_ptr()),
+            (PTR, part_ptrs[0]),
+            (PTR, part_ptrs[1]),
+            (PTR, part_ptrs[2]),
+            (PTR, 0 if counters is None else counters.data_ptr()),
+            (PTR, q.data_ptr()),
+            (PTR, key_cache.data_ptr()),
+            (PTR, value_cache.data_ptr()),
+            (PTR, block_tables.data_ptr()),
+            (PTR, context_lens.data_ptr()),
+            (FLOAT, scale),
+            (LONG, q.stride(0)),
+            (INT, block_tables.stride(0)),
+            (INT, num_kv_heads),
+            (INT, group),
+            (INT, partition_size),
+            (INT, max_parts),
+        ],
+        stream,
+        smem(partition_size),
+    )
+    if max_parts > 1 and not fused:
+        reduce.launch(
+            (num_heads, num_seqs, 1),
+            (ATTENTION_THREADS, 1, 1),
+            [
+                (PTR, out.data_ptr()),
+                (PTR, part_ptrs[0]),
+                (PTR, part_ptrs[1]),
+                (PTR, part_ptrs[2]),
+                (PTR, context_lens.data_ptr()),
+                (INT, num_heads),
+                (INT, partition_size),
+                (INT, max_parts),
+            ],
+            stream,
+            max_parts * 4,
+        )
+    return out if query.dtype == dtype else out.to(query.dtype)
