@@ -52,10 +52,45 @@ class _EngineCollector:
             c = CounterMetricFamily(f"streamkv:{name}", doc, labels=["model_name"])
             c.add_metric(self.labels, s[key])
             yield c
+        yield from self._kv_waste(s)
         g = GaugeMetricFamily("streamkv:cache_config_info", "KV cache configuration.",
                               labels=["block_size", "num_gpu_blocks", "num_cpu_blocks"])
         g.add_metric([str(info.block_size), str(info.num_kv_blocks), str(info.num_swap_blocks)], 1)
         yield g
+
+    def _kv_waste(self, s: dict):
+        """The paper's Fig 2 and Fig 13 figures: averages since start as gauges, and their
+        sums and sample counts as counters, so a client can average over its own window
+        (the difference of two scrapes). Absent for an engine that does not account (a fake)."""
+        if "kv_waste_samples" not in s:
+            return
+        kinds = ("token", "reserved", "internal", "external")
+        share = GaugeMetricFamily("streamkv:kv_memory_share",
+                                  "Time-averaged share of the held KV memory by kind: token states, reserved "
+                                  "for future tokens, internal and external fragmentation.",
+                                  labels=["model_name", "kind", "kv_allocation"])
+        share_sum = CounterMetricFamily("streamkv:kv_memory_share_sum",
+                                        "Sum over sampled steps of the KV memory share by kind.",
+                                        labels=["model_name", "kind", "kv_allocation"])
+        for kind in kinds:
+            labels = [*self.labels, kind, s["kv_allocation"]]
+            share.add_metric(labels, s[f"kv_{kind}_share"])
+            share_sum.add_metric(labels, s["kv_waste_share_sums"][kind])
+        yield share
+        yield share_sum
+        c = CounterMetricFamily("streamkv:kv_memory_samples", "Steps sampled for the KV memory shares.",
+                                labels=["model_name"])
+        c.add_metric(self.labels, s["kv_waste_samples"])
+        yield c
+        yield self._gauge("batched_requests_avg", "Average number of requests batched in a step.",
+                          s["avg_batched_requests"])
+        for name, key, doc in (
+            ("batched_requests_sum", "batched_requests_sum", "Sum over steps of the requests batched."),
+            ("batched_steps", "batched_steps", "Steps that ran at least one request."),
+        ):
+            c = CounterMetricFamily(f"streamkv:{name}", doc, labels=["model_name"])
+            c.add_metric(self.labels, s[key])
+            yield c
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(f"streamkv:{name}", doc, labels=["model_name"])

@@ -1,0 +1,217 @@
+"""Open-loop serving benchmark (like ``vllm bench serve``): requests arrive by a Poisson or
+gamma process at a fixed rate or a sweep of rates, against the OpenAI API (HTTP+SSE), the
+chat WebSocket, or the offline engine in this process; every run prints a summary block,
+and the whole sweep goes to one JSON file (and a latency-vs-rate PNG with --plot).
+
+    # a streamkv server on this machine (loopback only), a sweep of three rates:
+    python -m load_tests.bench --backend openai --url http://127.0.0.1:8000 \\
+        --workload sharegpt --num-requests 200 --request-rate 1,2,4 --label paged
+
+    # the offline engine with a baseline allocator (benchmark-only flag):
+    python -m load_tests.bench --backend offline --device cpu --num-kv-blocks 256 \\
+        --no-enable-prefix-caching --kv-allocation orca-oracle --workload alpaca \\
+        --num-requests 100 --request-rate 2,4,8
+
+Plots of several systems' JSON files: ``python -m load_tests.plot --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+
+from load_tests import kv
+from load_tests.arrivals import arrival_times, parse_rates
+from load_tests.metrics import parse_slo, summarize
+from load_tests.report import format_summary, plot_latency
+from load_tests.workloads import WORKLOADS, build
+
+MAX_REQUESTS, MAX_DURATION = 5000, 3600.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from streamkv.config import KV_ALLOCATIONS
+    from streamkv.entrypoints.cli import add_engine_args
+
+    p = argparse.ArgumentParser(prog="python -m load_tests.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["openai", "websocket", "offline"], default="openai")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (loopback only)")
+    p.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"))
+    p.add_argument("--ws-per-socket", type=int, default=8, help="generations per WebSocket (the server's --ws-max-active)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
+    w.add_argument("--num-requests", type=int, default=200, help=f"per rate point (<= {MAX_REQUESTS})")
+    w.add_argument("--n", type=int, default=1, help="parallel samples per request")
+    w.add_argument("--beam-width", type=int, default=0, help="beam search of this width (0: off)")
+    w.add_argument("--length-scale", type=float, default=1.0,
+                   help="shrink every prompt and output by this factor (a small-pool CPU run)")
+    w.add_argument("--max-len", type=int, default=2048, help="ShareGPT: prompt + output at most (before scaling)")
+    w.add_argument("--prefix-len", type=int, default=341, help="shared-prefix: the prefix's tokens")
+    w.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default: the embedded model)")
+    w.add_argument("--workload-seed", type=int, default=0, help="seeds the workload sample and the arrivals")
+    a = p.add_argument_group("arrivals and limits")
+    a.add_argument("--request-rate", default="1", help="req/s, or a comma-separated sweep; 'inf' = all at once")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
+    a.add_argument("--max-duration", type=float, default=600.0, help=f"seconds per rate point (<= {MAX_DURATION:.0f})")
+    o = p.add_argument_group("output")
+    o.add_argument("--label", default=None, help="system name in reports and plots (default: the KV allocation)")
+    o.add_argument("--goodput", nargs="*", metavar="KEY:MS", help="SLOs for goodput: ttft, tpot, e2e (ms), norm (ms/token)")
+    o.add_argument("--json-out", default="bench_results/bench.json")
+    o.add_argument("--plot", default=None, help="write a latency-vs-rate PNG here")
+    o.add_argument("--disable-tqdm", action="store_true")
+    e = p.add_argument_group("offline engine (--backend offline)")
+    e.add_argument("--model", default=None, help="model for the offline engine (default: embedded)")
+    e.add_argument("--simulate", action="store_true",
+                   help="no model: the real engine with a step-time model on a virtual clock (load_tests/sim.py); "
+                        "needs --num-kv-blocks")
+    e.add_argument("--sim-base-ms", type=float, default=20.0, help="simulated step: fixed ms")
+    e.add_argument("--sim-token-ms", type=float, default=0.08, help="simulated step: ms per computed token")
+    e.add_argument("--sim-kv-us", type=float, default=0.55, help="simulated step: us per context token read")
+    add_engine_args(p)
+    if not any("--kv-allocation" in act.option_strings for act in p._actions):
+        e.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="paged",
+                       help="benchmark baselines: orca-* reserve contiguous runs (core/contiguous.py)")
+    return p
+
+
+def load_tokenizer(path: str | None):
+    from streamkv.models.loader import load_tokenizer as load
+    from streamkv.models.loader import resolve_model_dir
+
+    tok = load(resolve_model_dir(path))
+    if tok is None:
+        raise SystemExit(f"no tokenizer in {path}: pass --tokenizer DIR")
+    return tok
+
+
+def make_engine(args: argparse.Namespace):
+    from streamkv.engine.llm_engine import LLMEngine
+    from streamkv.entrypoints.cli import engine_kwargs
+    from streamkv.entrypoints.llm import engine_config
+
+    config = engine_config(args.model, **engine_kwargs(args))
+    config.cache.kv_allocation = args.kv_allocation
+    if not args.simulate:
+        return LLMEngine(config), None
+    from load_tests.sim import SimulatedExecutor, StepCost, VirtualClock
+
+    if args.num_kv_blocks is None:
+        raise SystemExit("error: --simulate needs --num-kv-blocks (there is no device to size the pool from)")
+    clock = VirtualClock()
+    cost = StepCost(args.sim_base_ms, args.sim_token_ms, args.sim_kv_us)
+    executor = SimulatedExecutor(args.model, args.num_kv_blocks, args.num_swap_blocks or 0, cost, clock,
+                                 args.workload_seed)
+    return LLMEngine(config, executor), clock
+
+
+def run_point(args, requests, rate: float, target) -> dict:
+    """One rate point: arrivals, the run, its summary and the engine's KV figures."""
+    from tqdm import tqdm
+
+    arrivals = arrival_times(len(requests), rate, args.burstiness, seed=args.workload_seed)
+    bar = tqdm(total=len(requests), desc=f"{args.label} @ {rate:g} req/s", disable=args.disable_tqdm,
+               file=sys.stderr, leave=False)
+    done = lambda rec: bar.update(1)  # noqa: E731
+    if args.backend == "offline":
+        from load_tests.offline import run_offline
+
+        engine, clock = target
+        before = kv.snapshot_from_stats(engine.stats())
+        records, duration = run_offline(engine, requests, arrivals, args.max_duration, done, clock)
+        after = kv.snapshot_from_stats(engine.stats())
+    else:
+        before = scrape(args.url)
+        records, duration = asyncio.run(_serve(args, target, requests, arrivals, done))
+        after = scrape(args.url)
+    bar.close()
+    summary = summarize(records, duration, parse_slo(args.goodput))
+    return {"request_rate": rate, "burstiness": args.burstiness, "summary": summary,
+            "kv": kv.window(before, after), "label": args.label}
+
+
+async def _serve(args, tokenizer, requests, arrivals, done):
+    from load_tests.drivers import OpenAIDriver, WebSocketDriver
+    from load_tests.runner import run_open_loop
+
+    if args.backend == "openai":
+        driver = OpenAIDriver(args.url, args.api_key)
+    else:
+        driver = WebSocketDriver(args.url, tokenizer, args.api_key, args.ws_per_socket)
+    try:
+        return await run_open_loop(driver, requests, arrivals, args.max_duration, done)
+    finally:
+        await driver.close()
+
+
+def scrape(url: str) -> dict | None:
+    import httpx
+
+    from load_tests.drivers import loopback_only
+
+    return kv.snapshot_from_metrics(httpx.get(f"{loopback_only(url)}/metrics", timeout=30).text)
+
+
+def hardware() -> dict:
+    info = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rates = parse_rates(args.request_rate)
+        parse_slo(args.goodput)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not 1 <= args.num_requests <= MAX_REQUESTS:
+        raise SystemExit(f"error: --num-requests must be in [1, {MAX_REQUESTS}]")
+    if not 0 < args.max_duration <= MAX_DURATION:
+        raise SystemExit(f"error: --max-duration must be in (0, {MAX_DURATION:.0f}] seconds")
+    if args.simulate and args.backend != "offline":
+        raise SystemExit("error: --simulate runs the offline engine: add --backend offline")
+    if args.backend != "offline":
+        from load_tests.drivers import loopback_only
+
+        args.url = loopback_only(args.url)
+    tokenizer = load_tokenizer(args.tokenizer)
+    requests = build(args.workload, tokenizer, args.num_requests, args.workload_seed, args.n, args.beam_width,
+                     args.length_scale, args.max_len, args.prefix_len)
+    target = make_engine(args) if args.backend == "offline" else tokenizer
+    if args.label is None:
+        args.label = args.kv_allocation if args.backend == "offline" else (scrape(args.url) or {}).get("kv_allocation") or "server"
+    result = {"label": args.label, "backend": args.backend + (" (simulated model)" if args.simulate else ""), "workload": args.workload,
+              "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "hardware": hardware(), "runs": []}
+    try:
+        for rate in rates:
+            run = run_point(args, requests, rate, target)
+            result["runs"].append(run)
+            print(format_summary(run), flush=True)
+            _write(args.json_out, result)  # after every point: a long sweep keeps what it measured
+    finally:
+        if args.backend == "offline":
+            target[0].shutdown()
+    if args.plot:
+        plot_latency([result], args.plot, title=f"{args.workload}: {args.label}")
+    return 1 if any(r["summary"]["completed"] == 0 for r in result["runs"]) else 0
+
+
+def _write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""PNG plots from the JSON files of ``load_tests.bench`` runs, one line (or bar) per system.
+
+    python -m load_tests.plot latency paged.json orca-max.json orca-oracle.json --out fig12.png
+    python -m load_tests.plot waste paged.json orca-*.json --out fig2.png
+    python -m load_tests.plot batched paged.json orca-oracle.json --out fig13.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from load_tests.report import METRICS, plot_batched, plot_latency, plot_waste
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m load_tests.plot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=["latency", "waste", "batched"])
+    p.add_argument("results", nargs="+", help="JSON files written by load_tests.bench")
+    p.add_argument("--out", required=True, help="PNG path")
+    p.add_argument("--metric", choices=sorted(METRICS), default="normalized_latency", help="latency plots: y axis")
+    p.add_argument("--title", default="")
+    p.add_argument("--ylim", type=float, default=None, help="latency plots: clip the y axis here")
+    args = p.parse_args(argv)
+    results = []
+    for path in args.results:
+        with open(path) as f:
+            results.append(json.load(f))
+    if args.kind == "latency":
+        plot_latency(results, args.out, args.metric, args.title, args.ylim)
+    elif args.kind == "waste":
+        plot_waste(results, args.out, args.title)
+    else:
+        plot_batched(results, args.out, args.title)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

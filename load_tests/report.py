@@ -1,0 +1,151 @@
+"""The summary block (laid out like ``vllm bench serve``'s) and the plots: latency against
+request rate with one line per system (Fig 12 / 17), the KV memory split per system
+(Fig 2), and the batched requests per system (Fig 13)."""
+
+from __future__ import annotations
+
+import math
+
+WIDTH = 58
+
+
+def _rule(title: str = "", ch: str = "-") -> str:
+    return title.center(WIDTH, ch)
+
+
+def format_summary(run: dict) -> str:
+    s, lines = run["summary"], []
+
+    def row(name: str, value, fmt: str = "{:<10.2f}") -> None:
+        text = fmt.format(value) if isinstance(value, (int, float)) and value is not None else str(value)
+        lines.append(f"{name:<46}{text}")
+
+    lines.append(_rule(" Serving Benchmark Result ", "="))
+    row("System:", run["label"], "{}")
+    row("Request rate (req/s, configured):", run["request_rate"])
+    row("Burstiness:", run["burstiness"])
+    row("Successful requests:", s["completed"], "{:<10}")
+    row("Failed requests:", s["errors"], "{:<10}")
+    row("Incomplete at the time limit:", s["incomplete"], "{:<10}")
+    row("Benchmark duration (s):", s["duration_s"])
+    row("Total input tokens:", s["total_input_tokens"], "{:<10}")
+    row("Total generated tokens:", s["total_output_tokens"], "{:<10}")
+    row("Request throughput (req/s):", s["request_throughput"])
+    row("Output token throughput (tok/s):", s["output_throughput"])
+    row("Total token throughput (tok/s):", s["total_token_throughput"])
+    if s["goodput"] is not None:
+        row("Request goodput (req/s):", s["goodput"])
+    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+        lines.append(_rule(title))
+        short = key.split("_")[0].upper()
+        row(f"Mean {short} (ms):", s[key]["mean"])
+        row(f"Median {short} (ms):", s[key]["p50"])
+        row(f"P90 {short} (ms):", s[key]["p90"])
+        row(f"P99 {short} (ms):", s[key]["p99"])
+    lines.append(_rule("Paper metrics"))
+    row("Normalized latency (s/token):", s["normalized_latency_s"], "{:<10.4f}")
+    kv = run.get("kv")
+    if kv and kv["shares"]["token"] is not None:
+        row("KV allocation:", kv["kv_allocation"], "{}")
+        for kind, name in (("token", "token states"), ("reserved", "reserved"),
+                           ("internal", "internal fragmentation"), ("external", "external fragmentation")):
+            row(f"KV memory held: {name} (%):", 100 * kv["shares"][kind])
+        row("Avg batched requests:", kv["avg_batched_requests"])
+        row("Preemptions:", kv["preemptions"], "{:<10.0f}")
+    row("Send lag p99 (ms, harness health):", s["send_lag_ms"]["p99"])
+    if s["error_examples"]:
+        lines.append(_rule("Errors"))
+        lines.extend(f"  {e}" for e in s["error_examples"])
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+METRICS = {
+    "normalized_latency": ("Normalized latency (s/token)", lambda s: s["normalized_latency_s"]),
+    "ttft_p50": ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"]),
+    "tpot_p50": ("TPOT p50 (ms)", lambda s: s["tpot_ms"]["p50"]),
+    "e2e_p50": ("E2E latency p50 (ms)", lambda s: s["e2e_ms"]["p50"]),
+    "e2e_p99": ("E2E latency p99 (ms)", lambda s: s["e2e_ms"]["p99"]),
+    "throughput": ("Output tokens/s", lambda s: s["output_throughput"]),
+}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_latency(results: list[dict], out: str, metric: str = "normalized_latency", title: str = "",
+                 ylim: float | None = None) -> None:
+    """One line per system: ``metric`` against the configured request rate."""
+    plt = _pyplot()
+    name, get = METRICS[metric]
+    fig, ax = plt.subplots(figsize=(4.8, 3.4), dpi=110)
+    for res in results:
+        pts = sorted((r["request_rate"], get(r["summary"])) for r in res["runs"] if not math.isinf(r["request_rate"]))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=res["label"])
+    ax.set_xlabel("Request rate (req/s)")
+    ax.set_ylabel(name)
+    if ylim:
+        ax.set_ylim(0, ylim)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def plot_waste(results: list[dict], out: str, title: str = "") -> None:
+    """Stacked bars per system: the held KV memory by kind, averaged over the system's runs
+    weighted by samples (Fig 2)."""
+    plt = _pyplot()
+    kinds = (("token", "token states"), ("reserved", "reserved"), ("internal", "internal frag."),
+             ("external", "external frag."))
+    labels, rows = [], []
+    for res in results:
+        kvs = [r["kv"] for r in res["runs"] if r.get("kv") and r["kv"]["samples"]]
+        total = sum(k["samples"] for k in kvs)
+        if not total:
+            continue
+        labels.append(res["label"])
+        rows.append([100 * sum(k["shares"][kind] * k["samples"] for k in kvs) / total for kind, _ in kinds])
+    fig, ax = plt.subplots(figsize=(4.8, 3.2), dpi=110)
+    bottom = [0.0] * len(labels)
+    for j, (_, name) in enumerate(kinds):
+        vals = [row[j] for row in rows]
+        ax.bar(labels, vals, bottom=bottom, label=name)
+        for i, v in enumerate(vals):
+            if v >= 6:
+                ax.text(i, bottom[i] + v / 2, f"{v:.1f}", ha="center", va="center", fontsize=7)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("KV memory held (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def plot_batched(results: list[dict], out: str, title: str = "") -> None:
+    """Average batched requests against request rate, one line per system (Fig 13)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(4.8, 3.4), dpi=110)
+    for res in results:
+        pts = sorted((r["request_rate"], r["kv"]["avg_batched_requests"]) for r in res["runs"]
+                     if r.get("kv") and r["kv"]["avg_batched_requests"] is not None and not math.isinf(r["request_rate"]))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=res["label"])
+    ax.set_xlabel("Request rate (req/s)")
+    ax.set_ylabel("Avg batched requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
