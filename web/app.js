@@ -5,6 +5,7 @@
 
 import { renderMarkdown } from "./markdown.js";
 import { history, markFailed, newId, Store } from "./store.js";
+import { KVView } from "./kv.js";
 import { authHeaders, ChatSocket, startHttpStream, startHttpWhole } from "./transport.js";
 
 const $ = (id) => document.getElementById(id);
@@ -296,6 +297,7 @@ $("api_key").addEventListener("change", () => {
   sessionStorage.setItem("streamkv.api_key", $("api_key").value.trim());
   socket.reconnect();
   loadModel();
+  if (!$("kvpane").hidden) { kv.stop(); kv.start(); }
 });
 $("composer").addEventListener("submit", (ev) => {
   ev.preventDefault();
@@ -321,6 +323,17 @@ $("new-chat").addEventListener("click", () => {
   $("input").focus();
 });
 $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
+
+// The KV view streams only while it is shown: a hidden pane costs the server nothing.
+const kv = new KVView($("kv-root"), apiKey);
+function showKV(on) {
+  $("kvpane").hidden = !on;
+  $("toggle-kv").setAttribute("aria-pressed", String(on));
+  localStorage.setItem("streamkv.kv.open", on ? "1" : "");
+  if (on) kv.start(); else kv.stop();
+}
+$("toggle-kv").addEventListener("click", () => showKV($("kvpane").hidden));
+showKV(localStorage.getItem("streamkv.kv.open") === "1");
 
 renderLog();
 socket.connect();

@@ -322,6 +322,13 @@ class AsyncEngine:
             logger.exception("the engine died in a step")
             self._loop.call_soon_threadsafe(self._on_dead, e)
 
+    def call_on_engine_thread(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run ``fn(engine)`` on the engine thread between two steps (at once when idle): where
+        engine state can be read safely. Keep it short, the next step waits; it hands its
+        result back itself (``loop.call_soon_threadsafe``). Dropped if the engine dies."""
+        self._commands.append(("call", fn))
+        self._wakeup.set()
+
     def _apply_commands(self, engine: LLMEngine) -> None:
         results = []
         while self._commands:
@@ -332,6 +339,11 @@ class AsyncEngine:
                     results.append((cmd, None))
                 except ValueError as e:
                     results.append((cmd, e))
+            elif cmd[0] == "call":
+                try:
+                    cmd[1](engine)
+                except Exception:  # an observer's bug must not kill the engine thread
+                    logger.exception("a call on the engine thread failed")
             else:
                 engine.abort_request(cmd[1])
         if results:

@@ -27,6 +27,7 @@ from starlette.staticfiles import StaticFiles
 
 from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from streamkv.entrypoints.kv_view import KVView
 from streamkv.entrypoints.metrics import ServerMetrics
 from streamkv.entrypoints.openai_protocol import APIError, Fields, parse_json_body, parse_messages
 from streamkv.entrypoints.openai_serving import OpenAIServing, render_chat
@@ -183,6 +184,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/tokenize", api(tokenize), methods=["POST"]),
         Route("/detokenize", api(detokenize), methods=["POST"]),
         WebSocketRoute("/v1/chat/ws", chat_ws),
+        Route("/v1/kv/stream", api(KVView(engine).stream, body=False)),  # the live KV-cache view
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
