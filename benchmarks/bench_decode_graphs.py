@@ -103,6 +103,30 @@ def _kernel_time_us(avg) -> float:
     return 0.0
 
 
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s), as bench_kernels.py."""
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * n * 10 / start.elapsed_time(end) / 1e6
+
+
+def kv_bytes_per_step(worker: Worker, batch: int, mean_context: float) -> float:
+    """Bytes of K and V the decode attention of one step reads, all layers."""
+    c = worker.hf_config
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    es = worker.cache.device_cache[0][0].element_size()
+    return 2 * c["num_hidden_layers"] * batch * mean_context * kv_heads * head * es
+
+
 def profile_steps(worker: Worker, seqs: list[SeqInput], first_pos: int, steps: int) -> dict:
     """GPU kernel time per step by category, and the top kernels, over ``steps`` graph steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -156,6 +180,7 @@ def main() -> int:
     graph_count = getattr(graphs, "count", len(graphs.sizes))
     vocab = worker.hf_config["vocab_size"]
     blocks_per_seq = -(-(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size)
+    copy_gbs = copy_bandwidth_gbs() if args.profile else 0.0
     rows = []
     for batch in args.batch_sizes:
         seqs = decode_seqs(batch, args.context, blocks_per_seq, vocab)
@@ -166,8 +191,13 @@ def main() -> int:
                                f"expected {args.warmup + args.steps}")
         row = {"batch": batch, "graph_ms_per_step": 1e3 * graph_s, "graph_tokens_per_s": batch / graph_s}
         if args.profile:
-            row["profile"] = profile_steps(worker, seqs, args.context + args.warmup + args.steps,
-                                           args.profile_steps)
+            first = args.context + args.warmup + args.steps
+            p = profile_steps(worker, seqs, first, args.profile_steps)
+            # Contexts first + 1 .. first + steps over the profiled steps.
+            kv = kv_bytes_per_step(worker, batch, first + (args.profile_steps + 1) / 2)
+            p["kv_bytes_per_step"] = kv
+            p["attention_vs_copy"] = p["split"]["attention"]["ms_per_step"] / (kv / copy_gbs / 1e6)
+            row["profile"] = p
         if not args.no_eager:
             eager_s = time_steps(worker, seqs, args.context, args.warmup, args.steps, False)
             row.update(eager_ms_per_step=1e3 * eager_s, speedup=eager_s / graph_s)
@@ -182,13 +212,18 @@ def main() -> int:
         eager = f"{r['eager_ms_per_step']:>9.2f} {r['speedup']:>7.2f}x" if "speedup" in r else f"{'-':>9} {'-':>8}"
         print(f"{r['batch']:>6} {r['graph_ms_per_step']:>9.2f} {eager} {r['graph_tokens_per_s']:>10.0f}")
     if args.profile:
-        print(f"\nGPU kernel time per graph step (ms, kernels), {args.profile_steps} profiled steps")
+        print(f"\nGPU kernel time per graph step (ms, kernels), {args.profile_steps} profiled steps; "
+              f"copy bandwidth {copy_gbs:.0f} GB/s")
         print(f"{'batch':>6} {'total':>7} " + " ".join(f"{c:>22}" for c in CATEGORIES))
         for r in rows:
             p = r["profile"]
             cells = " ".join(f"{p['split'][c]['ms_per_step']:>13.3f} ({p['split'][c]['kernels_per_step']:>5.0f})"
                              for c in CATEGORIES)
             print(f"{r['batch']:>6} {p['total_ms_per_step']:>7.3f} {cells}")
+        for r in rows:
+            p = r["profile"]
+            print(f"batch {r['batch']}: attention {p['split']['attention']['ms_per_step']:.3f} ms for "
+                  f"{p['kv_bytes_per_step'] / 1e9:.2f} GB of K/V = {p['attention_vs_copy']:.2f}x its time at copy bandwidth")
         for r in rows:
             print(f"\nbatch {r['batch']}: top kernels (ms per step, calls per step)")
             for k in r["profile"]["top"]:
@@ -203,6 +238,7 @@ def main() -> int:
             "capture_s": graphs.capture_seconds,
             "graph_memory_mib": graphs.memory_bytes / 2**20,
             "graph_count": graph_count,
+            "copy_gbs": copy_gbs,
             "graph_sizes": graphs.sizes,
             "context_buckets": buckets,
             "rows": rows,

@@ -228,7 +228,8 @@ def test_models_with_kernels_equal_references(arch, tmp_path, monkeypatch):
                        num_attention_heads=4, word_embed_proj_dim=256)
     )
     save_tiny(config, tmp_path)
-    llm = LLM(str(tmp_path), device="cuda", num_kv_blocks=64, num_swap_blocks=0, enforce_eager=True)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=64, num_swap_blocks=0,
+              enforce_eager=True)
     worker = llm.engine.executor.worker
     runner, kv = worker.runner, worker.cache.device_cache
     prompt = SeqInput(0, list(range(3, 40)), 0, [0, 1, 2], SampleRequest())

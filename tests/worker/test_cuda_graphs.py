@@ -200,7 +200,7 @@ def test_replay_equals_eager_same_step(tiny_dir, model, dtype):
         replayed = runner.forward(seqs, kv)[0].clone()
         assert graphs.replays == 1
         bucket = graphs.bucket_for(seqs)
-        assert bucket == 2048 and graphs.bucket_replays[bucket] == 1
+        assert bucket == context_bucket(1900, graphs.buckets) and graphs.bucket_replays[bucket] == 1
         padded = worker.model(*graphs.model_args(8, bucket))
         eager, _ = runner.forward(seqs, kv, use_graphs=False)
     assert graphs.replays == 1
@@ -268,13 +268,16 @@ def test_batches_beyond_the_largest_graph_run_eagerly(tiny_dir):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_graphs(tiny_dir, mode):
     """A pool too small for the batch forces preemption; outputs still equal an eager run
-    with room to spare."""
+    with room to spare. In fp32: a recomputed prompt's K/V come from other GEMM shapes than
+    the ones computed a token at a time, and in bf16 that rounding flipped a token late in
+    one sequence (H200, session 4), which says nothing about graphs or preemption."""
     prompts = _prompts(8, 3)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    eager = LLM(str(tiny_dir), device="cuda", num_kv_blocks=512, num_swap_blocks=0, enforce_eager=True)
+    eager = LLM(str(tiny_dir), device="cuda", dtype="float32", num_kv_blocks=512, num_swap_blocks=0,
+                enforce_eager=True)
     want = _tokens(eager.generate(None, params, prompt_token_ids=prompts))
-    llm = LLM(str(tiny_dir), device="cuda", num_kv_blocks=48, num_swap_blocks=48 if mode == "swap" else 0,
-              preemption_mode=mode, max_num_seqs=8)
+    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", num_kv_blocks=48,
+              num_swap_blocks=48 if mode == "swap" else 0, preemption_mode=mode, max_num_seqs=8)
     got = _tokens(llm.generate(None, params, prompt_token_ids=prompts))
     assert llm.stats()["num_preemptions"] > 0
     assert _runner(llm).graphs.replays > 0
