@@ -40,10 +40,17 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
 
 
+# Provisional: the default step token budget of chunked prefill, until a measured sweep on
+# the GPU picks one (a bigger budget prefills faster; a smaller one keeps decode steps short).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    # Tokens computed per step (chunked prefill: decodes first, then prompt chunks).
+    # None: max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs).
+    max_num_batched_tokens: int | None = None
     preemption_mode: str = "auto"
     max_model_len: int = 2048
 
@@ -54,14 +61,19 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode in one step: a group's sequences
+            # are scheduled together, and a group may hold max_num_seqs of them.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs})."
+            )
 
     @property
     def token_budget(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(2048, self.max_model_len)
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
 
 @dataclass

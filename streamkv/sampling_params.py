@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+class InvalidParameter(ValueError):
+    """A request refused because of one parameter (``param``); ``code`` is the OpenAI error
+    code the server reports, when there is one. Raised by the parameters' own checks and by
+    the engine's admission (core/admission.py)."""
+
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -46,8 +57,8 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
+        def bad(name: str, why: str) -> InvalidParameter:
+            return InvalidParameter(name, f"{name} {why}, got {getattr(self, name)!r}.")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -93,6 +104,11 @@ class SamplingParams:
                 raise bad("temperature", "must be 0 with use_beam_search")
             if self.early_stopping not in (True, False, "never"):
                 raise bad("early_stopping", "must be True, False or 'never'")
+            if self.stop:
+                # A stop string would have to be matched in every candidate's text before the
+                # beams are chosen; stop_token_ids (which end a hypothesis like EOS) are the
+                # supported way to end beams early.
+                raise bad("stop", "is not supported with use_beam_search (use stop_token_ids)")
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +132,16 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature != 0.0:
+            # Beam search keeps the most likely continuations; it draws nothing at random.
+            raise InvalidParameter(
+                "temperature", f"temperature must be 0 for beam search, got {self.temperature!r}."
+            )
+        self.to_sampling_params()  # every other field is checked where it is used
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -128,4 +154,6 @@ class BeamSearchParams:
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
             stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            logprobs=self.logprobs,
         )

@@ -119,6 +119,9 @@ class SequenceGroup:
     beam_state: Any = None
     # Set by the scheduler on preemption (metrics, tests).
     num_preemptions: int = 0
+    # After recompute of a group of several sequences: the tokens they share, which the
+    # first sequence computes before the others start (BlockManager.allocate_group).
+    num_shared_tokens: int = 0
 
     def live_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

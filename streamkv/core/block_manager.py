@@ -43,6 +43,10 @@ class BlockManager:
         self.cpu_tables: dict[int, list[int]] = {}  # tables of swapped-out sequences
         # Content keys of each sequence's full blocks, in order (prefix caching).
         self._keys: dict[int, list[bytes]] = {}
+        # Leaders of groups re-admitted by allocate_group: seq id -> blocks shared with the
+        # group that the leader is still filling. Writing them is not a copy-on-write case:
+        # every sharer expects exactly the KV the leader computes there.
+        self._filling: dict[int, int] = {}
         self.num_cow_copies = 0
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -66,14 +70,22 @@ class BlockManager:
         return hits
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        needed = 0
-        for seq in group.live_seqs(SequenceStatus.WAITING):
-            total = _cdiv(len(seq), self.block_size)
-            if total > self.device.num_blocks - self.watermark_blocks:
-                return AllocStatus.NEVER
-            hits = self._prefix_hits(seq)
-            # Hits on evictable blocks take them out of the free count too.
-            needed += total - len(hits) + sum(1 for b in hits if self.device.ref_counts[b] == 0)
+        """Whether ``group``'s waiting sequences fit now. A group of several (parallel
+        samples or beams preempted by recompute) costs what ``allocate_group`` takes: the
+        blocks of the prefix common to all its sequences once, plus each one's own tail."""
+        seqs = group.live_seqs(SequenceStatus.WAITING)
+        if not seqs:
+            return AllocStatus.OK
+        leader, followers = seqs[0], seqs[1:]
+        shared = self.shared_prefix_blocks(seqs) if followers else 0
+        total = _cdiv(len(leader), self.block_size) + sum(
+            _cdiv(len(s), self.block_size) - shared for s in followers
+        )
+        if total > self.device.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        hits = self._prefix_hits(leader)
+        # Hits on evictable blocks take them out of the free count too.
+        needed = total - len(hits) + sum(1 for b in hits if self.device.ref_counts[b] == 0)
         if self.device.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -97,6 +109,44 @@ class BlockManager:
         seq.num_computed_tokens = hit_tokens
         return hit_tokens
 
+    def shared_prefix_blocks(self, seqs: list[Sequence]) -> int:
+        """Full blocks of the token prefix that all of ``seqs`` have in common, leaving every
+        sequence at least one token to compute (its logits are needed)."""
+        first = seqs[0]
+        common = min(len(s) for s in seqs) - 1
+        for seq in seqs[1:]:
+            if seq.prompt_token_ids != first.prompt_token_ids:
+                return 0
+            a, b = first.output_token_ids, seq.output_token_ids
+            i = 0
+            while i < len(a) and i < len(b) and a[i] == b[i]:
+                i += 1
+            common = min(common, len(first.prompt_token_ids) + i)
+        return common // self.block_size
+
+    def allocate_group(self, seqs: list[Sequence]) -> int:
+        """Map a group preempted by recompute so that it keeps its sharing: the leader
+        (``seqs[0]``) maps all its tokens; the others map the leader's blocks of their common
+        prefix and only their own tails. Returns the shared tokens, which the others treat as
+        computed: the scheduler lets the leader compute them before the others start."""
+        shared = self.shared_prefix_blocks(seqs)
+        self.allocate(seqs[0])
+        if shared:
+            self._filling[seqs[0].seq_id] = shared
+        leader_table = self.tables[seqs[0].seq_id]
+        for seq in seqs[1:]:
+            if seq.seq_id in self.tables:
+                raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
+            table = leader_table[:shared]
+            for block in table:
+                self.device.incref(block)
+            for _ in range(_cdiv(len(seq), self.block_size) - shared):
+                table.append(self.device.allocate())
+            self.tables[seq.seq_id] = table
+            self._keys[seq.seq_id] = self._chain_keys(seq, shared) if self.enable_prefix_caching else []
+            seq.num_computed_tokens = shared * self.block_size
+        return shared * self.block_size
+
     def _chain_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         keys: list[bytes] = []
         key = None
@@ -113,8 +163,18 @@ class BlockManager:
         table = self.tables[seq.seq_id]
         first = seq.num_computed_tokens // self.block_size
         grow = max(0, _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table))
-        cow = 1 if first < len(table) and self.device.ref_counts[table[first]] > 1 else 0
-        return grow + cow
+        return grow + (1 if self._needs_cow(seq, table, first) else 0)
+
+    def _needs_cow(self, seq: Sequence, table: list[int], first: int) -> bool:
+        if first >= len(table) or self.device.ref_counts[table[first]] <= 1:
+            return False
+        filling = self._filling.get(seq.seq_id)
+        if filling is None:
+            return True
+        if first < filling:
+            return False
+        del self._filling[seq.seq_id]  # the shared prefix is written: sharing is ordinary again
+        return True
 
     def can_append_slots(self, demands: Iterable[tuple[Sequence, int]]) -> bool:
         needed = sum(self.blocks_needed(seq, n) for seq, n in demands)
@@ -129,7 +189,7 @@ class BlockManager:
         table = self.tables[seq.seq_id]
         copies: list[tuple[int, int]] = []
         first = seq.num_computed_tokens // self.block_size
-        if first < len(table) and self.device.ref_counts[table[first]] > 1:
+        if self._needs_cow(seq, table, first):
             src = table[first]
             dst = self.device.allocate()
             self.device.decref(src)
@@ -163,6 +223,7 @@ class BlockManager:
         self._keys[child.seq_id] = list(self._keys.get(parent.seq_id, []))
 
     def free(self, seq: Sequence) -> None:
+        self._filling.pop(seq.seq_id, None)
         table = self.tables.pop(seq.seq_id, None)
         if table is not None:
             for block in table:

@@ -1,13 +1,31 @@
-"""Iteration-level FCFS scheduler with all-or-nothing preemption (swap or recompute).
+"""Iteration-level FCFS scheduler: chunked prefill under one token budget, all-or-nothing
+preemption (swap or recompute).
 
-Every step: running groups keep going (oldest first); when one cannot get a slot, the
-newest running group is preempted whole. Swapped groups resume before any waiting group is
-admitted, and nothing new is admitted in a step that had to preempt.
+There are no prefill and decode phases, only sequences whose computed tokens catch up with
+their length. Each step has one token budget (``max_num_batched_tokens``), spent in order:
 
-``auto`` preemption: a group with one live sequence is recomputed (a re-prefill is cheap
-and needs no CPU memory); a group with several (parallel samples, beams) is swapped, since
-recomputing it would lose the blocks its sequences share. When the CPU pool has no room,
-``auto`` falls back to recompute while ``swap`` aborts that group alone.
+1. running groups that decode (one token per sequence), oldest first;
+2. running groups still computing their prompt, oldest first, each taking a chunk of what is
+   left of the budget, so a long prompt is split across steps and decodes never wait behind
+   it whole;
+3. swapped groups, resumed before any new admission;
+4. waiting groups, FCFS, whose prompts take the rest of the budget (again as chunks).
+
+When a running group cannot get its slots, the newest group not yet scheduled this step is
+preempted whole (or the group itself, when none is left); nothing new is admitted in a step
+that preempted.
+
+Preemption of a group with several sequences (parallel samples, beams). ``auto`` swaps it:
+a block shared inside the group moves once and stays shared. When it recomputes (``recompute``
+mode, or ``auto`` with no CPU room), the group comes back through ``allocate_group``: the
+prefix its sequences share is mapped and recomputed once, by its first sequence, while the
+others wait a step; then every sequence computes its own tail. The group's cost at
+re-admission therefore counts shared blocks once, as it did while it ran (issue 11: costing
+each sequence separately left such groups waiting forever).
+
+Progress guarantee: a step that schedules nothing, swaps nothing and preempts nothing while
+requests remain ends one request with an error (the head of the waiting queue when nothing
+runs), so ``LLM.generate`` can never loop without progress.
 """
 
 from __future__ import annotations
@@ -47,6 +65,33 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.swap_in or self.swap_out or self.copies)
+
+
+def demands(group: SequenceGroup, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]] | None:
+    """Tokens each of ``seqs`` computes this step within ``budget``, or None if none can.
+
+    A group of several splits the budget evenly: its sequences have equal lengths (they
+    advance together), so they finish their chunks, and sample, in the same step, which beam
+    search needs. After recompute the first sequence computes the shared prefix alone first.
+    """
+    if len(seqs) == 1:
+        n = min(seqs[0].num_uncomputed_tokens, budget)
+        return [(seqs[0], n)] if n > 0 else None
+    leader = seqs[0]
+    if leader.num_computed_tokens < group.num_shared_tokens:
+        n = min(group.num_shared_tokens - leader.num_computed_tokens, budget)
+        return [(leader, n)] if n > 0 else None
+    share = budget // len(seqs)
+    if share == 0:
+        return None
+    return [(s, min(s.num_uncomputed_tokens, share)) for s in seqs]
+
+
+def _decoding(group: SequenceGroup) -> bool:
+    seqs = group.seqs
+    if len(seqs) == 1:
+        return seqs[0].num_uncomputed_tokens <= 1
+    return all(s.num_uncomputed_tokens <= 1 for s in seqs if s.status is SequenceStatus.RUNNING)
 
 
 class Scheduler:
@@ -98,17 +143,32 @@ class Scheduler:
     # -- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.token_budget
-        num_seqs = 0
-        queue = deque(sorted(self.running, key=lambda g: g.arrival_time))
-        self.running = []
+        budget, num_seqs = self._schedule_running(out)
+        if out.num_preempted == 0:
+            budget, num_seqs = self._resume_swapped(out, budget, num_seqs)
+        if out.num_preempted == 0 and not self.swapped:
+            self._admit_waiting(out, budget, num_seqs)
+        self.running.sort(key=lambda g: g.arrival_time)
+        if not (out.scheduled or out.swap_in or out.failed or out.num_preempted) and self.has_unfinished():
+            self._no_progress(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
+        budget, num_seqs = self.config.token_budget, 0
         bm, max_seqs = self.bm, self.config.max_num_seqs
-        while queue:
-            group = queue.popleft()
+        decodes, prefills = [], []
+        for group in sorted(self.running, key=lambda g: g.arrival_time):
+            (decodes if _decoding(group) else prefills).append(group)
+        queue = decodes + prefills
+        self.running = []
+        i = 0
+        while i < len(queue):
+            group = queue[i]
+            i += 1
             seqs = group.seqs
             if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING:
                 # The common case, one running sequence: the general path below without its
-                # lists and generators. It falls through to that path only to preempt.
+                # lists. It falls through to that path only to preempt.
                 seq = seqs[0]
                 n = min(len(seq) - seq.num_computed_tokens, budget)
                 if n <= 0 or num_seqs >= max_seqs:
@@ -120,40 +180,27 @@ class Scheduler:
                     num_seqs += 1
                     continue
             seqs = group.live_seqs(SequenceStatus.RUNNING)
-            demands = self._demands(seqs, budget)
-            if demands is None or num_seqs + len(seqs) > self.config.max_num_seqs:
+            want = demands(group, seqs, budget)
+            if want is None or num_seqs + len(seqs) > max_seqs:
                 self.running.append(group)  # keeps its blocks; runs when the budget allows
                 continue
-            while not self.bm.can_append_slots(demands):
-                victim = queue.pop() if queue else group
-                self._preempt(victim, out, alone=not queue and not self.running)
+            while not bm.can_append_slots(want):
+                if i < len(queue):
+                    newest = max(range(i, len(queue)), key=lambda k: queue[k].arrival_time)
+                    victim = queue.pop(newest)
+                else:
+                    victim = group
+                self._preempt(victim, out, alone=victim is group and not self.running)
                 if victim is group:
                     break
             else:
-                self._schedule_group(group, demands, out)
-                budget -= sum(n for _, n in demands)
+                self._schedule_group(group, want, out)
+                budget -= sum(n for _, n in want)
                 num_seqs += len(seqs)
+        return budget, num_seqs
 
-        if out.num_preempted == 0:
-            budget, num_seqs = self._resume_swapped(out, budget, num_seqs)
-        if out.num_preempted == 0 and not self.swapped:
-            self._admit_waiting(out, budget, num_seqs)
-        self.running.sort(key=lambda g: g.arrival_time)
-        return out
-
-    def _demands(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]] | None:
-        """Tokens each sequence computes this step, or None when the budget is spent."""
-        demands = []
-        for seq in seqs:
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0:
-                return None
-            budget -= n
-            demands.append((seq, n))
-        return demands
-
-    def _schedule_group(self, group: SequenceGroup, demands, out: SchedulerOutput) -> None:
-        for seq, n in demands:
+    def _schedule_group(self, group: SequenceGroup, want, out: SchedulerOutput) -> None:
+        for seq, n in want:
             out.copies.extend(self.bm.ensure_slots(seq, n))
             out.scheduled.append(ScheduledSeq(group, seq, n))
         self.running.append(group)
@@ -164,73 +211,75 @@ class Scheduler:
             seqs = group.live_seqs(SequenceStatus.SWAPPED)
             if num_seqs + len(seqs) > self.config.max_num_seqs or not self.bm.can_swap_in(group):
                 break
-            demands = self._demands(seqs, budget)
-            if demands is None:
+            want = demands(group, seqs, budget)
+            if want is None:
                 break
             self.swapped.popleft()
             mapping = self.bm.swap_in(group)
             out.swap_in.extend(mapping)
             self.num_swapped_in_blocks += len(mapping)
-            self._schedule_group(group, demands, out)
-            budget -= sum(n for _, n in demands)
+            self._schedule_group(group, want, out)
+            budget -= sum(n for _, n in want)
             num_seqs += len(seqs)
         return budget, num_seqs
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
         while self.waiting and budget > 0:
             group = self.waiting[0]
-            error = self._infeasible(group)
-            status = AllocStatus.NEVER if error else self.bm.can_allocate(group)
+            status = self.bm.can_allocate(group)
             if status == AllocStatus.NEVER:
                 self.waiting.popleft()
-                self.finish_group(
-                    group,
-                    SequenceStatus.FINISHED_ABORTED,
-                    error or "the prompt needs more KV-cache blocks than the whole pool has",
-                )
-                out.failed.append(group)
+                self._fail(group, out, "the request needs more KV-cache blocks than the whole pool has")
                 continue
             seqs = group.live_seqs(SequenceStatus.WAITING)
             future_seqs = max(len(seqs), group.sampling_params.best_of or 1)
             if status == AllocStatus.LATER or num_seqs + future_seqs > self.config.max_num_seqs:
                 break
             self.waiting.popleft()
+            if len(seqs) == 1:
+                self.bm.allocate(seqs[0])
+                group.num_shared_tokens = 0
+            else:
+                group.num_shared_tokens = self.bm.allocate_group(seqs)
             for seq in seqs:
-                self.bm.allocate(seq)
                 seq.status = SequenceStatus.RUNNING
-            demands = self._demands(seqs, budget)
-            if demands is None:  # admitted; computes from the next step on
+            want = demands(group, seqs, budget)
+            if want is None:  # admitted; computes from the next step on
                 self.running.append(group)
                 break
-            self._schedule_group(group, demands, out)
-            budget -= sum(n for _, n in demands)
+            self._schedule_group(group, want, out)
+            budget -= sum(n for _, n in want)
             num_seqs += future_seqs
 
-    def _infeasible(self, group: SequenceGroup) -> str | None:
-        longest = max(len(s) for s in group.live_seqs())
-        if longest > self.config.max_model_len:
-            return (
-                f"the prompt has {longest} tokens, more than max_model_len "
-                f"({self.config.max_model_len})"
-            )
-        return None
+    def _fail(self, group: SequenceGroup, out: SchedulerOutput, error: str) -> None:
+        self.finish_group(group, SequenceStatus.FINISHED_ABORTED, error)
+        out.failed.append(group)
+
+    def _no_progress(self, out: SchedulerOutput) -> None:
+        """Nothing could run this step and nothing will change by waiting: end one request
+        with an error rather than repeat the same empty step forever."""
+        if self.waiting and not self.running and not self.swapped:
+            group = self.waiting.popleft()
+            self._fail(group, out, "the request can never be admitted: it does not fit the empty KV-cache "
+                                   "pool within max_num_seqs and the token budget")
+            return
+        for queue in (self.swapped, self.running):
+            if queue:
+                group = queue[0]
+                queue.remove(group)
+                self._fail(group, out, "the scheduler could not make progress with this request "
+                                       "(its blocks cannot be brought back within the pool)")
+                return
 
     # -- preemption ---------------------------------------------------------------------
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, alone: bool) -> None:
         seqs = group.live_seqs(SequenceStatus.RUNNING)
         if alone and self._needs_more_than_pool(seqs):
-            self.finish_group(
-                group,
-                SequenceStatus.FINISHED_ABORTED,
-                "the request needs more KV-cache blocks than the whole pool has",
-            )
-            out.failed.append(group)
+            self._fail(group, out, "the request needs more KV-cache blocks than the whole pool has")
             return
         mode = self.config.preemption_mode
         if mode == "auto":
-            mode = "recompute" if len(seqs) == 1 else "swap"
-            if mode == "swap" and not self.bm.can_swap_out(group):
-                mode = "recompute"
+            mode = "recompute" if len(seqs) == 1 or not self.bm.can_swap_out(group) else "swap"
         out.num_preempted += 1
         self.num_preemptions += 1
         group.num_preemptions += 1
@@ -246,10 +295,7 @@ class Scheduler:
             self.num_swapped_out_blocks += len(mapping)
             self.swapped.appendleft(group)
         else:
-            self.finish_group(
-                group, SequenceStatus.FINISHED_ABORTED, "preempted with no CPU swap space left"
-            )
-            out.failed.append(group)
+            self._fail(group, out, "preempted with no CPU swap space left")
 
     def _needs_more_than_pool(self, seqs: list[Sequence]) -> bool:
         blocks = len({b for s in seqs for b in self.bm.tables[s.seq_id]}) + len(seqs)

@@ -8,6 +8,7 @@ import logging
 import time
 
 from streamkv.config import EngineConfig
+from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
 from streamkv.core.contiguous import create_block_manager
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine.beam_search import BeamState, beams_to_keep
@@ -21,14 +22,6 @@ from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
 from streamkv.worker.messages import SampleRequest, SeqInput, StepFailed, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
-
-
-class InvalidParameter(ValueError):
-    """A request refused at admission because of one sampling parameter (``param``)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class LLMEngine:
@@ -56,6 +49,12 @@ class LLMEngine:
             config.cache, num_device, num_cpu, config.scheduler.max_model_len
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        bm = self.block_manager
+        self.limits = Limits(
+            max_model_len=config.scheduler.max_model_len, vocab_size=hf["vocab_size"],
+            block_size=config.cache.block_size, usable_blocks=bm.device.num_blocks - bm.watermark_blocks,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
         self.eos_token_ids = eos_ids(self.tokenizer, hf, executor.model_dir)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.outputs = OutputProcessor(self, self.detokenizer, self.eos_token_ids)
@@ -81,17 +80,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.executor.hf_config["vocab_size"]
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        # Token ids of the parameters index the logits in the worker: an id past the vocabulary
-        # would fail the whole batch's step, so it is refused here, for this request alone.
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise InvalidParameter(name, f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
+        check_request(prompt_token_ids, params, self.limits)
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
         if params.use_beam_search:

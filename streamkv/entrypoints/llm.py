@@ -81,15 +81,21 @@ class LLM:
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
         ids = []
-        for i in range(count):
-            rid = str(next(self._ids))
-            self.engine.add_request(
-                rid,
-                prompts[i] if prompts is not None else None,
-                sampling_params[i],
-                list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
-            )
-            ids.append(rid)
+        try:
+            for i in range(count):
+                rid = str(next(self._ids))
+                self.engine.add_request(
+                    rid,
+                    prompts[i] if prompts is not None else None,
+                    sampling_params[i],
+                    list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
+                )
+                ids.append(rid)
+        except ValueError:
+            # One refused request refuses the call: none of its requests stay queued.
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

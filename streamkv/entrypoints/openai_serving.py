@@ -57,33 +57,16 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
 
-    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        info = self.engine.info
-        if not ids:
-            raise APIError("the prompt is empty", param=param)
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise APIError(f"token id {bad} is out of range [0, {info.vocab_size})", param=param)
-        want = len(ids) + (params.max_tokens or 1)
-        if want > info.max_model_len:
-            raise APIError(
-                f"This model's maximum context length is {info.max_model_len} tokens. However, you "
-                f"requested {want} tokens ({len(ids)} in the prompt, {params.max_tokens or 1} for the "
-                f"completion). Please reduce the length of the prompt or the completion.",
-                param=param if len(ids) >= info.max_model_len else "max_tokens", code="context_length_exceeded",
-            )
-        if -(-(len(ids) + 1) // info.block_size) > info.usable_kv_blocks:
-            raise APIError(f"the prompt needs more KV-cache blocks than this server has ({info.num_kv_blocks})",
-                           param=param, code="context_length_exceeded")
-        if params.best_of > info.max_num_seqs:
-            raise APIError(f"best_of/n may be at most the server's max_num_seqs ({info.max_num_seqs})", param="n")
-
     def check_queue(self) -> None:
         if self.max_queue_len is not None and self.engine.num_queued >= self.max_queue_len:
             raise APIError("the server's request queue is full; retry later", 429, "rate_limit_error",
                            code="queue_full", headers={"retry-after": "1"})
 
-    async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams) -> tuple[list[RequestStream], asyncio.Event]:
+    async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
+                    prompt_param: str = "prompt") -> tuple[list[RequestStream], asyncio.Event]:
+        """Submit the prompts. The engine's admission (core/admission.py) refuses what could
+        never run with an InvalidParameter, reported as a 400 naming the parameter
+        (``prompt_param`` for the prompt itself: "messages" for a chat)."""
         self.check_queue()
         notify, now = asyncio.Event(), time.monotonic()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
@@ -97,7 +80,9 @@ class OpenAIServing:
                 if isinstance(r, RequestStream):
                     self.engine.abort(r.request_id)
             if isinstance(errors[0], ValueError):  # the engine refused it (InvalidParameter names the field)
-                raise APIError(str(errors[0]), param=getattr(errors[0], "param", None)) from None
+                param = getattr(errors[0], "param", None)
+                raise APIError(str(errors[0]), param=prompt_param if param == "prompt" else param,
+                               code=getattr(errors[0], "code", None)) from None
             raise errors[0]
         return results, notify
 
@@ -150,8 +135,6 @@ class OpenAIServing:
         encoded = iter(await self.engine.run_tokenizer(
             lambda: [tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]) if texts else [])
         prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
-        for ids in prompts:
-            self.check_prompt(ids, req.params, "prompt")
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else "" for p in req.prompts]
@@ -228,14 +211,13 @@ class OpenAIServing:
         if tok is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
         ids = await self.engine.run_tokenizer(render_chat, tok, req.messages, req.add_generation_prompt, req.add_special_tokens)
-        self.check_prompt(ids, req.params, "messages")
         return ids
 
     async def chat(self, request: Request, body: dict) -> Response:
         req = parse_chat(body)
         ids = await self.chat_prompt(req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams, notify = await self.start(rid, [ids], req.params)
+        streams, notify = await self.start(rid, [ids], req.params, prompt_param="messages")
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
         top = req.params.logprobs if req.logprobs else None
         if req.stream.stream:

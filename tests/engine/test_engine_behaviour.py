@@ -14,34 +14,25 @@ def llm(make_llm):
     return make_llm(block_size=16, num_kv_blocks=256, num_swap_blocks=64, max_model_len=1024)
 
 
-def test_infeasible_request_fails_alone(llm):
+def test_infeasible_request_is_refused_and_the_engine_goes_on(llm):
+    # Admission rules are tested one by one on a tiny model (tests/engine/test_admission.py).
     tok = llm.get_tokenizer()
     ok = tok.encode("The capital of France is")
     too_long = [tok.encode("hello")[0]] * 2000  # over max_model_len
-    outs = llm.generate(
-        prompt_token_ids=[ok, too_long, ok],
-        sampling_params=SamplingParams(temperature=0, max_tokens=8),
-    )
-    assert outs[1].outputs[0].finish_reason == "abort"
-    assert "max_model_len" in outs[1].error
-    for i in (0, 2):
-        assert outs[i].error is None
-        assert outs[i].outputs[0].finish_reason == "length"
-        assert len(outs[i].outputs[0].token_ids) == 8
-    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
-
-
-def test_prompt_larger_than_pool_fails_clearly(make_llm):
-    small = make_llm(block_size=16, num_kv_blocks=8, num_swap_blocks=0, max_model_len=1024)
-    outs = small.generate(prompt_token_ids=[[5] * 300, [5] * 10], sampling_params=SamplingParams(max_tokens=4))
-    assert outs[0].outputs[0].finish_reason == "abort" and "pool" in outs[0].error
-    assert outs[1].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="maximum context length") as info:
+        llm.generate(prompt_token_ids=[ok, too_long, ok], sampling_params=SamplingParams(temperature=0, max_tokens=8))
+    assert info.value.param == "prompt"
+    outs = llm.generate(prompt_token_ids=[ok, ok], sampling_params=SamplingParams(temperature=0, max_tokens=8))
+    for out in outs:
+        assert out.error is None and out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 8
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 def test_bad_input_raises_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate(prompt_token_ids=[[]])
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate(prompt_token_ids=[[10**9]])
     out = llm.generate("Hello", SamplingParams(max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
