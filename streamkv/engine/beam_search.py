@@ -42,11 +42,14 @@ def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[S
     width = params.best_of
     state = group.beam_state
     engine = proc.engine
-    eos = set() if params.ignore_eos else proc.eos_token_ids
+    # stop_token_ids end a hypothesis as EOS does (its stop_reason names the token).
+    eos = (set() if params.ignore_eos else set(proc.eos_token_ids)) | set(params.stop_token_ids)
     max_new = params.max_tokens or engine.config.scheduler.max_model_len
     keep = beams_to_keep(width, len(eos))
     candidates = []  # (accumulated logprob, beam order, parent, token, token logprob)
+    tops = {}  # parent seq id -> its step's top logprobs (when the request asked for them)
     for order, (seq, res) in enumerate(results):
+        tops[seq.seq_id] = res.top_logprobs[0] if res.top_logprobs else None
         for token, lp in (res.candidates or [])[:keep]:
             candidates.append((seq.cumulative_logprob + lp, order, seq, token, lp))
     candidates.sort(key=lambda c: (-c[0], c[1]))
@@ -62,15 +65,17 @@ def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[S
         for score, _, seq, token, lp in candidates[:width]:
             if ends(seq, token):
                 hyp = seq.fork(-1, seq.sample_index)
-                proc.add_token(group, hyp, token, lp)
+                proc.add_token(group, hyp, token, lp, tops[seq.seq_id])
                 hyp.status = SequenceStatus.FINISHED_STOPPED if token in eos else SequenceStatus.FINISHED_LENGTH
+                if token in params.stop_token_ids:
+                    hyp.stop_reason = token
                 hyp.beam_score = score / (gen_len**params.length_penalty)
                 group.finished_beams.append(hyp)
         group.finished_beams.sort(key=lambda h: -h.beam_score)
         del group.finished_beams[width:]
 
     running = [c for c in candidates if not ends(c[2], c[3])][:width]
-    _advance_beams(proc, group, [seq for seq, _ in results], running)
+    _advance_beams(proc, group, [seq for seq, _ in results], running, tops)
 
     # Whole-search stopping rule.
     full = len(group.finished_beams) >= width
@@ -88,7 +93,7 @@ def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[S
         state.done = True
 
 
-def _advance_beams(proc: OutputProcessor, group: SequenceGroup, parents: list[Sequence], running) -> None:
+def _advance_beams(proc: OutputProcessor, group: SequenceGroup, parents: list[Sequence], running, tops) -> None:
     engine = proc.engine
     children: dict[int, list[tuple[int, float]]] = {}
     for _, _, seq, token, lp in running:
@@ -105,10 +110,11 @@ def _advance_beams(proc: OutputProcessor, group: SequenceGroup, parents: list[Se
             child = parent.fork(engine.new_seq_id(), parent.sample_index)
             engine.block_manager.fork(parent, child)
             forks.append((child, token, lp))
-        proc.add_token(group, parent, *picks[0])
+        top = tops[parent.seq_id]
+        proc.add_token(group, parent, *picks[0], top)
         new_seqs.append(parent)
         for child, token, lp in forks:
-            proc.add_token(group, child, token, lp)
+            proc.add_token(group, child, token, lp, top)
             new_seqs.append(child)
     # Best first, as transformers orders its running beams. Dropped beams stay in the group
     # until the scheduler has freed their blocks at the end of this step.

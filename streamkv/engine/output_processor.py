@@ -80,23 +80,20 @@ class OutputProcessor:
             self.append_token(group, child, res, j)
         self.append_token(group, seq, res, 0)
 
-    def add_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float) -> None:
-        """Append a token chosen by the engine (beam search) and extend the text."""
-        seq.append_token(token, logprob, {token: Logprob(logprob)} if group.sampling_params.logprobs is not None else None)
+    def add_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
+                  top: list[tuple[int, float]] | None = None) -> None:
+        """Append a token chosen by the engine (beam search), with the top logprobs of the
+        step it came from, and extend the text."""
+        entry = _logprob_entry(token, logprob, top) if group.sampling_params.logprobs is not None else None
+        seq.append_token(token, logprob, entry)
         if self.detokenizer is not None:
             self.detokenizer.update(seq, group.sampling_params.skip_special_tokens)
 
     def append_token(self, group: SequenceGroup, seq: Sequence, res: SampleResult, j: int) -> None:
-        params = group.sampling_params
         token = res.token_ids[j]
         top = None
-        if params.logprobs is not None:
-            top = {token: Logprob(res.logprobs[j])}
-            for rank, (tid, lp) in enumerate(res.top_logprobs[j] if res.top_logprobs else [], start=1):
-                if tid == token:
-                    top[token].rank = rank
-                else:
-                    top.setdefault(tid, Logprob(lp, rank))
+        if group.sampling_params.logprobs is not None:
+            top = _logprob_entry(token, res.logprobs[j], res.top_logprobs[j] if res.top_logprobs else None)
         seq.append_token(token, res.logprobs[j], top)
         self.check_stop(group, seq)
 
@@ -167,3 +164,15 @@ class OutputProcessor:
             group.error,
             metrics,
         )
+
+
+def _logprob_entry(token: int, logprob: float, top: list[tuple[int, float]] | None) -> dict[int, Logprob]:
+    """The chosen token's logprob, plus the step's top ones ranked from 1 (the chosen token
+    keeps its rank when it is among them)."""
+    entry = {token: Logprob(logprob)}
+    for rank, (tid, lp) in enumerate(top or (), start=1):
+        if tid == token:
+            entry[token].rank = rank
+        else:
+            entry.setdefault(tid, Logprob(lp, rank))
+    return entry

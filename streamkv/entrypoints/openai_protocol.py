@@ -243,8 +243,8 @@ def _sampling(f: Fields, max_tokens: int | None, logprobs: int | None, stream: b
     kwargs["logit_bias"] = _logit_bias(f)
     try:
         params = SamplingParams(**kwargs)
-    except ValueError as e:
-        raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+    except ValueError as e:  # InvalidParameter names its field
+        raise APIError(str(e), param=getattr(e, "param", None) or str(e).split(" ", 1)[0]) from None
     if stream and params.use_beam_search:
         raise f.bad("use_beam_search", "cannot be combined with stream=true")
     if stream and params.best_of > params.n:
