@@ -18,15 +18,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from streamkv.engine.llm_engine import LLMEngine
+from streamkv.engine.tokenizer_lanes import TokenizerLanes
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -39,6 +40,14 @@ class EngineNotReadyError(RuntimeError):
 
 class RequestAbortedError(Exception):
     """Raised to a stream's reader when the request was aborted (cancel, disconnect)."""
+
+
+class EngineStoppingError(RuntimeError):
+    """The server is shutting down: no new requests, and the drain timeout ended this one."""
+
+
+class QueueFullError(RuntimeError):
+    """``max_queued`` requests wait already."""
 
 
 class Observer(Protocol):
@@ -145,9 +154,9 @@ class AsyncEngine:
         self._ready = asyncio.Event()
         self._dead: BaseException | None = None
         self._ready_or_dead: asyncio.Future | None = None
-        # Tokenization and chat templates run here, not on the event loop; one thread keeps
-        # the tokenizer's (Rust) state single-writer.
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="streamkv-tokenizer")
+        self._stopping_error: EngineStoppingError | None = None  # set by drain()
+        # Tokenization and chat templates run there, never on the event loop.
+        self._tokenizer_lanes = TokenizerLanes()
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -174,15 +183,37 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_lanes.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
 
     def check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
+        if self._stopping_error is not None:
+            raise self._stopping_error
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
+
+    def drain(self) -> None:
+        """Refuse new requests from now on; running ones go on."""
+        self._stopping_error = EngineStoppingError("the server is shutting down")
+
+    def end_all(self, error: BaseException) -> None:
+        """End every open stream with ``error`` and abort its request in the engine."""
+        now = time.monotonic()
+        for request_id in list(self._streams):
+            stream = self._forget(request_id)
+            stream.fail(error)
+            self._commands.append(("abort", request_id))
+            for obs in self.observers:
+                obs.on_abort(stream, now)
+        self._wakeup.set()
+
+    @property
+    def num_open_streams(self) -> int:
+        """Requests queued or running whose streams are still open."""
+        return len(self._streams)
 
     # -- requests -------------------------------------------------------------------------
     async def add_request(
@@ -196,6 +227,28 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises the
         engine's ValueError for bad input, EngineDeadError / EngineNotReadyError."""
+        stream, accepted = self.submit(request_id, prompt_token_ids, params, prompt, notify, arrival)
+        return await self.wait_accepted(stream, accepted)
+
+    def reserve(self, count: int, max_queued: int | None) -> None:
+        """Raise QueueFullError unless ``count`` more requests may wait. Call it and then
+        ``submit`` without an ``await`` in between, so that the check and the count agree
+        under a burst (checked, then counted after an await, ``--max-queue-len 4`` let 6 wait)."""
+        self.check_alive()
+        if max_queued is not None and self.num_queued + count > max_queued:
+            raise QueueFullError(f"{self.num_queued} requests are waiting already (the limit is {max_queued})")
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        notify: asyncio.Event | None = None,
+        arrival: float | None = None,
+    ) -> tuple[RequestStream, asyncio.Future]:
+        """The synchronous half of ``add_request``: queued and counted at once; await
+        ``wait_accepted(stream, future)`` for the engine's verdict."""
         self.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -206,6 +259,10 @@ class AsyncEngine:
         self._pending_adds += 1
         self._commands.append(_Add(request_id, prompt, params, prompt_token_ids, arrival, accepted))
         self._wakeup.set()
+        return stream, accepted
+
+    async def wait_accepted(self, stream: RequestStream, accepted: asyncio.Future) -> RequestStream:
+        request_id = stream.request_id
         try:
             await accepted
         except BaseException:
@@ -234,9 +291,11 @@ class AsyncEngine:
         """Requests waiting to be scheduled: queued here or in the scheduler's waiting queue."""
         return self._pending_adds + self._engine_waiting
 
-    async def run_tokenizer(self, fn: Callable, *args, **kwargs):
+    async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T:
+        """``fn(tokenizer)`` off the event loop, for an input of ``size`` characters (the
+        lanes and their bounds: tokenizer_lanes.py). Raises TokenizerBusyError."""
         self.check_alive()
-        return await self._loop.run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
+        return await self._tokenizer_lanes.run(fn, size)
 
     # -- event-loop side of the engine thread -----------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput], waiting: int) -> None:
@@ -290,6 +349,7 @@ class AsyncEngine:
         try:
             engine = self._build()
             self.engine, self.tokenizer = engine, engine.tokenizer
+            self._tokenizer_lanes.set_tokenizer(engine.tokenizer)
             self.info = _engine_info(engine)
             self.stats = engine.stats()
         except (OSError, ValueError) as e:  # a bad model path or configuration: no traceback

@@ -106,6 +106,39 @@ def _stream(llm, args: argparse.Namespace, params) -> int:
     return 0
 
 
+# -- serve: connection, security and shutdown flags ---------------------------------------
+# Kept apart from the engine flags above (those come from the config dataclasses); these
+# configure only the HTTP server (entrypoints/connections.py, security.py, shutdown.py).
+def add_server_limit_args(g) -> None:
+    g.add_argument("--allowed-hosts", action="append", default=[],
+                   help="host names this server answers to besides loopback names and --host (comma list, "
+                        "repeatable; '.example.com' matches subdomains; '*' = any). Other Host headers get "
+                        "421: a DNS-rebinding page cannot reach the API")
+    g.add_argument("--limit-concurrency", type=int, default=512,
+                   help="open connections (HTTP and WebSocket); beyond it a request gets a JSON 503")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--timeout-request-head", type=float, default=10.0,
+                   help="seconds from connecting (or a request's first byte) to the end of its head; "
+                        "then 408 and the connection closes")
+    g.add_argument("--timeout-request-body", type=float, default=30.0,
+                   help="seconds from a request's head to the end of its body; then 408 and close")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they "
+                        "are ended with an error")
+
+
+def check_server_limit_args(args: argparse.Namespace) -> None:
+    if args.limit_concurrency < 1:
+        raise SystemExit("--limit-concurrency must be >= 1")
+    for name in ("timeout_keep_alive", "timeout_request_head", "timeout_request_body"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
+    if args.shutdown_timeout < 0:
+        raise SystemExit("--shutdown-timeout must be >= 0")
+# -- end of serve flags --------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamkv", description=__doc__)
     parser.add_argument("--log-level", default="INFO")

@@ -17,7 +17,8 @@ from streamkv.sampling_params import SamplingParams
 
 MAX_SAMPLES = 16  # cap on n and best_of
 MAX_LOGPROBS = 20  # cap on completions' logprobs and chat's top_logprobs
-MAX_STOP = 32  # stop strings per request
+MAX_STOP = 32  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024  # per stop string: the engine holds back up to this many characters per step
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 _INT64 = (-(2**63), 2**64 - 1)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -178,12 +179,15 @@ def _stream_options(f: Fields) -> StreamOptions:
 
 def _stop(f: Fields) -> list[str] | None:
     v = f._raw("stop")
-    if v is None or isinstance(v, str):
+    if v is None:
         return v
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise f.bad("stop", "must be a string or an array of strings")
-    if len(v) > MAX_STOP:
+    if len(stops) > MAX_STOP:
         raise f.bad("stop", f"may hold at most {MAX_STOP} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise f.bad("stop", f"strings may be at most {MAX_STOP_CHARS} characters long")
     return v
 
 

@@ -21,9 +21,13 @@ from starlette.responses import JSONResponse, Response
 from streamkv.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
+    EngineNotReadyError,
+    EngineStoppingError,
+    QueueFullError,
     RequestAbortedError,
     RequestStream,
 )
+from streamkv.engine.tokenizer_lanes import TokenizerBusyError
 from streamkv.entrypoints.openai_protocol import (
     APIError,
     ChatRequest,
@@ -57,23 +61,24 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
 
-    def check_queue(self) -> None:
-        if self.max_queue_len is not None and self.engine.num_queued >= self.max_queue_len:
-            raise APIError("the server's request queue is full; retry later", 429, "rate_limit_error",
-                           code="queue_full", headers={"retry-after": "1"})
-
     async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
                     prompt_param: str = "prompt") -> tuple[list[RequestStream], asyncio.Event]:
         """Submit the prompts. The engine's admission (core/admission.py) refuses what could
         never run with an InvalidParameter, reported as a 400 naming the parameter
         (``prompt_param`` for the prompt itself: "messages" for a chat)."""
-        self.check_queue()
         notify, now = asyncio.Event(), time.monotonic()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(
-            *(self.engine.add_request(rid, p, params, notify=notify, arrival=now) for rid, p in zip(ids, prompts, strict=True)),
-            return_exceptions=True,
-        )
+        # No await from the queue check to the last submit: a burst cannot all pass the check.
+        self.engine.reserve(len(prompts), self.max_queue_len)
+        submitted = []
+        try:
+            for rid, p in zip(ids, prompts, strict=True):
+                submitted.append(self.engine.submit(rid, p, params, notify=notify, arrival=now))
+        except BaseException:
+            for stream, _ in submitted:
+                self.engine.abort(stream.request_id)
+            raise
+        results = await asyncio.gather(*(self.engine.wait_accepted(*sub) for sub in submitted), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in results:
@@ -114,8 +119,7 @@ class OpenAIServing:
             self.abort_all(streams)
         for out in final:
             if out.error:
-                raise APIError(f"the engine could not finish the request: {out.error}", 503,
-                               "service_unavailable_error", code="engine_capacity")
+                raise request_failed(out.error)
         return final
 
     def sse(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> EventSourceResponse:
@@ -133,13 +137,16 @@ class OpenAIServing:
         if texts and tok is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
         encoded = iter(await self.engine.run_tokenizer(
-            lambda: [tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]) if texts else [])
+            lambda tok: [tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts],
+            sum(map(len, texts))) if texts else [])
         prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else "" for p in req.prompts]
             if tok is not None:
-                decoded = await self.engine.run_tokenizer(lambda: [tok.decode(p) for p in req.prompts if not isinstance(p, str)])
+                id_prompts = [p for p in req.prompts if not isinstance(p, str)]
+                decoded = await self.engine.run_tokenizer(lambda tok: [tok.decode(p) for p in id_prompts],
+                                                          sum(map(len, id_prompts)))
                 it = iter(decoded)
                 echo = [p if isinstance(p, str) else next(it) for p in req.prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -190,15 +197,15 @@ class OpenAIServing:
                 yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
             async for i, out in watch(streams, notify):
                 if out.error:
-                    yield _error_event(out.error)
+                    yield sse_event(request_failed(out.error).body())
                     break
                 for choice in choices(i, out):
                     yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
             else:
                 if opts.include_usage:
                     yield sse_event({**head, "choices": [], "usage": _usage(num_prompt, _num_out(states))})
-        except (EngineDeadError, RequestAbortedError) as e:
-            yield _error_event(_stream_error(e))
+        except ENGINE_ERRORS as e:
+            yield sse_event(engine_error(e).body())
         finally:
             self.abort_all(streams)
         yield DONE
@@ -210,7 +217,9 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
-        ids = await self.engine.run_tokenizer(render_chat, tok, req.messages, req.add_generation_prompt, req.add_special_tokens)
+        ids = await self.engine.run_tokenizer(
+            lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens),
+            chat_size(req.messages))
         return ids
 
     async def chat(self, request: Request, body: dict) -> Response:
@@ -277,10 +286,32 @@ def _with_usage(chunk: dict, opts: StreamOptions, num_prompt: int, states: list[
     return chunk
 
 
-def _stream_error(e: Exception) -> str:
-    return "the request was aborted" if isinstance(e, RequestAbortedError) else str(e)
+def chat_size(messages: list[dict]) -> int:
+    """Characters a chat template will see, for picking the tokenizer lane."""
+    return sum(len(m.get("content") or "") + 16 for m in messages)
 
 
-def _error_event(message: str) -> bytes:
-    return sse_event(APIError(message, 503, "service_unavailable_error", code="engine_error").body())
+# Every way the engine can refuse or drop a request, mapped once (engine_error) so that
+# HTTP, SSE and the WebSocket report the same status and ``code`` for the same failure.
+ENGINE_ERRORS = (EngineDeadError, EngineNotReadyError, EngineStoppingError, QueueFullError,
+                 RequestAbortedError, TokenizerBusyError)
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, QueueFullError):
+        return APIError("the server's request queue is full; retry later", 429, "rate_limit_error",
+                        code="queue_full", headers={"retry-after": "1"})
+    if isinstance(e, TokenizerBusyError):
+        return APIError(str(e), 429, "rate_limit_error", code="tokenizer_busy", headers={"retry-after": "1"})
+    code = {EngineDeadError: "engine_dead", EngineNotReadyError: "engine_loading",
+            EngineStoppingError: "server_shutting_down", RequestAbortedError: "request_aborted"}[type(e)]
+    message = "the request was aborted" if isinstance(e, RequestAbortedError) else str(e)
+    return APIError(message, 503, "service_unavailable_error", code=code)
+
+
+def request_failed(error: str) -> APIError:
+    """A request the engine took but could not finish (the KV cache is too small for it, or
+    its step failed): the other requests go on."""
+    return APIError(f"the engine could not finish the request: {error}", 503, "service_unavailable_error",
+                    code="engine_error")
 

@@ -26,12 +26,24 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from streamkv import __version__
-from streamkv.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
 from streamkv.entrypoints.kv_view import KVView
 from streamkv.entrypoints.metrics import ServerMetrics
 from streamkv.entrypoints.openai_protocol import APIError, Fields, parse_json_body, parse_messages
-from streamkv.entrypoints.openai_serving import OpenAIServing, render_chat
-from streamkv.entrypoints.security import HeaderLimit, check_api_key, check_origin
+from streamkv.entrypoints.openai_serving import (
+    ENGINE_ERRORS,
+    OpenAIServing,
+    chat_size,
+    engine_error,
+    render_chat,
+)
+from streamkv.entrypoints.security import (
+    AuthFailures,
+    Guard,
+    HostPolicy,
+    check_api_key,
+    check_origin,
+)
 from streamkv.entrypoints.websocket import chat_ws
 
 logger = logging.getLogger(__name__)
@@ -48,6 +60,8 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    hosts: HostPolicy = field(default_factory=HostPolicy)
+    auth_failures: AuthFailures = field(default_factory=AuthFailures, repr=False)
     max_body_bytes: int = 2 * 2**20
     max_header_bytes: int = 16 * 1024
     max_queue_len: int | None = None
@@ -81,27 +95,30 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     def api(handler, auth: bool = True, body: bool = True):
         async def endpoint(request: Request) -> Response:
             try:
+                local = request.scope["server"][0] if request.scope.get("server") else None
                 if request.method == "POST":
-                    check_origin(request.headers, request.url.scheme, config.allowed_origins)
+                    check_origin(request.headers, request.url.scheme, config.hosts, config.allowed_origins, local)
                 if auth:
-                    check_api_key(config.api_key, request.headers)
+                    client = request.client.host if request.client else ""
+                    check_api_key(config.api_key, request.headers, failures=config.auth_failures, client=client)
                 if body:
                     return await handler(request, await read_json(request, config.max_body_bytes))
                 return await handler(request)
             except APIError as e:
                 return error_response(e)
-            except (EngineDeadError, EngineNotReadyError) as e:
-                return error_response(APIError(str(e), 503, "service_unavailable_error"))
+            except ENGINE_ERRORS as e:
+                return error_response(engine_error(e))
             except ClientDisconnect:
                 return Response(status_code=499)
 
         return endpoint
 
     async def health(request: Request) -> Response:
-        if engine.ready:
-            return Response(status_code=200)
-        why = f"the engine is dead: {engine.dead}" if engine.dead else "the model is loading"
-        return error_response(APIError(why, 503, "service_unavailable_error"))
+        try:
+            engine.check_alive()
+        except ENGINE_ERRORS as e:
+            return error_response(engine_error(e))
+        return Response(status_code=200)
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": __version__})
@@ -128,9 +145,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         if tok is None:
             raise APIError("this model has no tokenizer")
         if messages is not None:
-            ids = await engine.run_tokenizer(render_chat, tok, messages, add_gen, bool(add_special))
+            ids = await engine.run_tokenizer(lambda t: render_chat(t, messages, add_gen, bool(add_special)),
+                                             chat_size(messages))
         else:
-            ids = await engine.run_tokenizer(tok.encode, prompt, add_special_tokens=add_special is not False)
+            ids = await engine.run_tokenizer(lambda t: t.encode(prompt, add_special_tokens=add_special is not False),
+                                             len(prompt))
         return JSONResponse({"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids})
 
     async def detokenize(request: Request, body: dict) -> Response:
@@ -144,7 +163,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
             raise APIError(f"'tokens' must be token ids in [0, {vocab})", param="tokens")
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer")
-        return JSONResponse({"prompt": await engine.run_tokenizer(engine.tokenizer.decode, tokens)})
+        return JSONResponse({"prompt": await engine.run_tokenizer(lambda t: t.decode(tokens), len(tokens))})
 
     async def index(request: Request) -> Response:
         page = config.web_dir / "index.html" if config.web_dir else None
@@ -188,7 +207,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
-    middleware = [Middleware(HeaderLimit, limit=config.max_header_bytes)]
+    middleware = [Middleware(Guard, policy=config.hosts, header_limit=config.max_header_bytes)]
     cross = [o for o in config.allowed_origins if o]
     if cross:
         middleware.append(Middleware(CORSMiddleware, allow_origins=cross, allow_methods=["GET", "POST"],
@@ -215,7 +234,7 @@ async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None
 
 # -- the CLI ----------------------------------------------------------------------------
 def add_serve_parser(sub) -> None:
-    from streamkv.entrypoints.cli import add_engine_args
+    from streamkv.entrypoints.cli import add_engine_args, add_server_limit_args
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server",
                        description="Serve a model over an OpenAI-compatible HTTP API (with SSE "
@@ -237,6 +256,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--sse-keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments")
     s.add_argument("--ws-max-active", type=int, default=8, help="concurrent generations per WebSocket")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
+    add_server_limit_args(s)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -272,17 +292,26 @@ def _cuda_available() -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import functools
+
     import uvicorn
 
     from streamkv.engine.llm_engine import LLMEngine
-    from streamkv.entrypoints.cli import engine_kwargs
+    from streamkv.entrypoints.cli import check_server_limit_args, engine_kwargs
+    from streamkv.entrypoints.connections import (
+        ConnectionLimits,
+        GuardedH11Protocol,
+        QuietDenialWebSocket,
+    )
     from streamkv.entrypoints.llm import engine_config
+    from streamkv.entrypoints.shutdown import DrainingServer
 
     for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue_len is not None and args.max_queue_len < 0:
         raise SystemExit("--max-queue-len must be >= 0")
+    check_server_limit_args(args)
     kwargs = engine_kwargs(args)
     kwargs["distributed_executor_backend"] = serving_backend(
         args.device, args.distributed_executor_backend
@@ -290,6 +319,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args.model, **kwargs)
     engine = AsyncEngine(lambda: LLMEngine(config))
     origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
+    hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
     failed: list[bool] = []
     server: uvicorn.Server | None = None
 
@@ -299,7 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     app = build_app(engine, ServerConfig(
         model_name=args.served_model_name or served_name(args.model), api_key=args.api_key or None,
-        allowed_origins=origins, max_body_bytes=args.max_request_body_bytes,
+        allowed_origins=origins, hosts=hosts, max_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
     ))
@@ -311,11 +341,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, loop=loop, http="h11", ws="websockets-sansio",
-        h11_max_incomplete_event_size=args.max_header_bytes, ws_max_size=args.max_request_body_bytes,
-        log_level=args.log_level.lower(), access_log=args.access_log, timeout_graceful_shutdown=5,
-        lifespan="on",
-    ))
+    limits = ConnectionLimits(args.timeout_request_head, args.timeout_request_body, args.limit_concurrency)
+    server = DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, loop=loop, http=functools.partial(GuardedH11Protocol, limits=limits),
+        ws=QuietDenialWebSocket, h11_max_incomplete_event_size=args.max_header_bytes,
+        ws_max_size=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
+        log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
+    ), engine, args.shutdown_timeout)
     server.run()
     return 1 if failed else 0

@@ -15,10 +15,14 @@ import uuid
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamkv.engine.async_engine import EngineDeadError, EngineNotReadyError, RequestAbortedError
 from streamkv.entrypoints.openai_protocol import APIError, parse_chat, parse_json_body
-from streamkv.entrypoints.openai_serving import OpenAIServing
-from streamkv.entrypoints.security import check_api_key, check_origin
+from streamkv.entrypoints.openai_serving import (
+    ENGINE_ERRORS,
+    OpenAIServing,
+    engine_error,
+    request_failed,
+)
+from streamkv.entrypoints.security import check_api_key, check_origin, check_subprotocols
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +107,7 @@ class ChatSocket:
             async for out in streams[0]:
                 last = out
                 if out.error:
-                    raise APIError(f"the engine could not finish the request: {out.error}", 503,
-                                   "service_unavailable_error", code="engine_capacity")
+                    raise request_failed(out.error)
                 text = out.outputs[0].text if out.outputs else ""
                 if len(text) > sent:
                     await self.send({"type": "delta", "id": mid, "text": text[sent:]})
@@ -119,8 +122,8 @@ class ChatSocket:
             await self.send({"type": "done", "id": mid, "finish_reason": "abort", "usage": _usage(num_prompt, num_out)})
         except APIError as e:
             await self.error(mid, e)
-        except (EngineDeadError, EngineNotReadyError, RequestAbortedError) as e:
-            await self.error(mid, APIError(str(e) or "the request was aborted", 503, "service_unavailable_error"))
+        except ENGINE_ERRORS as e:
+            await self.error(mid, engine_error(e))
         except Exception:
             logger.exception("websocket generation %r failed", mid)
             await self.error(mid, APIError("internal error", 500, "internal_error"))
@@ -135,16 +138,21 @@ def _usage(num_prompt: int, num_out: int) -> dict:
 
 
 async def chat_ws(ws: WebSocket) -> None:
-    state = ws.app.state
-    try:
-        check_origin(ws.headers, ws.url.scheme, state.config.allowed_origins)
-        check_api_key(state.config.api_key, ws.headers, ws.scope.get("subprotocols", ()))
-        state.engine.check_alive()
-    except (APIError, EngineDeadError, EngineNotReadyError) as e:
-        if not isinstance(e, APIError):
-            e = APIError(str(e), 503, "service_unavailable_error")
-        await ws.send_denial_response(JSONResponse(e.body(), e.status))
-        return
+    state, config = ws.app.state, ws.app.state.config
     offered = ws.scope.get("subprotocols", ())
+    client = ws.client.host if ws.client else ""
+    try:
+        check_subprotocols(offered)
+        local = ws.scope["server"][0] if ws.scope.get("server") else None
+        check_origin(ws.headers, ws.url.scheme, config.hosts, config.allowed_origins, local)
+        check_api_key(config.api_key, ws.headers, offered, config.auth_failures, client)
+        state.engine.check_alive()
+    except (APIError, *ENGINE_ERRORS) as e:
+        if not isinstance(e, APIError):
+            e = engine_error(e)
+        # A refused handshake is the client's business, not a server fault: INFO, not ERROR.
+        logger.info("refused a WebSocket handshake from %s: %s", client or "?", e.message)
+        await ws.send_denial_response(JSONResponse(e.body(), e.status, e.headers))
+        return
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     await ChatSocket(ws, state.serving, state.config.ws_max_active).run()

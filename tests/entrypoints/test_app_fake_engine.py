@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from streamkv.engine.async_engine import AsyncEngine
+from streamkv.entrypoints.security import HostPolicy
 from streamkv.entrypoints.server import ServerConfig, build_app
 from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
 
@@ -20,7 +21,7 @@ from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
 def make_client(fake: FakeEngine | None = None, build=None, **config) -> TestClient:
     fake = fake or FakeEngine()
     engine = AsyncEngine(build or (lambda: fake))
-    app = build_app(engine, ServerConfig(model_name="fake", **config))
+    app = build_app(engine, ServerConfig(model_name="fake", hosts=HostPolicy.build("testserver"), **config))
     return TestClient(app)
 
 

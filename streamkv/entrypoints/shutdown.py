@@ -1,0 +1,76 @@
+"""Graceful shutdown on SIGTERM / SIGINT: stop accepting, let running requests finish for
+``--shutdown-timeout`` seconds, then end the rest with an error in the OpenAI shape.
+
+uvicorn's own shutdown closed every WebSocket at once (1012) and, past its grace period,
+cancelled the request tasks: in-flight SSE streams ended mid-body with no error event and
+no ``[DONE]``, and a non-streaming request got a plain-text 500 (issue 13). Here the engine
+ends the requests instead, so each response finishes by its own path: an error event and
+``[DONE]`` (SSE), a 503 JSON (non-streaming), an error message then a 1012 close (WebSocket).
+A second Ctrl-C still quits at once (uvicorn's ``force_exit``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+from sse_starlette.sse import AppStatus
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from streamkv.engine.async_engine import AsyncEngine, EngineStoppingError
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.05
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float,
+                 grace: float = 5.0) -> None:
+        super().__init__(config)
+        self.engine, self.drain_timeout, self.grace = engine, drain_timeout, grace
+        # sse-starlette would cut every stream the moment the signal arrives; here the
+        # engine ends them (end_all below), each with its error event and [DONE].
+        AppStatus.disable_automatic_graceful_drain()
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        logger.info("shutting down: refusing new connections, letting running requests finish for up to %g s",
+                    self.drain_timeout)
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        self.engine.drain()  # new requests on open connections: 503 server_shutting_down
+        for conn in self._connections(websocket=False):
+            conn.shutdown()  # idle keep-alive sockets close now, busy ones after their response
+
+        deadline = loop.time() + self.drain_timeout
+        while not self.force_exit and loop.time() < deadline and (
+                self.engine.num_open_streams or self._connections(websocket=False)):
+            await asyncio.sleep(_POLL)
+        left = self.engine.num_open_streams
+        if left:
+            logger.warning("shutdown: ending %d request(s) still running after %g s", left, self.drain_timeout)
+            self.engine.end_all(EngineStoppingError(
+                f"the server is shutting down and this request did not finish within {self.drain_timeout:g} s"))
+
+        # The responses end by themselves now; WebSockets get their error messages first.
+        grace_end = loop.time() + self.grace
+        while not self.force_exit and loop.time() < grace_end and self._connections(websocket=False):
+            await asyncio.sleep(_POLL)
+        await asyncio.sleep(_POLL)
+        for conn in self._connections(websocket=True):
+            conn.shutdown()  # close code 1012: service restart
+        while not self.force_exit and loop.time() < grace_end and self.server_state.tasks:
+            await asyncio.sleep(_POLL)
+        if self.server_state.tasks:
+            logger.error("shutdown: cancelling %d task(s) still running", len(self.server_state.tasks))
+            for task in self.server_state.tasks:
+                task.cancel()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    def _connections(self, websocket: bool) -> list:
+        return [c for c in self.server_state.connections if isinstance(c, H11Protocol) != websocket]
