@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metric", choices=sorted(METRICS), default="normalized_latency", help="latency plots: y axis")
     p.add_argument("--title", default="")
     p.add_argument("--ylim", type=float, default=None, help="latency plots: clip the y axis here")
+    p.add_argument("--rate", type=float, default=None, help="waste plots: only the runs at this request rate")
     args = p.parse_args(argv)
     results = []
     for path in args.results:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kind == "latency":
         plot_latency(results, args.out, args.metric, args.title, args.ylim)
     elif args.kind == "waste":
-        plot_waste(results, args.out, args.title)
+        plot_waste(results, args.out, args.title, args.rate)
     else:
         plot_batched(results, args.out, args.title)
     print(f"wrote {args.out}")

@@ -101,15 +101,16 @@ def plot_latency(results: list[dict], out: str, metric: str = "normalized_latenc
     plt.close(fig)
 
 
-def plot_waste(results: list[dict], out: str, title: str = "") -> None:
+def plot_waste(results: list[dict], out: str, title: str = "", rate: float | None = None) -> None:
     """Stacked bars per system: the held KV memory by kind, averaged over the system's runs
-    weighted by samples (Fig 2)."""
+    (only those at ``rate`` when given) weighted by samples (Fig 2)."""
     plt = _pyplot()
     kinds = (("token", "token states"), ("reserved", "reserved"), ("internal", "internal frag."),
              ("external", "external frag."))
     labels, rows = [], []
     for res in results:
-        kvs = [r["kv"] for r in res["runs"] if r.get("kv") and r["kv"]["samples"]]
+        kvs = [r["kv"] for r in res["runs"] if r.get("kv") and r["kv"]["samples"]
+               and (rate is None or r["request_rate"] == rate)]
         total = sum(k["samples"] for k in kvs)
         if not total:
             continue

@@ -8,6 +8,7 @@ policy, and keeps it until it ends:
     orca-max     max_model_len slots
     orca-pow2    the next power of two of prompt + output (capped at max_model_len)
     orca-oracle  exactly prompt + output
+    ft-max       max_model_len slots, and FasterTransformer-style request-level batching
 
 "Output" is the length the request will reach: ``max_tokens`` (capped so the sequence fits
 max_model_len). The benchmark harness sends every request with ``ignore_eos`` and
@@ -34,21 +35,26 @@ group's sequences are always scheduled together, so the parent's next write come
 
 Reservations cover every token a request can reach, so these managers never need a slot
 mid-request and the scheduler never preempts for them; swapping is not offered.
+
+Request-level batching (ft-max) needs no scheduler change: a batch is the requests admitted
+while nothing else holds memory; once any of them has computed a token (its second step)
+the batch is closed, ``can_allocate`` answers LATER, and the runs of finished requests are
+kept (as a static batch's buffers are) until the whole batch has ended.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from streamkv.config import CacheConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
 from streamkv.core.block_pool import BlockPool, NoFreeBlocksError
+from streamkv.core.first_fit import FirstFitAllocator, Run
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
-ORCA_POLICIES = ("orca-max", "orca-pow2", "orca-oracle")
+ORCA_POLICIES = ("orca-max", "orca-pow2", "orca-oracle", "ft-max")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -64,94 +70,13 @@ def final_len(prompt_len: int, params: SamplingParams, max_model_len: int) -> in
 
 
 def reservation_slots(policy: str, final: int, max_model_len: int) -> int:
-    if policy == "orca-max":
+    if policy in ("orca-max", "ft-max"):
         return max(max_model_len, final)
     if policy == "orca-pow2":
         return min(1 << (final - 1).bit_length(), max(max_model_len, final))
     if policy == "orca-oracle":
         return final
     raise ValueError(f"unknown contiguous policy {policy!r}; expected one of {ORCA_POLICIES}")
-
-
-@dataclass(slots=True)
-class Run:
-    """A reservation: consecutive block ids ``[start, start + num_blocks)``."""
-
-    start: int
-    num_blocks: int
-
-    def blocks(self, n: int | None = None) -> list[int]:
-        return list(range(self.start, self.start + (self.num_blocks if n is None else n)))
-
-
-class FirstFitAllocator:
-    """Free space as sorted, coalesced ``[start, length]`` holes; a request takes the first
-    hole large enough (lowest address)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._holes: list[list[int]] = [[0, num_blocks]] if num_blocks else []
-        self.num_free = num_blocks
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
-    @property
-    def largest_free(self) -> int:
-        return max((h[1] for h in self._holes), default=0)
-
-    @property
-    def num_holes(self) -> int:
-        return len(self._holes)
-
-    def can_fit(self, sizes: Iterable[int]) -> bool:
-        """Whether first-fit could place all of ``sizes`` (in order) right now."""
-        holes = [h[1] for h in self._holes]
-        for size in sizes:
-            i = next((i for i, free in enumerate(holes) if free >= size), None)
-            if i is None:
-                return False
-            holes[i] -= size
-        return True
-
-    def allocate(self, size: int) -> Run:
-        if size < 1:
-            raise ValueError(f"a run needs at least one block, got {size}")
-        for i, hole in enumerate(self._holes):
-            if hole[1] >= size:
-                run = Run(hole[0], size)
-                hole[0] += size
-                hole[1] -= size
-                if hole[1] == 0:
-                    del self._holes[i]
-                self.num_free -= size
-                return run
-        raise NoFreeBlocksError(f"no free run of {size} blocks (largest hole: {self.largest_free})")
-
-    def free(self, run: Run) -> None:
-        start, end = run.start, run.start + run.num_blocks
-        if start < 0 or end > self.num_blocks:
-            raise RuntimeError(f"run [{start}, {end}) is outside the pool")
-        i = bisect.bisect_left(self._holes, [start, 0])
-        before = self._holes[i - 1] if i else None
-        after = self._holes[i] if i < len(self._holes) else None
-        if (before and before[0] + before[1] > start) or (after and after[0] < end):
-            raise RuntimeError(f"double free of run [{start}, {end})")
-        if before and before[0] + before[1] == start:
-            before[1] += run.num_blocks
-            if after and after[0] == end:
-                before[1] += after[1]
-                del self._holes[i]
-        elif after and after[0] == end:
-            after[0], after[1] = start, after[1] + run.num_blocks
-        else:
-            self._holes.insert(i, [start, run.num_blocks])
-        self.num_free += run.num_blocks
-
-    def check_whole(self) -> None:
-        if self._holes != ([[0, self.num_blocks]] if self.num_blocks else []):
-            raise AssertionError(f"runs still reserved; free holes: {self._holes[:8]}")
 
 
 @dataclass(slots=True)
@@ -171,6 +96,9 @@ class ContiguousBlockManager:
                  max_model_len: int) -> None:
         reservation_slots(policy, 1, max_model_len)  # validates the policy name
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
+        self.request_batching = policy == "ft-max"
+        self._batch_closed = False
+        self._retired: list[Run] = []  # request batching: runs of ended requests, until the batch ends
         self.device = FirstFitAllocator(num_device_blocks)
         self.cpu = BlockPool(num_cpu_blocks)  # stays empty: see can_swap_out
         self.tables: dict[int, list[int]] = {}
@@ -196,6 +124,8 @@ class ContiguousBlockManager:
         count = max(len(seqs), group.sampling_params.best_of or 1)
         if k * count > self.device.num_blocks:
             return AllocStatus.NEVER
+        if self.request_batching and self._batch_closed and (self._families or self._retired):
+            return AllocStatus.LATER
         family = seqs[0].seq_id
         for i, seq in enumerate(seqs):
             self._plan[seq.seq_id] = (family, k, count - len(seqs) if i == 0 else 0)
@@ -253,6 +183,8 @@ class ContiguousBlockManager:
             self.num_cow_copies += len(copies)
             self.runs[seq.seq_id], self.tables[seq.seq_id] = run, own
             self._unbound.discard(seq.seq_id)
+        if seq.num_computed_tokens:
+            self._batch_closed = True
         run, table = self.runs[seq.seq_id], self.tables[seq.seq_id]
         need = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         if need > run.num_blocks:
@@ -283,9 +215,15 @@ class ContiguousBlockManager:
         if run is not None:
             family.spares.append(run)  # a later fork of this request may bind it
         if family.members == 0:
+            del self._families[fid]
+            if self.request_batching:
+                self._retired.extend(family.spares)
+                if self._families:
+                    return
+                family.spares, self._retired = self._retired, []
+                self._batch_closed = False
             for spare in family.spares:
                 self.device.free(spare)
-            del self._families[fid]
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id]
@@ -307,6 +245,10 @@ class ContiguousBlockManager:
         """Blocks reserved for sequences a request has yet to fork (or bind)."""
         return sum(r.num_blocks for f in self._families.values() for r in f.spares)
 
+    def retired_blocks(self) -> int:
+        """Request batching: blocks of ended requests held until their batch ends."""
+        return sum(r.num_blocks for r in self._retired)
+
     def external_fragmentation_blocks(self) -> int:
         """Free blocks outside the largest hole: free, but too scattered for a run that
         the largest hole cannot take."""
@@ -319,7 +261,7 @@ class ContiguousBlockManager:
         return sum(len(t) for t in self.tables.values())
 
     def check_no_leaks(self) -> None:
-        if self.tables or self._families or self.runs:
+        if self.tables or self._families or self.runs or self._retired:
             raise AssertionError(f"tables left: {list(self.tables)}, families: {list(self._families)}")
         self.device.check_whole()
         self.cpu.check_whole()

@@ -8,8 +8,9 @@ slots that fragmentation makes unusable, falls into one of four kinds:
 
     token      holds a computed token's K/V (a shared block counts once)
     reserved   held for a token the request will still write
-    internal   held but never written: a block's tail past the request's final length, or
-               a contiguous reservation larger than the request
+    internal   held but never written: a block's tail past the request's final length, a
+               contiguous reservation larger than the request, or (request-level batching)
+               the runs of ended requests that their batch still holds
     external   free, but outside the largest free run: a contiguous run that the largest
                hole cannot take cannot use it either (always 0 for paged allocation)
 
@@ -71,6 +72,7 @@ def contiguous_waste(bm: ContiguousBlockManager, groups: list[SequenceGroup], ma
             w.reserved += max(written - seq.num_computed_tokens, 0)
             w.internal += slots - max(written, seq.num_computed_tokens)
     w.reserved += bm.spare_blocks() * bs
+    w.internal += bm.retired_blocks() * bs  # request batching: held by requests that ended
     w.external = bm.external_fragmentation_blocks() * bs
     return w
 

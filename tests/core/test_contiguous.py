@@ -9,13 +9,8 @@ from hypothesis import strategies as st
 
 from streamkv.config import CacheConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
-from streamkv.core.contiguous import (
-    ContiguousBlockManager,
-    FirstFitAllocator,
-    Run,
-    create_block_manager,
-    reservation_slots,
-)
+from streamkv.core.contiguous import ContiguousBlockManager, create_block_manager, reservation_slots
+from streamkv.core.first_fit import FirstFitAllocator, Run
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -149,7 +144,7 @@ ops = st.lists(st.tuples(st.sampled_from(["admit", "step", "fork", "free"]),
 
 
 @settings(max_examples=120, deadline=None)
-@given(ops=ops, policy=st.sampled_from(["orca-max", "orca-pow2", "orca-oracle"]),
+@given(ops=ops, policy=st.sampled_from(["orca-max", "orca-pow2", "orca-oracle", "ft-max"]),
        block_size=st.sampled_from([1, 2, 4]))
 def test_random_operations_never_hand_out_a_block_twice(ops, policy, block_size):
     bm = ContiguousBlockManager(policy, block_size, 64, 0, max_model_len=40)
@@ -184,6 +179,7 @@ def test_random_operations_never_hand_out_a_block_twice(ops, policy, block_size)
         # allocator's free count is the pool minus everything reserved.
         held = [b for r in bm.runs.values() for b in r.blocks()]
         held += [b for f in bm._families.values() for r in f.spares for b in r.blocks()]
+        held += [b for r in bm._retired for b in r.blocks()]  # request batching
         assert len(held) == len(set(held)), "a block is reserved twice"
         assert bm.device.num_free == 64 - len(held)
         for sid, table in bm.tables.items():
@@ -191,4 +187,23 @@ def test_random_operations_never_hand_out_a_block_twice(ops, policy, block_size)
                 assert set(table) <= set(bm.runs[sid].blocks())
     for seq in live.values():
         bm.free(seq)
+    bm.check_no_leaks()
+
+
+def test_request_level_batching_admits_only_between_batches():
+    bm = ContiguousBlockManager("ft-max", 4, 100, 0, max_model_len=32)  # 8 blocks per request
+    a, b, late = _group(0, 6, 4), _group(1, 6, 20), _group(2, 6, 4)
+    assert _admit(bm, a) == AllocStatus.OK and _admit(bm, b) == AllocStatus.OK  # one batch
+    for g in (a, b):
+        bm.ensure_slots(g.seqs[0], 6)
+        g.seqs[0].num_computed_tokens = 6
+    bm.ensure_slots(a.seqs[0], 1)  # the batch's second step: it is closed now
+    assert _admit(bm, late) == AllocStatus.LATER  # memory is free, but the batch runs on
+    bm.free(a.seqs[0])  # a ends first; its run stays with the batch
+    assert bm.device.num_free == 100 - 16 and bm.retired_blocks() == 8
+    assert _admit(bm, late) == AllocStatus.LATER
+    bm.free(b.seqs[0])  # the longest request ends: the batch's memory all goes back
+    assert bm.device.num_free == 100 and bm.retired_blocks() == 0
+    assert _admit(bm, late) == AllocStatus.OK
+    bm.free(late.seqs[0])
     bm.check_no_leaks()

@@ -94,11 +94,12 @@ def test_kv_window_from_two_scrapes():
 @pytest.mark.slow
 def test_simulated_sweep_orders_the_systems(tmp_path):
     """The real engine on a step-time model: at a rate where paged keeps up, orca-max's
-    queue explodes, and it holds less KV memory as tokens."""
+    queue explodes, and it holds less KV memory as tokens; request-level batching (ft-max)
+    batches fewer requests still."""
     from load_tests.bench import main
 
     results = {}
-    for alloc in ("paged", "orca-max"):
+    for alloc in ("paged", "orca-max", "ft-max"):
         out = tmp_path / f"{alloc}.json"
         rc = main(["--backend", "offline", "--simulate", "--num-kv-blocks", "200", "--num-swap-blocks", "0",
                    "--max-model-len", "1024", "--no-enable-prefix-caching", "--kv-allocation", alloc,
@@ -109,7 +110,9 @@ def test_simulated_sweep_orders_the_systems(tmp_path):
 
         results[alloc] = json.loads(out.read_text())["runs"][0]
     paged, orca = results["paged"], results["orca-max"]
-    assert paged["summary"]["completed"] == orca["summary"]["completed"] == 150
+    ft = results["ft-max"]
+    assert paged["summary"]["completed"] == orca["summary"]["completed"] == ft["summary"]["completed"] == 150
+    assert ft["kv"]["avg_batched_requests"] < orca["kv"]["avg_batched_requests"]
     assert paged["summary"]["normalized_latency_s"] < orca["summary"]["normalized_latency_s"]
     assert paged["kv"]["shares"]["token"] > 0.8 > 0.5 > orca["kv"]["shares"]["token"]
     assert paged["kv"]["avg_batched_requests"] > orca["kv"]["avg_batched_requests"]

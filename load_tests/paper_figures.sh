@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The CPU runs behind docs/paper.md: Figs 2, 12 (ShareGPT, Alpaca), 13 and 17, each system a
+# sweep of request rates through the real engine on the simulated model (load_tests/sim.py),
+# with OPT-13B's shape (--model opt-13b: its config only, no weights, no detokenizer) and its
+# KV pool on an A100-40GB: 12 GiB / 800 KiB per token = 983 blocks of 16 tokens. Token
+# counts come from the embedded SmolLM2 tokenizer (a BPE of similar granularity to OPT's).
+#
+#   bash load_tests/paper_figures.sh [OUT_DIR]      (default docs/paper; ~8 min of CPU)
+#
+# Every system sees the same requests and the same arrival times (--workload-seed).
+set -euo pipefail
+OUT=${1:-docs/paper}
+PY=${PY:-.venv/bin/python}
+mkdir -p "$OUT"
+COMMON=(--backend offline --simulate --model opt-13b --num-kv-blocks 983 --num-swap-blocks 0 --block-size 16
+        --max-model-len 2048 --no-enable-prefix-caching --max-duration 3600 --disable-tqdm)
+sweep() {  # sweep WORKLOAD NUM_REQUESTS RATES SYSTEM...
+  local workload=$1 num=$2 rates=$3
+  shift 3
+  for sys in "$@"; do
+    nice -n 5 "$PY" -m load_tests.bench "${COMMON[@]}" --kv-allocation "$sys" --workload "$workload" \
+      --num-requests "$num" --request-rate "$rates" --json-out "$OUT/$workload-$sys.json" > "$OUT/$workload-$sys.log"
+  done
+}
+
+ALL=(paged orca-oracle orca-pow2 orca-max ft-max)
+sweep sharegpt 1000 0.5,1,2,3,4,5,6 "${ALL[@]}"
+sweep alpaca 1000 10,20,30,40,60,80,100 "${ALL[@]}"
+sweep chat 300 0.25,0.5,1,1.5,2,3 paged orca-oracle orca-pow2 orca-max
+
+plot() { nice -n 5 "$PY" -m load_tests.plot "$@"; }
+declare -A FIG2_RATE=([sharegpt]=2 [alpaca]=30 [chat]=1)  # the paper's Fig 13 rates
+for w in sharegpt alpaca chat; do
+  files=("$OUT/$w-paged.json" "$OUT/$w-orca-oracle.json" "$OUT/$w-orca-pow2.json" "$OUT/$w-orca-max.json")
+  [ -f "$OUT/$w-ft-max.json" ] && files+=("$OUT/$w-ft-max.json")
+  plot latency "${files[@]}" --ylim 1.0 --title "$w, OPT-13B KV pool (983 blocks), simulated model" --out "$OUT/$w-latency.png"
+  plot waste "${files[@]}" --rate "${FIG2_RATE[$w]}" --title "$w at ${FIG2_RATE[$w]} req/s: KV memory held" --out "$OUT/$w-waste.png"
+  plot batched "${files[@]}" --title "$w: average batched requests" --out "$OUT/$w-batched.png"
+done
