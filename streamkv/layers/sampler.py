@@ -1,72 +1,100 @@
-"""Turns logits into tokens: penalties, temperature, top-k / top-p / min-p, and sampling.
+"""Turns logits into tokens: penalties, logit bias, temperature, top-k / top-p / min-p.
 
-Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from ``p``).
-Seeded requests draw ``q`` from a generator keyed by (seed, sample index, output position),
-so a sample's random stream does not depend on the batch it runs in, nor on preemption.
-Returned logprobs are of the distribution after penalties and logit bias, before temperature
-and filters.
+A sampled token is ``argmax(p / q)`` over the allowed tokens with ``q ~ Exp(1)`` per token
+(the exponential race, equivalent to drawing from ``p``). Greedy rows take ``argmax`` of the
+logits after penalties and bias. Everything is batched over rows; nothing loops over the
+vocabulary in Python.
+
+- Seeded rows draw ``q`` from a counter-based generator: a 32-bit hash of (a key from seed,
+  sample index, output position and draw round) and the token id, computed with torch
+  integer ops on the logits' device. A sample therefore depends only on its own row, never
+  on its batch, and a sequence resumed after preemption redraws the same tokens. Unseeded
+  rows draw ``q`` from the sampler's one torch generator.
+- Top-k rows sample among ``torch.topk`` candidates (the top-p and min-p cuts are then exact
+  on the sorted candidates), so they never sort the vocabulary.
+- Top-p without top-k never sorts either: a token drawn from the whole distribution is in
+  the nucleus iff the mass of the tokens more likely than it is below top_p. A row that
+  drew outside redraws among the tokens more likely than the rejected one (a set that still
+  holds the whole nucleus), so the accepted sample is exactly a nucleus sample; each round
+  accepts with probability >= top_p.
+- Logprobs are of the distribution after penalties and logit bias, before temperature and
+  filters; the sampled token's comes from one logsumexp per row, and top logprobs and beam
+  candidates are computed only for the rows that ask.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from streamkv.worker.messages import SampleRequest, SampleResult
+from streamkv.layers.penalties import TokenCounts, apply_penalties
+from streamkv.worker.messages import SampleResult
+
+_M32 = 0xFFFF_FFFF
+_M64 = (1 << 64) - 1
 
 
-def _apply_penalties(logits: torch.Tensor, reqs: list[SampleRequest]) -> None:
-    for i, r in enumerate(reqs):
-        if r.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set((r.prompt_token_ids or []) + (r.output_token_ids or []))), dtype=torch.long, device=logits.device)
-            if seen.numel():
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / r.repetition_penalty, vals * r.repetition_penalty)
-        if (r.presence_penalty or r.frequency_penalty) and r.output_token_ids:
-            counts = torch.bincount(torch.tensor(r.output_token_ids, device=logits.device), minlength=logits.shape[1])[: logits.shape[1]]
-            logits[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0)
-        if r.logit_bias:
-            ids = torch.tensor(list(r.logit_bias), dtype=torch.long, device=logits.device)
-            logits[i, ids] += torch.tensor(list(r.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-        if r.banned_token_ids:
-            logits[i, r.banned_token_ids] = float("-inf")
+@dataclass(slots=True)
+class SampleRequest:
+    """How to sample one sequence's next token(s) this step."""
+
+    num_samples: int = 1  # a prompt of a best_of > 1 request yields best_of tokens at once
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    # With the seed, these key a seeded sample's random stream.
+    sample_index: int = 0  # sample j of the request (num_samples > 1: sample_index + j)
+    output_pos: int = 0  # tokens the sample has generated so far
+    logprobs: int | None = None  # top logprobs to return besides the sampled token's
+    num_candidates: int = 0  # beam search: return this many best (token, logprob)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    banned_token_ids: list[int] | None = None  # e.g. EOS before min_tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    counts: TokenCounts | None = None  # where the sequence's token counts live (penalties)
+    counts_row: int = -1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def _filter(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p, on rows that sample."""
-    temps = torch.tensor([r.temperature for r in reqs], device=logits.device).unsqueeze(1)
-    logits = logits / temps
-    if any(r.top_k > 0 for r in reqs):
-        vocab = logits.shape[1]  # a top_k past the vocabulary keeps every token
-        k = torch.tensor([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in reqs], device=logits.device)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if any(r.top_p < 1.0 for r in reqs):
-        p = torch.tensor([r.top_p for r in reqs], device=logits.device).unsqueeze(1)
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (keeps at least one).
-        drop = (probs.cumsum(-1) - probs) >= p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
-    if any(r.min_p > 0 for r in reqs):
-        probs = logits.softmax(-1)
-        m = torch.tensor([r.min_p for r in reqs], device=logits.device).unsqueeze(1)
-        logits = logits.masked_fill(probs < m * probs.max(-1, keepdim=True).values, float("-inf"))
-    return logits
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer (uint64 arrays wrap on overflow, as the algorithm wants)."""
+    z = z + 0x9E37_79B9_7F4A_7C15
+    z = (z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9
+    z = (z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB
+    return z ^ (z >> 31)
 
 
-def _exponentials(reqs: list[SampleRequest], vocab: int, device, generator: torch.Generator) -> torch.Tensor:
-    q = torch.empty(len(reqs), vocab, device=device)
-    for i, r in enumerate(reqs):
-        if r.seed is None:
-            q[i].exponential_(generator=generator)
-        else:
-            g = torch.Generator(device=device)
-            g.manual_seed(hash((r.seed, r.sample_index, r.output_pos)) & 0x7FFF_FFFF_FFFF_FFFF)
-            q[i].exponential_(generator=g)
-    return q
+def stream_keys(seeds: list[int], sample_indices: list[int], positions: list[int], round_: int = 0) -> torch.Tensor:
+    """The 32-bit keys (as int64) of seeded draws, one per (seed, sample index, output
+    position), in draw round ``round_``: vectorized on the host, a few microseconds a batch."""
+    z = _mix64(np.array([s & _M64 for s in seeds], dtype=np.uint64))
+    z = _mix64(z ^ np.array(sample_indices, dtype=np.uint64))
+    z = _mix64(z ^ np.array(positions, dtype=np.uint64))
+    z = _mix64(z ^ np.uint64(round_))
+    return torch.from_numpy(((z ^ (z >> 32)) & _M32).astype(np.int64))
+
+
+def hashed_exponentials(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws for ``keys[:, None]`` (int64, 32-bit values) x ``token_ids`` ([K] or
+    [rows, K]): murmur3's 32-bit finalizer over ``token * golden + key``, in int64 so that
+    every product's low 32 bits are exact and every shift is logical."""
+    x = token_ids * 0x9E37_79B1 + keys[:, None]
+    x.bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 16).mul_(0x85EB_CA6B).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 13).mul_(0xC2B2_AE35).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 16)
+    u = (x >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)  # uniform in (0, 1)
+    return u.log_().neg_()
 
 
 class Sampler:
@@ -74,48 +102,149 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> list[SampleResult]:
         logits = logits.float()
-        _apply_penalties(logits, reqs)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        # One row per output sample: a prompt of an n>1 request yields n tokens at once.
-        rows, expanded = [], []
-        for i, r in enumerate(reqs):
-            for j in range(r.num_samples):
-                rows.append(i)
-                expanded.append(_with_sample_index(r, r.sample_index + j) if j else r)
-        row_idx = torch.tensor(rows, device=logits.device)
-        chosen = logprobs.argmax(-1)[row_idx]
-        sampled = [k for k, r in enumerate(expanded) if r.temperature > 0]
-        if sampled:
-            sub = [expanded[k] for k in sampled]
-            idx = torch.tensor(sampled, device=logits.device)
-            filtered = _filter(logits[row_idx[idx]], sub)
-            probs = filtered.softmax(-1)
-            q = _exponentials(sub, logits.shape[1], logits.device, self.generator)
-            chosen[idx] = (probs / q).argmax(-1)
-        chosen_lp = logprobs[row_idx, chosen]
-        max_top = max((r.logprobs or 0) for r in reqs)
-        max_cand = max(r.num_candidates for r in reqs)
-        k_top = min(max(max_top, max_cand), logprobs.shape[1])
-        top = logprobs.topk(k_top, dim=-1) if k_top > 0 else None
+        vocab, dev = logits.shape[1], logits.device
+        _adjust(logits, reqs)
+        # One draw per output sample: (row, request, sample index).
+        draws = [(i, r, r.sample_index + j) for i, r in enumerate(reqs) for j in range(r.num_samples)]
+        expanded = len(draws) != len(reqs)
+        src = torch.tensor([d[0] for d in draws], device=dev) if expanded else None
+        if all(r.temperature > 0 for r in reqs):
+            chosen = torch.empty(len(draws), dtype=torch.long, device=dev)
+        else:
+            chosen = logits.argmax(-1)
+            chosen = chosen[src] if expanded else chosen
+        top_k_draws, full_draws = [], []
+        for k, d in enumerate(draws):
+            r = d[1]
+            if r.temperature > 0:
+                (top_k_draws if 0 < r.top_k < vocab else full_draws).append((k, *d))
+        for part, fn in ((top_k_draws, self._sample_top_k), (full_draws, self._sample_full)):
+            if part:
+                chosen[torch.tensor([p[0] for p in part], device=dev)] = fn(logits, part)
+        lse = torch.logsumexp(logits, -1)
+        rows = src if expanded else torch.arange(len(reqs), device=dev)
+        chosen_lp = logits[rows, chosen] - lse[rows]
+        asks = [i for i, r in enumerate(reqs) if r.logprobs or r.num_candidates]
+        top_ids, top_vals = {}, {}
+        if asks:
+            k = min(max(max(reqs[i].logprobs or 0, reqs[i].num_candidates) for i in asks), vocab)
+            idx = torch.tensor(asks, device=dev)
+            top = logits[idx].topk(k, dim=-1)
+            top_ids = dict(zip(asks, top.indices.tolist()))
+            top_vals = dict(zip(asks, (top.values - lse[idx, None]).tolist()))
         chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
-        top_vals = top.values.tolist() if top is not None else None
-        top_ids = top.indices.tolist() if top is not None else None
         results: list[SampleResult] = []
         k = 0
         for i, r in enumerate(reqs):
             n = r.num_samples
             res = SampleResult(token_ids=chosen_l[k : k + n], logprobs=lp_l[k : k + n])
             if r.logprobs:
-                pairs = list(zip(top_ids[i][: r.logprobs], top_vals[i][: r.logprobs]))
-                res.top_logprobs = [pairs] * n
+                res.top_logprobs = [list(zip(top_ids[i][: r.logprobs], top_vals[i][: r.logprobs]))] * n
             if r.num_candidates:
                 res.candidates = list(zip(top_ids[i][: r.num_candidates], top_vals[i][: r.num_candidates]))
             results.append(res)
             k += n
         return results
 
+    # -- the two sampling paths; ``part`` holds (draw, row, request, sample index) ------------
+    def _sample_top_k(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
+        dev, vocab = logits.device, logits.shape[1]
+        ks = [min(p[2].top_k, vocab) for p in part]
+        vals, ids = logits[torch.tensor([p[1] for p in part], device=dev)].topk(max(ks), dim=-1)
+        vals = vals / _column([p[2].temperature for p in part], dev)
+        cut = torch.arange(vals.shape[1], device=dev) >= torch.tensor(ks, device=dev)[:, None]
+        probs = vals.masked_fill_(cut, -math.inf).softmax(-1)
+        if any(p[2].top_p < 1.0 for p in part):
+            # Drop a token when the mass before it already reaches top_p (keeps at least one).
+            drop = (probs.cumsum(-1) - probs) >= _column([p[2].top_p for p in part], dev)
+            probs = probs.masked_fill(drop, 0.0)
+        probs = _min_p(probs, part)
+        q = self._exponentials(part, ids, 0)
+        return ids.gather(1, (probs / q).argmax(-1, keepdim=True)).squeeze(1)
 
-def _with_sample_index(r: SampleRequest, index: int) -> SampleRequest:
-    return replace(r, sample_index=index)
+    def _sample_full(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
+        dev, vocab = logits.device, logits.shape[1]
+        x = logits[torch.tensor([p[1] for p in part], device=dev)]
+        x /= _column([p[2].temperature for p in part], dev)
+        probs = x.softmax(-1)
+        weights = _min_p(probs, part)
+        token_ids = torch.arange(vocab, device=dev)
+        if all(p[2].top_p >= 1.0 for p in part):
+            return (weights / self._exponentials(part, token_ids, 0)).argmax(-1)
+        chosen = torch.empty(len(part), dtype=torch.long, device=dev)
+        top_p = _column([p[2].top_p for p in part], dev).squeeze(1)
+        active = torch.arange(len(part), device=dev)
+        live = part
+        round_ = 0
+        while True:
+            pick = (weights / self._exponentials(live, token_ids, round_)).argmax(-1, keepdim=True)
+            xs = x if round_ == 0 else x[active]
+            score = xs.gather(1, pick)
+            above = torch.where(xs > score, probs if round_ == 0 else probs[active], 0.0).sum(-1)
+            tp = top_p[active]
+            ok = (above < tp) | (tp >= 1.0)
+            chosen[active[ok]] = pick.squeeze(1)[ok]
+            rejected = (~ok).nonzero().squeeze(1)
+            if rejected.numel() == 0:
+                return chosen
+            # Redraw among the tokens more likely than the rejected one: the nucleus is inside.
+            weights = torch.where(xs[rejected] > score[rejected], weights[rejected], 0.0)
+            live = [live[j] for j in rejected.tolist()]
+            active = active[rejected]
+            round_ += 1
+
+    def _exponentials(self, part: list[tuple], token_ids: torch.Tensor, round_: int) -> torch.Tensor:
+        """Exp(1) per (draw, token id): hashed for seeded draws, else from the generator."""
+        dev = token_ids.device
+        shape = (len(part), token_ids.shape[-1])
+        seeded = [j for j, p in enumerate(part) if p[2].seed is not None]
+        if not seeded:
+            return torch.empty(shape, device=dev).exponential_(generator=self.generator)
+        keys = stream_keys(
+            [part[j][2].seed for j in seeded], [part[j][3] for j in seeded],
+            [part[j][2].output_pos for j in seeded], round_,
+        ).to(dev)
+        if len(seeded) == len(part):
+            return hashed_exponentials(keys, token_ids)
+        q = torch.empty(shape, device=dev).exponential_(generator=self.generator)
+        sel = torch.tensor(seeded, device=dev)
+        q[sel] = hashed_exponentials(keys, token_ids[sel] if token_ids.dim() == 2 else token_ids)
+        return q
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _min_p(probs: torch.Tensor, part: list[tuple]) -> torch.Tensor:
+    if all(p[2].min_p <= 0 for p in part):
+        return probs
+    floor = _column([p[2].min_p for p in part], probs.device) * probs.amax(-1, keepdim=True)
+    return probs.masked_fill(probs < floor, 0.0)
+
+
+def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
+    """Penalties, then logit bias, then bans, in place, each one batched over its rows."""
+    penalised = [i for i, r in enumerate(reqs) if r.has_penalties]
+    if penalised:
+        stores = {id(reqs[i].counts): reqs[i].counts for i in penalised}
+        if None in stores.values():
+            raise ValueError("a request with a presence, frequency or repetition penalty needs its token counts")
+        for store in stores.values():
+            rows = [i for i in penalised if reqs[i].counts is store]
+            apply_penalties(
+                logits, rows, store, [reqs[i].counts_row for i in rows],
+                [(reqs[i].presence_penalty, reqs[i].frequency_penalty, reqs[i].repetition_penalty) for i in rows],
+            )
+    biased = [(i, t, b) for i, r in enumerate(reqs) if r.logit_bias for t, b in r.logit_bias.items()]
+    if biased:
+        dev = logits.device
+        rows, ids, vals = zip(*biased)
+        index = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
+        logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    banned = [(i, t) for i, r in enumerate(reqs) if r.banned_token_ids for t in r.banned_token_ids]
+    if banned:
+        rows, ids = zip(*banned)
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = -math.inf

@@ -8,10 +8,13 @@ import logging
 import torch
 
 from streamkv.config import EngineConfig
-from streamkv.models.loader import load_config, resolve_max_model_len, resolve_model_dir
+from streamkv.layers.penalties import TokenCounts
+from streamkv.layers.sampler import SampleRequest
+from streamkv.model_info import ModelInfo
+from streamkv.models.loader import resolve_model_info
 from streamkv.models.registry import build_model
 from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from streamkv.worker.messages import StepFailed, StepInput, StepOutput
+from streamkv.worker.messages import SeqInput, StepFailed, StepInput, StepOutput
 from streamkv.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -40,7 +43,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, model_info: ModelInfo | None = None) -> None:
         self.config = config
         self.rank = rank
         mc = config.model
@@ -49,8 +52,9 @@ class Worker:
             self.device = torch.device("cuda", rank)  # one GPU per rank
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        self.model_dir = resolve_model_dir(mc.model)
-        self.hf_config = load_config(self.model_dir)
+        # The engine's ModelInfo; resolved here only for a Worker built on its own (benchmarks).
+        self.model_info = model_info or resolve_model_info(mc)
+        self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
         torch.manual_seed(mc.seed)
         self.model = build_model(
             self.model_dir, self.dtype, self.device, mc.load_format,
@@ -107,11 +111,8 @@ class Worker:
         if self.device.type == "cuda" and not self.config.model.enforce_eager:
             # The graphs' memory pool (decode activations and attention partials, logged at
             # capture) comes out of the activation margin num_available_blocks leaves.
-            # From the config as given: a worker process gets its config before the engine
-            # resolves config.scheduler.max_model_len.
-            max_model_len = resolve_max_model_len(self.config.model.max_model_len, self.hf_config)
             self.runner.capture_decode_graphs(
-                self.cache.device_cache, max_model_len, self.config.scheduler.max_num_seqs
+                self.cache.device_cache, self.model_info.max_model_len, self.config.scheduler.max_num_seqs
             )
 
     def execute(self, step: StepInput) -> StepOutput:
@@ -120,6 +121,7 @@ class Worker:
         self.cache.swap_in(step.swap_in)
         self.cache.copy(step.copies)
         try:
+            self._sampler_requests(step.seqs)
             return self.runner.execute(step.seqs, self.cache.device_cache)
         except Exception as e:
             if self.device.type == "cuda":
@@ -128,3 +130,22 @@ class Worker:
                 except Exception:
                     raise e from None
             raise StepFailed(f"{type(e).__name__}: {e}") from e
+
+    def _sampler_requests(self, seqs: list[SeqInput]) -> None:
+        """The sampler's row specs from the step's messages; penalty rows counted afresh.
+        (Transitional: the per-sequence state moves to worker/input_batch.py.)"""
+        counts = None
+        for s in seqs:
+            w = s.sample
+            if w is None:
+                continue
+            req = SampleRequest(
+                w.num_samples, w.temperature, w.top_p, w.top_k, w.min_p, w.seed, w.sample_index, w.output_pos,
+                w.logprobs, w.num_candidates, w.presence_penalty, w.frequency_penalty, w.repetition_penalty,
+                w.banned_token_ids, w.logit_bias,
+            )
+            if req.has_penalties:
+                counts = counts or TokenCounts(self.model.shape.vocab_size, self.device)
+                req.counts = counts
+                req.counts_row = counts.allocate(w.prompt_token_ids or [], w.output_token_ids or [])
+            s.sample = req

@@ -1,0 +1,168 @@
+"""Sampling throughput: the same requests decoded greedily and with each sampling mode, in
+one run on one engine, as output tokens per second and as a ratio to greedy. Modes:
+
+- greedy: temperature 0
+- temp_top_p: temperature 0.8, top_p 0.95
+- seeded_top_k: temperature 0.8, top_k 50, a seed per request
+- penalties: temperature 0.8, presence 0.5, frequency 0.5, repetition 1.2
+
+Prompts are random token ids (no tokenizer or data set needed); every request decodes
+exactly --output-len tokens (EOS ignored). With --rounds > 1 the modes alternate round by
+round and the median is kept, so drift in the machine's speed hits every mode alike. Prints
+a table and writes JSON. With the in-process executor it also reports the time spent in the
+sampler per step (the worker's Sampler.__call__, which ends in a device sync).
+
+    python benchmarks/bench_sampling.py --device cpu --num-requests 64 --output-len 32
+    python benchmarks/bench_sampling.py --model llama3-8b --load-format dummy --dtype bfloat16 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = {
+    "greedy": {"temperature": 0.0},
+    "temp_top_p": {"temperature": 0.8, "top_p": 0.95},
+    "seeded_top_k": {"temperature": 0.8, "top_k": 50, "seed": 0},
+    "penalties": {"temperature": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+}
+
+
+def mode_params(mode: str, num: int, output_len: int) -> list:
+    from streamkv import SamplingParams
+
+    base = {**MODES[mode], "max_tokens": output_len, "ignore_eos": True}
+    if "seed" in base:
+        return [SamplingParams(**{**base, "seed": i}) for i in range(num)]
+    return [SamplingParams(**base) for _ in range(num)]
+
+
+class SamplerClock:
+    """Stands in for the in-process worker's sampler and times its calls (each ends in a
+    host sync, so wall time is the sampler's whole cost)."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+        self.seconds, self.calls = 0.0, 0
+
+    def __call__(self, logits, reqs):
+        start = time.perf_counter()
+        try:
+            return self.sampler(logits, reqs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def reset(self) -> tuple[float, int]:
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+def run_mode(llm, prompts: list[list[int]], params: list) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    for p, o in zip(params, outs):
+        assert len(o.outputs[0].token_ids) == p.max_tokens, "a request stopped early"
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: the embedded model)")
+    ap.add_argument("--load-format", default="auto", help="'dummy' for random weights of a real shape")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-requests", type=int, default=400)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=110, help="random token ids per prompt")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for every request on CPU, "
+                    "sized from memory on GPU")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--rounds", type=int, default=1, help="timed runs per mode (median kept)")
+    ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--json-out", default="bench_results/sampling.json")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+
+    import torch
+
+    from streamkv.entrypoints.llm import LLM
+    from streamkv.models.loader import load_config, resolve_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    per_seq = -(-(args.prompt_len + args.output_len) // 16) + 1
+    blocks = args.num_kv_blocks or (min(args.num_requests, args.max_num_seqs) * per_seq + 16 if on_cpu else None)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks, num_swap_blocks=0,
+              distributed_executor_backend=args.distributed_executor_backend)
+    vocab = load_config(resolve_model_dir(args.model))["vocab_size"]
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    worker = getattr(llm.engine.executor, "worker", None)
+    clock = SamplerClock(worker.runner.sampler) if worker is not None else None
+    if clock is not None:
+        worker.runner.sampler = clock
+
+    for mode in modes:  # warm-up: kernels, graphs, allocator
+        run_mode(llm, prompts[:8], mode_params(mode, 8, min(args.output_len, 8)))
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    sampler_ms: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(args.rounds):
+        for mode in modes:
+            if clock is not None:
+                clock.reset()
+            times[mode].append(run_mode(llm, prompts, mode_params(mode, args.num_requests, args.output_len)))
+            if clock is not None:
+                seconds, calls = clock.reset()
+                sampler_ms[mode].append(1e3 * seconds / max(calls, 1))
+            print(f"{mode}: {times[mode][-1]:.2f}s", flush=True)
+
+    out_tokens = args.num_requests * args.output_len
+    rows = []
+    for mode in modes:
+        t = statistics.median(times[mode])
+        row = {"mode": mode, "params": MODES[mode], "seconds": t, "output_tok_s": out_tokens / t}
+        if sampler_ms[mode]:
+            row["sampler_ms_per_step"] = statistics.median(sampler_ms[mode])
+        rows.append(row)
+    greedy = next((r["output_tok_s"] for r in rows if r["mode"] == "greedy"), None)
+    for r in rows:
+        r["vs_greedy"] = r["output_tok_s"] / greedy if greedy else None
+    ex = llm.engine.executor
+    print(f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}), "
+          f"{llm.engine.config.model.executor_backend} executor; {args.num_requests} requests x "
+          f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
+          f"median of {args.rounds}")
+    print(f"{'mode':<14}{'seconds':>10}{'out tok/s':>12}{'vs greedy':>11}{'sampler ms/step':>17}")
+    for r in rows:
+        ratio = f"{r['vs_greedy']:.3f}" if r["vs_greedy"] is not None else "-"
+        sm = f"{r['sampler_ms_per_step']:.2f}" if "sampler_ms_per_step" in r else "-"
+        print(f"{r['mode']:<14}{r['seconds']:>10.2f}{r['output_tok_s']:>12.1f}{ratio:>11}{sm:>17}")
+    os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
+    with open(args.json_out, "w") as f:
+        json.dump({"args": vars(args), "device": str(ex.device), "dtype": str(ex.dtype),
+                   "times": times, "rows": rows}, f, indent=2)
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
