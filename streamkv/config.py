@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-# How the KV pool is handed out. "paged" is the engine; the orca-* policies are the paper's
-# contiguous-reservation baselines (core/contiguous.py), for benchmarks only.
-KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+# How the KV pool is handed out. "paged" is the engine; the orca-* policies and ft-max
+# (FasterTransformer-style request-level batching) are the paper's contiguous-reservation
+# baselines (core/contiguous.py), for benchmarks only.
+KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle", "ft-max")
 EXECUTOR_BACKENDS = ("inprocess", "mp")
 
 
