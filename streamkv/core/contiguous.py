@@ -147,6 +147,13 @@ class ContiguousBlockManager:
         seq.num_computed_tokens = 0
         return 0
 
+    def allocate_group(self, seqs: list[Sequence]) -> int:
+        """A group preempted by recompute comes back: contiguous runs cannot share, so each
+        sequence gets its own run and recomputes all of its tokens (no shared tokens)."""
+        for seq in seqs:
+            self.allocate(seq)
+        return 0
+
     # -- growth (within the run) and forks ----------------------------------------------
     def _family(self, seq: Sequence) -> _Family:
         return self._families[self._family_of[seq.seq_id]]

@@ -207,3 +207,20 @@ def test_request_level_batching_admits_only_between_batches():
     assert _admit(bm, late) == AllocStatus.OK
     bm.free(late.seqs[0])
     bm.check_no_leaks()
+
+
+def test_a_recomputed_group_comes_back_with_a_run_per_sequence():
+    bm = ContiguousBlockManager("orca-oracle", 4, 100, 0, max_model_len=64)
+    group = _group(0, 8, 8, n=3)
+    parent = group.seqs[0]
+    child = Sequence(1, parent.prompt_token_ids, output_token_ids=[1, 2])
+    parent.output_token_ids = [1, 3]
+    group.seqs.append(child)  # two live samples, both waiting after a recompute
+    assert bm.can_allocate(group) == AllocStatus.OK
+    assert bm.allocate_group(group.seqs) == 0
+    runs = [bm.runs[s.seq_id] for s in group.seqs]
+    assert [r.num_blocks for r in runs] == [4, 4] and runs[0].start != runs[1].start
+    assert bm.spare_blocks() == 4  # the third sample's run, reserved with the group
+    for seq in group.seqs:
+        bm.free(seq)
+    bm.check_no_leaks()
