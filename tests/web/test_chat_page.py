@@ -182,3 +182,27 @@ def test_phone_width_has_no_horizontal_scroll(page):
     assert page.locator("#sidebar").is_visible()
     page.click("#conversations .conv-title")
     assert page.locator("#sidebar").is_hidden()
+
+
+def test_a_dropped_connection_fails_the_reply_and_reconnects(page):
+    sockets = []
+
+    def through(ws):  # a pass-through to the real server that the test can cut
+        ws.connect_to_server()
+        sockets.append(ws)
+
+    page.route_web_socket("**/v1/chat/ws", through)
+    use_settings(page, max_tokens=400, temperature=0)
+    assert len(sockets) == 1
+    send(page, "Write a long story about a lighthouse keeper.")
+    page.wait_for_function("() => (document.querySelector('.msg.pending .body')?.textContent || '').length > 0",
+                           timeout=60_000)
+    sockets[0].close(code=1011, reason="test: the network dropped")
+    page.wait_for_selector(".msg.assistant.failed", timeout=10_000)
+    assert "connection to the server was lost" in page.locator(".msg.assistant.failed .error-text").inner_text()
+    page.wait_for_function("() => document.querySelector('#status').dataset.state === 'connected'", timeout=10_000)
+    assert len(sockets) == 2  # the page opened a new socket by itself (backoff starts at ~0.5 s)
+    use_settings(page, max_tokens=4, temperature=0)
+    send(page, "Hi!")
+    wait_reply_done(page, count=2)
+    assert "4 tokens" in page.locator(REPLY).last.locator(".stats").inner_text()
