@@ -23,12 +23,13 @@ import json
 import os
 import platform
 import sys
+from dataclasses import asdict
 
 from load_tests import kv
 from load_tests.arrivals import arrival_times, parse_rates
 from load_tests.metrics import parse_slo, summarize
 from load_tests.report import format_summary, plot_latency
-from load_tests.workloads import WORKLOADS, build
+from load_tests.workloads import WORKLOADS, BenchRequest, build
 
 MAX_REQUESTS, MAX_DURATION = 5000, 3600.0
 
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prefix-len", type=int, default=341, help="shared-prefix: the prefix's tokens")
     w.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default: the embedded model)")
     w.add_argument("--workload-seed", type=int, default=0, help="seeds the workload sample and the arrivals")
+    w.add_argument("--save-workload", default=None, metavar="PATH",
+                   help="write the built requests (token ids, output lengths) to PATH and exit")
+    w.add_argument("--workload-file", default=None, metavar="PATH",
+                   help="requests from a --save-workload file (no dataset or tokenizer needed)")
     a = p.add_argument_group("arrivals and limits")
     a.add_argument("--request-rate", default="1", help="req/s, or a comma-separated sweep; 'inf' = all at once")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
@@ -87,6 +92,16 @@ def load_tokenizer(path: str | None):
     if tok is None:
         raise SystemExit(f"no tokenizer in {path}: pass --tokenizer DIR")
     return tok
+
+
+def load_requests(path: str) -> list[BenchRequest]:
+    with open(path) as f:
+        rows = json.load(f)
+    try:
+        return [BenchRequest(list(r["prompt_ids"]), int(r["output_len"]), int(r.get("n", 1)),
+                             int(r.get("beam_width", 0))) for r in rows]
+    except (KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"error: {path} is not a --save-workload file ({e})") from None
 
 
 def make_engine(args: argparse.Namespace):
@@ -185,9 +200,19 @@ def main(argv: list[str] | None = None) -> int:
         from load_tests.drivers import loopback_only
 
         args.url = loopback_only(args.url)
-    tokenizer = load_tokenizer(args.tokenizer)
-    requests = build(args.workload, tokenizer, args.num_requests, args.workload_seed, args.n, args.beam_width,
-                     args.length_scale, args.max_len, args.prefix_len)
+    tokenizer = load_tokenizer(args.tokenizer) if args.workload_file is None or args.backend == "websocket" else None
+    if args.workload_file is not None:
+        requests = load_requests(args.workload_file)[: args.num_requests]
+        if args.n != 1 or args.beam_width:  # the flags override what the file holds
+            for r in requests:
+                r.n, r.beam_width = (args.beam_width, args.beam_width) if args.beam_width else (args.n, 0)
+    else:
+        requests = build(args.workload, tokenizer, args.num_requests, args.workload_seed, args.n, args.beam_width,
+                         args.length_scale, args.max_len, args.prefix_len)
+    if args.save_workload is not None:
+        _write(args.save_workload, [asdict(r) for r in requests])
+        print(f"wrote {len(requests)} {args.workload} requests to {args.save_workload}")
+        return 0
     target = make_engine(args) if args.backend == "offline" else tokenizer
     if args.label is None:
         args.label = args.kv_allocation if args.backend == "offline" else (scrape(args.url) or {}).get("kv_allocation") or "server"

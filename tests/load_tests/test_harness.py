@@ -136,3 +136,14 @@ def test_plots_are_written(tmp_path):
         out = tmp_path / f"{kind}.png"
         assert plot_main([kind, *files, "--out", str(out)]) == 0
         assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_saved_workloads_load_back(tmp_path):
+    from load_tests.bench import load_requests
+
+    path = tmp_path / "w.json"
+    path.write_text('[{"prompt_ids": [1, 2, 3], "output_len": 5, "n": 2, "beam_width": 0}]')
+    assert load_requests(str(path)) == [BenchRequest([1, 2, 3], 5, 2, 0)]
+    path.write_text('[{"prompt": "x"}]')
+    with pytest.raises(SystemExit, match="not a --save-workload file"):
+        load_requests(str(path))
