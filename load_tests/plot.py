@@ -3,6 +3,7 @@
     python -m load_tests.plot latency paged.json orca-max.json orca-oracle.json --out fig12.png
     python -m load_tests.plot waste paged.json orca-*.json --out fig2.png
     python -m load_tests.plot batched paged.json orca-oracle.json --out fig13.png
+    python -m load_tests.plot table paged.json orca-*.json --threshold 0.5 --rate 2   (markdown)
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ import argparse
 import json
 import sys
 
-from load_tests.report import METRICS, plot_batched, plot_latency, plot_waste
+from load_tests.report import METRICS, markdown_table, plot_batched, plot_latency, plot_waste
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m load_tests.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=["latency", "waste", "batched"])
+    p.add_argument("kind", choices=["latency", "waste", "batched", "table"])
     p.add_argument("results", nargs="+", help="JSON files written by load_tests.bench")
-    p.add_argument("--out", required=True, help="PNG path")
+    p.add_argument("--out", default=None, help="PNG path (all kinds but table)")
+    p.add_argument("--threshold", type=float, default=0.5, help="table: normalized latency bound (s/token)")
     p.add_argument("--metric", choices=sorted(METRICS), default="normalized_latency", help="latency plots: y axis")
     p.add_argument("--title", default="")
     p.add_argument("--ylim", type=float, default=None, help="latency plots: clip the y axis here")
@@ -29,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.results:
         with open(path) as f:
             results.append(json.load(f))
+    if args.kind == "table":
+        print(markdown_table(results, args.threshold, args.rate))
+        return 0
+    if args.out is None:
+        p.error("--out is required for a plot")
     if args.kind == "latency":
         plot_latency(results, args.out, args.metric, args.title, args.ylim)
     elif args.kind == "waste":

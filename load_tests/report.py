@@ -150,3 +150,44 @@ def plot_batched(results: list[dict], out: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
+
+
+def sustained_rate(result: dict, threshold: float, metric: str = "normalized_latency") -> float | None:
+    """The highest request rate at which ``metric`` stays at or below ``threshold``,
+    interpolated linearly between the last sweep point under it and the first one over."""
+    get = METRICS[metric][1]
+    pts = sorted((r["request_rate"], get(r["summary"])) for r in result["runs"] if not math.isinf(r["request_rate"]))
+    best = None
+    for (r0, y0), (r1, y1) in zip(pts, pts[1:]):
+        if y0 > threshold:
+            break
+        best = r0 if y1 <= threshold else r0 + (r1 - r0) * (threshold - y0) / (y1 - y0)
+        if y1 > threshold:
+            return best
+    return pts[-1][0] if pts and pts[-1][1] <= threshold else best
+
+
+def markdown_table(results: list[dict], threshold: float, rate: float | None) -> str:
+    """Per system: the rate sustained under ``threshold`` s/token (and its ratio to the first
+    system's), and at ``rate``: batched requests and the KV memory split."""
+    head = [f"| system | rate at {threshold} s/token | vs {results[0]['label']} |"]
+    sep = "|---|---|---|"
+    if rate is not None:
+        head[0] += f" batched @ {rate:g} req/s | token / reserved / internal / external % @ {rate:g} |"
+        sep += "---|---|"
+    rows, base = [*head, sep], sustained_rate(results[0], threshold)
+    for res in results:
+        r = sustained_rate(res, threshold)
+        ratio = f"{base / r:.2f}x" if r and base else "-"
+        line = f"| {res['label']} | {r:.2f} |" if r is not None else f"| {res['label']} | < lowest |"
+        line += f" {ratio} |"
+        if rate is not None:
+            run = next((x for x in res["runs"] if x["request_rate"] == rate and x.get("kv")), None)
+            if run is None:
+                line += " - | - |"
+            else:
+                sh = run["kv"]["shares"]
+                line += (f" {run['kv']['avg_batched_requests']:.1f} | "
+                         + " / ".join(f"{100 * sh[k]:.1f}" for k in ("token", "reserved", "internal", "external")) + " |")
+        rows.append(line)
+    return "\n".join(rows)

@@ -147,3 +147,22 @@ def test_saved_workloads_load_back(tmp_path):
     path.write_text('[{"prompt": "x"}]')
     with pytest.raises(SystemExit, match="not a --save-workload file"):
         load_requests(str(path))
+
+
+def test_sustained_rate_interpolates_the_crossing():
+    from load_tests.report import markdown_table, sustained_rate
+
+    def res(label, lats):
+        return {"label": label, "runs": [{"request_rate": r, "summary": {"normalized_latency_s": y},
+                                          "kv": {"avg_batched_requests": 3.0, "shares": dict.fromkeys(
+                                              ("token", "reserved", "internal", "external"), 0.25)}}
+                                         for r, y in lats]}
+
+    paged = res("paged", [(1, 0.1), (2, 0.3), (4, 0.9)])  # crosses 0.5 a third of the way to 4
+    orca = res("orca", [(1, 0.2), (2, 1.5)])
+    assert sustained_rate(paged, 0.5) == pytest.approx(2 + 2 / 3)
+    assert sustained_rate(orca, 0.5) == pytest.approx(1 + 0.3 / 1.3)
+    assert sustained_rate(res("never", [(1, 0.7)]), 0.5) is None
+    assert sustained_rate(res("always", [(1, 0.1), (3, 0.2)]), 0.5) == 3
+    table = markdown_table([paged, orca], 0.5, 2)
+    assert "| orca | 1.23 | 2.17x |" in table and "25.0 / 25.0 / 25.0 / 25.0" in table
