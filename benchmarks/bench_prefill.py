@@ -135,19 +135,22 @@ def bench_kernel(s: Shape, iters: int, tile=None) -> dict:
 
 
 def parse_tile(text: str):
+    """``HEAD:WxMxN`` -> (head, Tile)."""
     from streamkv.kernels import prefill
 
-    w, m, n = (int(x) for x in text.split("x"))
-    return prefill.Tile(w, m, n)
+    head, _, spec = text.partition(":")
+    w, m, n = (int(x) for x in spec.split("x"))
+    return int(head), prefill.Tile(w, m, n)
 
 
 def run_kernels(args) -> list[dict]:
     from benchmarks.bench_kernels import print_table
 
     rows = [bench_kernel(s, args.iters) for s in SHAPES]
-    target = SHAPES[0]
+    by_head = {s.head: s for s in reversed(SHAPES) if s.block == 16}
     for text in filter(None, args.tiles.split(",")):
-        rows.append(bench_kernel(target, args.iters, parse_tile(text)))
+        head, tile = parse_tile(text)
+        rows.append(bench_kernel(by_head[head], args.iters, tile))
     print(f"\nPrefill attention on {torch.cuda.get_device_name()} (bf16; us = median CUDA-graph replay)")
     print_table(
         rows,
@@ -271,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--kernel-only", action="store_true", help="only (a), the kernel against SDPA")
     part.add_argument("--e2e-only", action="store_true", help="only (b), the engine against transformers")
     ap.add_argument("--iters", type=int, default=20, help="(a) timed graph replays per row")
-    ap.add_argument("--tiles", default="4x1x64,8x1x64,4x2x32,4x2x128",
-                    help="(a) extra tiles (warps x m16 tiles per warp x keys) timed on the first shape")
+    ap.add_argument("--tiles", default="128:8x1x64,128:4x2x32,64:4x2x128,256:4x1x64",
+                    help="(a) extra tiles, each timed on the 4k shape of its head size: "
+                         "HEAD:warps x m16 tiles per warp x keys")
     ap.add_argument("--model", default="llama3-8b", help="(b) preset or model dir (dummy weights)")
     ap.add_argument("--workloads", default="64x4000,256x500", help="(b) prompts x tokens, comma list")
     ap.add_argument("--rounds", type=int, default=2, help="(b) timed runs per system (best kept)")

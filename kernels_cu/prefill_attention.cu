@@ -221,6 +221,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
 
   // Key tiles from the last (the ones the causal mask cuts) to the first. One buffer each
   // for K and V: V(j) streams in during Q K(j)^T, K(j-1) during the softmax and P V(j).
+  // (Two (K, V) buffers with one barrier per tile measured 2-9% slower: docs/kernels.md.)
   for (int j = n_tiles - 1; j >= 0; --j) {
     cp_async_wait_all();
     __syncthreads();  // K(j) (and Q) landed; every warp is done with V(j+1)
@@ -274,7 +275,10 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
     }
 
     // Online softmax in base 2 (scale_log2 = scale * log2 e). A row whose keys so far are
-    // all masked keeps max -inf; it subtracts 0 instead, so exp2(-inf) = 0, never NaN.
+    // all masked keeps max -inf; it subtracts 0 instead, so exp2(-inf) = 0, never NaN. The
+    // probabilities are packed to 16 bits at once (the A operand of P V), so the fp32 logits
+    // die here and P V runs with fewer live registers.
+    unsigned p[MT][BN / 16][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -290,14 +294,16 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
         m[i][h] = m_new;
         float sum = 0.f;
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = fast_exp2(fmaf(s[i][n][2 * h + e], scale_log2, -m_use));
-            s[i][n][2 * h + e] = p;
-            sum += p;
-          }
+        for (int n = 0; n < NT; ++n) {
+          const float p0 = fast_exp2(fmaf(s[i][n][2 * h], scale_log2, -m_use));
+          const float p1 = fast_exp2(fmaf(s[i][n][2 * h + 1], scale_log2, -m_use));
+          sum += p0 + p1;
+          // n8 tile n is half (n & 1) of k16 step n / 2; row half h is register h.
+          p[i][n >> 1][(n & 1) * 2 + h] = M::pack(p0, p1);
+        }
         l[i][h] = fmaf(l[i][h], alpha, sum);
+        // Always rescaled: skipping it when the warp's alpha is all 1 (a vote per row pair)
+        // measured 0-9% slower (docs/kernels.md).
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
           o[i][d][2 * h] *= alpha;
@@ -305,17 +311,9 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
         }
       }
 
-    // O += P V(j): the logits' accumulator layout is the A operand's, two n8 tiles per k16.
+    // O += P V(j).
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      unsigned a[MT][4];
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        a[i][0] = M::pack(s[i][2 * kk][0], s[i][2 * kk][1]);
-        a[i][1] = M::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
-        a[i][2] = M::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
-        a[i][3] = M::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
-      }
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         unsigned b[4];
@@ -323,8 +321,8 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
                                  (lane >> 4) * 8);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-          M::run(o[i][2 * dp], a[i], b[0], b[1]);
-          M::run(o[i][2 * dp + 1], a[i], b[2], b[3]);
+          M::run(o[i][2 * dp], p[i][kk], b[0], b[1]);
+          M::run(o[i][2 * dp + 1], p[i][kk], b[2], b[3]);
         }
       }
     }

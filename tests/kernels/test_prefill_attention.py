@@ -214,7 +214,7 @@ def _step_case(device: str, dtype: torch.dtype, block: int = 8):
     after a prefix that ends mid-block and a 1-token chunk, over shuffled block tables. The
     cached prefixes are written first; returns (layer, q, k, v, caches, meta, expected)."""
     from streamkv.layers.attention import PagedAttention
-    from streamkv.worker.messages import SeqInput
+    from streamkv.worker.input_batch import SeqInput
     from streamkv.worker.model_runner import ModelRunner
 
     heads, kv_heads, head = 8, 2, 64
