@@ -19,93 +19,39 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from streamkv.engine.llm_engine import LLMEngine
+from streamkv.engine.recovery import (
+    EngineRestartedError,
+    RestartBudget,
+    ResumeBase,
+    resumable,
+    resume_request,
+    splice,
+)
+from streamkv.engine.request_stream import (
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineRecoveringError,
+    EngineStoppingError,
+    Observer,
+    QueueFullError,
+    RequestAbortedError,
+    RequestStream,
+)
 from streamkv.engine.tokenizer_lanes import TokenizerLanes
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
+_IDLE_PROBE_S = 1.0
 T = TypeVar("T")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine failed to load or crashed in a step; it serves nothing more."""
-
-
-class EngineNotReadyError(RuntimeError):
-    """The model is still loading."""
-
-
-class RequestAbortedError(Exception):
-    """Raised to a stream's reader when the request was aborted (cancel, disconnect)."""
-
-
-class EngineStoppingError(RuntimeError):
-    """The server is shutting down: no new requests, and the drain timeout ended this one."""
-
-
-class QueueFullError(RuntimeError):
-    """``max_queued`` requests wait already."""
-
-
-class Observer(Protocol):
-    def on_output(self, stream: RequestStream, out: RequestOutput, now: float) -> None: ...
-
-    def on_abort(self, stream: RequestStream, now: float) -> None: ...
-
-
-class RequestStream:
-    """The outputs of one request, newest only. Several streams may share one ``notify``
-    event so that a response covering several prompts waits on all of them at once."""
-
-    def __init__(self, request_id: str, notify: asyncio.Event, arrival: float) -> None:
-        self.request_id = request_id
-        self.notify = notify
-        self.arrival = arrival
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.num_tokens_seen = 0
-        self.finished = False  # no more outputs will come (finished, aborted or failed)
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-
-    def put(self, out: RequestOutput) -> None:
-        self._latest = out
-        if out.finished:
-            self.finished = True
-        self.notify.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self.finished = True
-        self.notify.set()
-
-    def take(self) -> RequestOutput | None:
-        """The newest output not yet taken (None if nothing new); raises the stream's error
-        once every output before it was taken."""
-        out, self._latest = self._latest, None
-        if out is None and self._error is not None:
-            raise self._error
-        return out
-
-    @property
-    def drained(self) -> bool:
-        return self.finished and self._latest is None and self._error is None
-
-    async def __aiter__(self):
-        while True:
-            out = self.take()
-            if out is not None:
-                yield out
-                if out.finished:
-                    return
-            elif self.finished:
-                return
-            else:
-                self.notify.clear()
-                await self.notify.wait()
+# Re-exported: the front end imports the stream and its errors from here.
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "EngineNotReadyError", "EngineRecoveringError",
+           "EngineStoppingError", "Observer", "QueueFullError", "RequestAbortedError", "RequestStream"]
 
 
 @dataclass(slots=True)
@@ -133,8 +79,16 @@ class EngineInfo:
 
 
 class AsyncEngine:
-    def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.25) -> None:
+    def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.25,
+                 restarts: RestartBudget | None = None) -> None:
         self._build = build
+        # Worker processes that die are restarted (a new engine from ``build``) and the
+        # running requests resume by recompute (engine/recovery.py), within this budget.
+        self._restarts = restarts or RestartBudget()
+        self._recovering: str | None = None  # why, while the workers restart
+        self._adds: dict[str, _Add] = {}  # each open request as first submitted
+        self._resumed: dict[str, ResumeBase] = {}  # resumed requests: what came before
+        self._died: asyncio.Future | None = None
         self._stats_interval = stats_interval
         self.engine: LLMEngine | None = None
         self.info: EngineInfo | None = None
@@ -163,6 +117,7 @@ class AsyncEngine:
         """Begin loading the model on the engine thread; returns at once."""
         self._loop = asyncio.get_running_loop()
         self._ready_or_dead = self._loop.create_future()
+        self._died = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="streamkv-engine", daemon=True)
         self._thread.start()
 
@@ -170,9 +125,13 @@ class AsyncEngine:
         """Until the model is loaded; raises EngineDeadError if loading failed."""
         await asyncio.shield(self._ready_or_dead)
 
+    async def wait_dead(self) -> BaseException:
+        """Until the engine dies for good (after loading, or when restarts run out)."""
+        return await asyncio.shield(self._died)
+
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._dead is None
+        return self._ready.is_set() and self._dead is None and self._recovering is None
 
     @property
     def dead(self) -> BaseException | None:
@@ -194,6 +153,8 @@ class AsyncEngine:
             raise self._stopping_error
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
+        if self._recovering is not None:
+            raise EngineRecoveringError(f"the workers are being restarted after a failure ({self._recovering})")
 
     def drain(self) -> None:
         """Refuse new requests from now on; running ones go on."""
@@ -257,7 +218,8 @@ class AsyncEngine:
         accepted = self._loop.create_future()
         self._streams[request_id] = stream
         self._pending_adds += 1
-        self._commands.append(_Add(request_id, prompt, params, prompt_token_ids, arrival, accepted))
+        self._adds[request_id] = add = _Add(request_id, prompt, params, prompt_token_ids, arrival, accepted)
+        self._commands.append(add)
         self._wakeup.set()
         return stream, accepted
 
@@ -284,6 +246,8 @@ class AsyncEngine:
             obs.on_abort(stream, now)
 
     def _forget(self, request_id: str) -> RequestStream | None:
+        self._adds.pop(request_id, None)
+        self._resumed.pop(request_id, None)
         return self._streams.pop(request_id, None)
 
     @property
@@ -305,6 +269,9 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its reader meanwhile
+            base = self._resumed.get(out.request_id)
+            if base is not None:
+                out = splice(base, out)
             if out.finished:
                 self._forget(out.request_id)
             for obs in self.observers:
@@ -330,8 +297,42 @@ class AsyncEngine:
             self._ready_or_dead.set_result(None)
         logger.info("engine ready: %s", self.info)
 
+    def _on_recovering(self, why: str) -> None:
+        self._recovering = why
+
+    def _on_restarted(self, handed: threading.Event) -> None:
+        """Loop side of a restart: every request the old engine had taken goes into the new
+        one from where its stream stands (requests not yet taken are still queued)."""
+        resumes = []
+        for request_id, stream in list(self._streams.items()):
+            add = self._adds.get(request_id)
+            if add is None or not add.accepted.done() or add.accepted.cancelled() or add.accepted.exception():
+                continue
+            if not resumable(add.params):
+                self._forget(request_id)
+                stream.fail(EngineRestartedError(
+                    "the workers were restarted and a request with n > 1, best_of or beam search cannot resume"))
+                continue
+            ids, params, base = resume_request(add.prompt_token_ids, add.params, stream.last, self.tokenizer)
+            if base is not None:
+                self._resumed[request_id] = base
+            accepted = self._loop.create_future()
+            accepted.add_done_callback(lambda f, s=stream: f.exception() and s.fail(EngineDeadError(str(f.exception()))))
+            resumes.append(_Add(request_id, add.prompt, params, ids, add.arrival_time, accepted))
+        self._pending_adds += len(resumes)
+        self._commands.extendleft(reversed(resumes))  # before anything queued meanwhile
+        self._recovering = None
+        logger.info("the workers are back; %d request(s) resume by recompute", len(resumes))
+        self._wakeup.set()
+        handed.set()
+
     def _on_dead(self, error: BaseException) -> None:
         self._dead = error
+        self._recovering = None
+        if not self._died.done():
+            self._died.set_result(error)
+        self._adds.clear()
+        self._resumed.clear()
         dead = EngineDeadError(f"the engine is dead: {error}")
         if not self._ready_or_dead.done():
             self._ready_or_dead.set_exception(dead)
@@ -361,26 +362,71 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._on_dead, e)
             return
         self._loop.call_soon_threadsafe(self._on_ready, engine)
+        while engine is not None:
+            try:
+                return self._serve(engine)
+            except BaseException as e:
+                if self._stopping or not _workers_failed(e):
+                    logger.exception("the engine died in a step")
+                    self._loop.call_soon_threadsafe(self._on_dead, e)
+                    return
+                engine = self._restart(engine, e)
+
+    def _serve(self, engine: LLMEngine) -> None:
         last_stats, last_waiting = time.monotonic(), 0
+        while not self._stopping:
+            self._wakeup.clear()
+            self._apply_commands(engine)
+            if not engine.has_unfinished_requests():
+                self.stats = engine.stats()
+                self._wakeup.wait(_IDLE_PROBE_S)
+                # Idle, a worker can die or freeze too: /health should say so at once,
+                # not when the next request's step fails.
+                probe = getattr(engine.executor, "check_workers", None)
+                if probe is not None:
+                    probe()
+                continue
+            outputs = engine.step()
+            waiting = len(engine.scheduler.waiting)
+            if outputs or waiting != last_waiting:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs, waiting)
+                last_waiting = waiting
+            now = time.monotonic()
+            if now - last_stats >= self._stats_interval:
+                self.stats, last_stats = engine.stats(), now
+
+    def _restart(self, old: LLMEngine, error: BaseException) -> LLMEngine | None:
+        """A new engine (new worker processes, KV pools built again) in place of ``old``;
+        None once the restart budget is spent (then the engine is dead)."""
+        start = time.monotonic()
+        logger.error("the worker processes failed: %s; restarting them", str(error).splitlines()[0])
+        self._loop.call_soon_threadsafe(self._on_recovering, str(error).splitlines()[0])
         try:
-            while not self._stopping:
-                self._wakeup.clear()
-                self._apply_commands(engine)
-                if not engine.has_unfinished_requests():
-                    self.stats = engine.stats()
-                    self._wakeup.wait()
-                    continue
-                outputs = engine.step()
-                waiting = len(engine.scheduler.waiting)
-                if outputs or waiting != last_waiting:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs, waiting)
-                    last_waiting = waiting
-                now = time.monotonic()
-                if now - last_stats >= self._stats_interval:
-                    self.stats, last_stats = engine.stats(), now
-        except BaseException as e:
-            logger.exception("the engine died in a step")
-            self._loop.call_soon_threadsafe(self._on_dead, e)
+            old.shutdown()
+        except Exception:  # noqa: BLE001 - what is left of the old workers is killed anyway
+            logger.exception("stopping the failed workers")
+        while not self._stopping:
+            if not self._restarts.take():
+                b = self._restarts
+                why = RuntimeError(f"the workers failed {b.limit} times within {b.window:g} s; last: {error}")
+                logger.error("giving up: %s", why)
+                self._loop.call_soon_threadsafe(self._on_dead, why)
+                return None
+            try:
+                engine = self._build()
+                break
+            except BaseException as e:  # noqa: BLE001 - counted against the budget
+                logger.exception("restarting the workers failed")
+                error = e
+                time.sleep(1.0)
+        else:
+            return None
+        self.engine, self.stats = engine, engine.stats()
+        logger.warning("worker processes restarted in %.1f s", time.monotonic() - start)
+        handed = threading.Event()
+        self._loop.call_soon_threadsafe(self._on_restarted, handed)
+        handed.wait()  # the resumed requests are queued before the next step
+        return engine
 
     def call_on_engine_thread(self, fn: Callable[[LLMEngine], None]) -> None:
         """Run ``fn(engine)`` on the engine thread between two steps (at once when idle): where
@@ -408,6 +454,16 @@ class AsyncEngine:
                 engine.abort_request(cmd[1])
         if results:
             self._loop.call_soon_threadsafe(self._resolve, results, len(engine.scheduler.waiting))
+
+
+def _workers_failed(error: BaseException) -> bool:
+    """A worker process died, froze or reported an error: restart. Anything else in a step
+    (the in-process executor's device gone, a bug in the engine) is fatal."""
+    try:
+        from streamkv.executor.multiproc import WorkerError
+    except ImportError:  # pragma: no cover - no torch: no worker processes either
+        return False
+    return isinstance(error, WorkerError)
 
 
 def _engine_info(engine: LLMEngine) -> EngineInfo:

@@ -7,56 +7,10 @@ import argparse
 import logging
 import sys
 
+# The engine's flags are derived from the config dataclasses (one source, entrypoints/args.py).
+from streamkv.entrypoints.args import add_engine_args, engine_kwargs
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space")
-    g.add_argument("--num-swap-blocks", type=int, default=None)
-    g.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--cpu-kv-cache-space", type=float, default=2.0, help="GiB of KV pool on CPU")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over this many worker processes (GPUs on CUDA)")
-    g.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"],
-                   help="where the model runs: 'inprocess' (a thread of this process) or 'mp' "
-                        "(one process per rank); default inprocess at TP 1 (mp for `serve` on "
-                        "a GPU), mp above")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="never replay CUDA graphs for decode steps (on a GPU they are captured "
-                        "at start-up by default; CPU runs are always eager)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "device": args.device,
-        "dtype": args.dtype,
-        "load_format": args.load_format,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "swap_space": args.swap_space,
-        "num_swap_blocks": args.num_swap_blocks,
-        "preemption_mode": args.preemption_mode,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "cpu_kv_cache_space": args.cpu_kv_cache_space,
-        "seed": args.seed,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "distributed_executor_backend": args.distributed_executor_backend,
-        "enforce_eager": args.enforce_eager,
-    }
+__all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -126,6 +80,9 @@ def add_server_limit_args(g) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they "
                         "are ended with an error")
+    g.add_argument("--max-worker-restarts", type=int, default=3,
+                   help="worker processes that die or freeze are restarted and their requests resume; "
+                        "after this many restarts within 5 minutes the server exits with status 1")
 
 
 def check_server_limit_args(args: argparse.Namespace) -> None:
@@ -136,6 +93,8 @@ def check_server_limit_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     if args.shutdown_timeout < 0:
         raise SystemExit("--shutdown-timeout must be >= 0")
+    if args.max_worker_restarts < 0:
+        raise SystemExit("--max-worker-restarts must be >= 0")
 # -- end of serve flags --------------------------------------------------------------------
 
 

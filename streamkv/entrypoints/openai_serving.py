@@ -22,11 +22,13 @@ from streamkv.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
+    EngineRecoveringError,
     EngineStoppingError,
     QueueFullError,
     RequestAbortedError,
     RequestStream,
 )
+from streamkv.engine.recovery import EngineRestartedError
 from streamkv.engine.tokenizer_lanes import TokenizerBusyError
 from streamkv.entrypoints.openai_protocol import (
     APIError,
@@ -293,8 +295,8 @@ def chat_size(messages: list[dict]) -> int:
 
 # Every way the engine can refuse or drop a request, mapped once (engine_error) so that
 # HTTP, SSE and the WebSocket report the same status and ``code`` for the same failure.
-ENGINE_ERRORS = (EngineDeadError, EngineNotReadyError, EngineStoppingError, QueueFullError,
-                 RequestAbortedError, TokenizerBusyError)
+ENGINE_ERRORS = (EngineDeadError, EngineNotReadyError, EngineRecoveringError, EngineRestartedError,
+                 EngineStoppingError, QueueFullError, RequestAbortedError, TokenizerBusyError)
 
 
 def engine_error(e: BaseException) -> APIError:
@@ -303,8 +305,11 @@ def engine_error(e: BaseException) -> APIError:
                         code="queue_full", headers={"retry-after": "1"})
     if isinstance(e, TokenizerBusyError):
         return APIError(str(e), 429, "rate_limit_error", code="tokenizer_busy", headers={"retry-after": "1"})
+    if isinstance(e, EngineRecoveringError):
+        return APIError(str(e), 503, "service_unavailable_error", code="engine_recovering", headers={"retry-after": "5"})
     code = {EngineDeadError: "engine_dead", EngineNotReadyError: "engine_loading",
-            EngineStoppingError: "server_shutting_down", RequestAbortedError: "request_aborted"}[type(e)]
+            EngineRestartedError: "engine_restarted", EngineStoppingError: "server_shutting_down",
+            RequestAbortedError: "request_aborted"}[type(e)]
     message = "the request was aborted" if isinstance(e, RequestAbortedError) else str(e)
     return APIError(message, 503, "service_unavailable_error", code=code)
 

@@ -230,6 +230,12 @@ async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None
     # took ~0.1 s each on the engine thread under streaming load (measured on a CPU run).
     gc.collect()
     gc.freeze()
+    # A dead engine serves nothing: exit (non-zero) so that a supervisor restarts the server,
+    # rather than answering 503 forever from a live process.
+    error = await engine.wait_dead()
+    logger.error("the engine is dead (%s); the server exits with status 1", str(error).splitlines()[0])
+    if on_failure is not None:
+        on_failure()
 
 
 # -- the CLI ----------------------------------------------------------------------------
@@ -297,6 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from streamkv.engine.llm_engine import LLMEngine
+    from streamkv.engine.recovery import RestartBudget
     from streamkv.entrypoints.cli import check_server_limit_args, engine_kwargs
     from streamkv.entrypoints.connections import (
         ConnectionLimits,
@@ -317,7 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.device, args.distributed_executor_backend
     )
     config = engine_config(args.model, **kwargs)
-    engine = AsyncEngine(lambda: LLMEngine(config))
+    engine = AsyncEngine(lambda: LLMEngine(config), restarts=RestartBudget(limit=args.max_worker_restarts))
     origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
     hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
     failed: list[bool] = []

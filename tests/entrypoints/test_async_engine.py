@@ -13,6 +13,7 @@ from streamkv.engine.async_engine import (
     EngineNotReadyError,
     RequestAbortedError,
 )
+from streamkv.engine.recovery import EngineRestartedError, RestartBudget
 from streamkv.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
 
@@ -142,6 +143,64 @@ def test_load_failure_and_not_ready():
         gate.set()
         with pytest.raises(EngineDeadError, match="no such model"):
             await engine.wait_ready()
+        await engine.stop()
+
+    run(main())
+
+
+class DyingEngine(FakeEngine):
+    """Its worker "dies" (WorkerError, as the mp executor raises it) at step ``die_at``."""
+
+    def __init__(self, die_at: int | None, **kw) -> None:
+        super().__init__(**kw)
+        self.die_at = die_at
+
+    def step(self):
+        if self.die_at is not None and self.steps >= self.die_at:
+            from streamkv.executor.multiproc import WorkerError
+
+            raise WorkerError("worker rank 0 (pid 1) was killed by SIGKILL")
+        return super().step()
+
+
+def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_text():
+    async def main():
+        control, _ = await started(FakeEngine(step_delay=0.001))
+        expected = [o async for o in await control.add_request("c", [5, 6, 7], SamplingParams(max_tokens=40))][-1]
+        await control.stop()
+
+        builds = [DyingEngine(die_at=12, step_delay=0.002), DyingEngine(die_at=None, step_delay=0.002)]
+        engine = AsyncEngine(lambda: builds.pop(0))
+        engine.start()
+        await engine.wait_ready()
+        stream = await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=40, logprobs=0))
+        parallel = await engine.add_request("w", [9], SamplingParams(max_tokens=100, n=2))
+        texts = []
+        async for out in stream:
+            texts.append(out.outputs[0].text)
+        final = out.outputs[0]
+        assert final.text == expected.outputs[0].text and final.token_ids == expected.outputs[0].token_ids
+        assert len(final.logprobs) == 40 and final.finish_reason == "length"
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # the text only grew
+        assert out.prompt_token_ids == [5, 6, 7] and engine.ready and not builds
+        with pytest.raises(EngineRestartedError):  # n > 1 cannot resume
+            async for _ in parallel:
+                pass
+        await engine.stop()
+
+    run(main())
+
+
+def test_restarts_past_the_budget_kill_the_engine():
+    async def main():
+        engine = AsyncEngine(lambda: DyingEngine(die_at=1), restarts=RestartBudget(limit=2, window=60))
+        engine.start()
+        await engine.wait_ready()
+        stream = await engine.add_request("r", [1], SamplingParams(max_tokens=100))
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert "failed 2 times" in str(await engine.wait_dead())
         await engine.stop()
 
     run(main())

@@ -1,0 +1,122 @@
+"""Worker supervision for the multiprocess executor: every worker process sends a heartbeat
+over its own socket pair, and a watcher thread in the engine's process notices a worker that
+stops sending it.
+
+A dead worker closes its pipes, which the executor's waits see at once. A frozen one (SIGSTOP,
+a deadlock, a hung driver call) closes nothing: with a step timeout of 600 s, a worker stopped
+for 27 s left ``/health`` at 200 while every request stalled (issue 13). The watcher kills a
+worker that has been silent for ``timeout`` seconds, which turns the freeze into a death the
+executor reports as a WorkerError, and records why. The engine then restarts the workers and
+resumes their requests (engine/async_engine.py, engine/recovery.py).
+
+The heartbeat is a thread of its own in the worker, so a long step does not delay it; it only
+stops when the whole process does. ``timeout`` must cover the worst pause a loaded machine
+gives a runnable thread (default 5 s; beats every 0.5 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_ENV = "STREAMKV_HEARTBEAT_FD"
+INTERVAL = 0.5
+TIMEOUT = 5.0
+
+
+def start_heartbeat(interval: float = INTERVAL) -> None:
+    """Worker side: beat on the socket the executor passed in ``$STREAMKV_HEARTBEAT_FD``
+    (nothing to do when started without one)."""
+    fd = os.environ.pop(HEARTBEAT_ENV, None)
+    if fd is None:
+        return
+    sock = socket.socket(fileno=int(fd))
+
+    def beat() -> None:
+        while True:
+            try:
+                sock.send(b".")
+            except OSError:  # the engine's process is gone
+                return
+            time.sleep(interval)
+
+    threading.Thread(target=beat, name="streamkv-heartbeat", daemon=True).start()
+
+
+class Supervisor:
+    """Engine side: one heartbeat socket per rank, watched by one thread."""
+
+    def __init__(self, timeout: float = TIMEOUT) -> None:
+        self.timeout = timeout
+        self._socks: list[socket.socket] = []
+        self._pids: list[int] = []
+        self._failure: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add_rank(self) -> socket.socket:
+        """A new rank's heartbeat pair: ours is kept; the returned end goes to the worker
+        (pass its fd, then close it here)."""
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        self._socks.append(ours)
+        return theirs
+
+    def watch(self, pids: list[int]) -> None:
+        """Start watching, once every rank is up (loading a model may pause a thread longer)."""
+        self._pids = list(pids)
+        self._thread = threading.Thread(target=self._run, name="streamkv-supervisor", daemon=True)
+        self._thread.start()
+
+    @property
+    def failure(self) -> str | None:
+        """Why a worker was found dead or frozen; None while all are well."""
+        return self._failure
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        for sock in self._socks:
+            sock.close()
+
+    def _run(self) -> None:
+        last = [time.monotonic()] * len(self._socks)
+        live = set(range(len(self._socks)))
+        while live and not self._stop.is_set():
+            readable, _, _ = select.select([self._socks[r] for r in live], [], [], INTERVAL)
+            now = time.monotonic()
+            for sock in readable:
+                rank = self._socks.index(sock)
+                try:
+                    data = sock.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    last[rank] = now
+                else:  # its process ended; the executor sees the same on its own pipe
+                    live.discard(rank)
+                    self._record(f"worker rank {rank} (pid {self._pids[rank]}) exited")
+            for rank in list(live):
+                if now - last[rank] > self.timeout and not self._stop.is_set():
+                    live.discard(rank)
+                    self._record(f"worker rank {rank} (pid {self._pids[rank]}) sent no heartbeat for "
+                                 f"{now - last[rank]:.1f} s (frozen); killed it")
+                    try:
+                        os.kill(self._pids[rank], signal.SIGKILL)  # works on a stopped process too
+                    except ProcessLookupError:
+                        pass
+
+    def _record(self, message: str) -> None:
+        if self._failure is None:
+            self._failure = message
+            logger.error("%s", message)
