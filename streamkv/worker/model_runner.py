@@ -47,7 +47,7 @@ class ModelRunner:
         cu = np.zeros(n_seq + 1, np.int64)
         np.cumsum(lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        width = max(len(s.block_table) for s in ordered)
+        width = max((len(s.block_table) for s in ordered), default=1)
         tables = np.zeros((n_seq, width), np.int64)
         for i, s in enumerate(ordered):
             tables[i, : len(s.block_table)] = s.block_table
