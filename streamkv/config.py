@@ -1,8 +1,15 @@
-"""Engine configuration, validated once at construction."""
+"""Engine configuration, validated once at construction and never changed after.
+
+Each field's metadata is the one source of the engine's arguments (entrypoints/args.py):
+the ``streamkv serve`` / ``generate`` flags and ``LLM(**kwargs)`` are derived from the field
+names, defaults and ``help``; ``choices`` and ``flag`` (extra spellings) shape the flag, and
+``cli=False`` keeps a field off the command line.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # How the KV pool is handed out. "paged" is the engine; the orca-* policies and ft-max
@@ -10,18 +17,27 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 # baselines (core/contiguous.py), for benchmarks only.
 KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle", "ft-max")
 EXECUTOR_BACKENDS = ("inprocess", "mp")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+BLOCK_SIZES = (8, 16, 32)
+
+
+def arg(default: Any, help: str, **meta: Any) -> Any:
+    """A config field that is also an engine argument (see entrypoints/args.py)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from memory (gpu_memory_utilization / CPU RAM)
-    swap_space: float = 4.0  # GiB of CPU swap
-    num_swap_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_space: float = 2.0  # GiB for the KV pool when the model runs on the CPU
-    kv_allocation: str = "paged"  # benchmark baselines: see KV_ALLOCATIONS
+    block_size: int = arg(16, "tokens per KV block", choices=BLOCK_SIZES)
+    num_kv_blocks: int | None = arg(None, "KV pool size in blocks (default: sized from memory, "
+                                          "gpu_memory_utilization on a GPU, cpu_kv_cache_space on a CPU)")
+    swap_space: float = arg(4.0, "GiB of CPU swap space")
+    num_swap_blocks: int | None = arg(None, "CPU swap pool size in blocks (default: from swap_space)")
+    enable_prefix_caching: bool = arg(True, "reuse the KV blocks of prompt prefixes seen before")
+    gpu_memory_utilization: float = arg(0.9, "fraction of GPU memory the engine may use")
+    cpu_kv_cache_space: float = arg(2.0, "GiB of KV pool when the model runs on the CPU")
+    kv_allocation: str = arg("paged", "how the KV pool is handed out: 'paged' (the engine) or a "
+                                      "contiguous baseline of the paper (benchmarks only)", choices=KV_ALLOCATIONS)
 
     def verify(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
@@ -29,7 +45,7 @@ class CacheConfig:
         if self.kv_allocation != "paged" and self.enable_prefix_caching:
             raise ValueError(f"kv_allocation {self.kv_allocation!r} has no prefix cache: turn prefix "
                              "caching off (enable_prefix_caching=False, --no-enable-prefix-caching).")
-        if self.block_size not in (8, 16, 32):
+        if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
@@ -48,12 +64,14 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    # Tokens computed per step (chunked prefill: decodes first, then prompt chunks).
-    # None: max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs).
-    max_num_batched_tokens: int | None = None
-    preemption_mode: str = "auto"
-    max_model_len: int = 2048
+    max_num_seqs: int = arg(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = arg(
+        None, "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
+              f"default max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs)")
+    preemption_mode: str = arg("auto", "how a preempted request gives its blocks back", choices=PREEMPTION_MODES)
+    # The served context length, ModelInfo.max_model_len: the engine's own copy of the config
+    # carries it (set by replace(), never by mutation); ModelConfig.max_model_len is the request.
+    max_model_len: int = field(default=2048, metadata={"cli": False})
 
     def verify(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -79,18 +97,24 @@ class SchedulerConfig:
 
 @dataclass
 class ModelConfig:
-    model: str | None = None  # None = the embedded default
-    dtype: str = "auto"
-    device: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
+    # The commands take the model as their own --model argument.
+    model: str | None = field(default=None, metadata={"cli": False})  # None = the embedded default
+    dtype: str = arg("auto", "auto, float32, float16 or bfloat16")
+    device: str = arg("auto", "auto, cpu or cuda[:N]")
+    load_format: str = arg("auto", "where weights come from", choices=LOAD_FORMATS)
+    seed: int = arg(0, "random seed of the weights of load_format=dummy and of unseeded sampling")
+    max_model_len: int | None = arg(None, "context length to serve (default: the model's own)")
+    tensor_parallel_size: int = arg(1, "shard the model over this many worker processes (GPUs on CUDA)",
+                                    flag=["-tp"])
     # None: "inprocess" for tensor_parallel_size 1, "mp" (one process per rank) above it.
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: str | None = arg(
+        None, "where the model runs: 'inprocess' (a thread of this process) or 'mp' (one process "
+              "per rank); default inprocess at TP 1 (mp for `serve` on a GPU), mp above",
+        choices=EXECUTOR_BACKENDS)
     # False: on CUDA, decode-only steps replay CUDA graphs captured at start-up
     # (worker/cuda_graphs.py); True: every step runs eagerly. CPU runs always run eagerly.
-    enforce_eager: bool = False
+    enforce_eager: bool = arg(False, "never replay CUDA graphs for decode steps (on a GPU they are "
+                                     "captured at start-up by default; CPU runs are always eager)")
 
     @property
     def executor_backend(self) -> str:
@@ -103,7 +127,7 @@ class ModelConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")

@@ -17,14 +17,12 @@ the best running beam, scored at its current length, cannot beat the worst kept 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamkv.worker.messages import SampleResult
-
-if TYPE_CHECKING:
-    from streamkv.engine.output_processor import OutputProcessor
 
 
 @dataclass(slots=True)
@@ -33,18 +31,35 @@ class BeamState:
     done: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class BeamContext:
+    """What beam search works with, passed in rather than reached for."""
+
+    # (group, seq, token, logprob, the step's top logprobs): append a chosen token.
+    add_token: Callable[[SequenceGroup, Sequence, int, float, list[tuple[int, float]] | None], None]
+    fork: Callable[[Sequence, Sequence], None]  # the block manager's fork (shares blocks)
+    new_seq_id: Callable[[], int]
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+
 def beams_to_keep(width: int, num_eos: int) -> int:
     return max(2, 1 + num_eos) * width
 
 
-def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[Sequence, SampleResult]]) -> None:
+def ending_tokens(params: SamplingParams, eos_token_ids: frozenset[int]) -> set[int]:
+    """Tokens that end a hypothesis: EOS (unless ignored) and stop_token_ids."""
+    return (set() if params.ignore_eos else set(eos_token_ids)) | set(params.stop_token_ids)
+
+
+def beam_step(ctx: BeamContext, group: SequenceGroup, results: list[tuple[Sequence, SampleResult]]) -> None:
     params = group.sampling_params
     width = params.best_of
     state = group.beam_state
-    engine = proc.engine
     # stop_token_ids end a hypothesis as EOS does (its stop_reason names the token).
-    eos = (set() if params.ignore_eos else set(proc.eos_token_ids)) | set(params.stop_token_ids)
-    max_new = params.max_tokens or engine.config.scheduler.max_model_len
+    eos = ending_tokens(params, ctx.eos_token_ids)
+    max_model_len = ctx.max_model_len
+    max_new = params.max_tokens or max_model_len
     keep = beams_to_keep(width, len(eos))
     candidates = []  # (accumulated logprob, beam order, parent, token, token logprob)
     tops = {}  # parent seq id -> its step's top logprobs (when the request asked for them)
@@ -57,7 +72,7 @@ def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[S
     gen_len = len(results[0][0].output_token_ids) + 1
 
     def ends(seq: Sequence, token: int) -> bool:
-        return token in eos or gen_len >= max_new or len(seq) + 1 >= engine.config.scheduler.max_model_len
+        return token in eos or gen_len >= max_new or len(seq) + 1 >= max_model_len
 
     # Finished hypotheses: only the top `width` candidates may end one.
     full = len(group.finished_beams) >= width
@@ -65,7 +80,7 @@ def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[S
         for score, _, seq, token, lp in candidates[:width]:
             if ends(seq, token):
                 hyp = seq.fork(-1, seq.sample_index)
-                proc.add_token(group, hyp, token, lp, tops[seq.seq_id])
+                ctx.add_token(group, hyp, token, lp, tops[seq.seq_id])
                 hyp.status = SequenceStatus.FINISHED_STOPPED if token in eos else SequenceStatus.FINISHED_LENGTH
                 if token in params.stop_token_ids:
                     hyp.stop_reason = token
@@ -75,7 +90,7 @@ def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[S
         del group.finished_beams[width:]
 
     running = [c for c in candidates if not ends(c[2], c[3])][:width]
-    _advance_beams(proc, group, [seq for seq, _ in results], running, tops)
+    _advance_beams(ctx, group, [seq for seq, _ in results], running, tops)
 
     # Whole-search stopping rule.
     full = len(group.finished_beams) >= width
@@ -93,8 +108,7 @@ def beam_step(proc: OutputProcessor, group: SequenceGroup, results: list[tuple[S
         state.done = True
 
 
-def _advance_beams(proc: OutputProcessor, group: SequenceGroup, parents: list[Sequence], running, tops) -> None:
-    engine = proc.engine
+def _advance_beams(ctx: BeamContext, group: SequenceGroup, parents: list[Sequence], running, tops) -> None:
     children: dict[int, list[tuple[int, float]]] = {}
     for _, _, seq, token, lp in running:
         children.setdefault(seq.seq_id, []).append((token, lp))
@@ -107,14 +121,14 @@ def _advance_beams(proc: OutputProcessor, group: SequenceGroup, parents: list[Se
         # Fork before appending: children share the parent's blocks as they are now.
         forks = []
         for token, lp in picks[1:]:
-            child = parent.fork(engine.new_seq_id(), parent.sample_index)
-            engine.block_manager.fork(parent, child)
+            child = parent.fork(ctx.new_seq_id(), parent.sample_index)
+            ctx.fork(parent, child)
             forks.append((child, token, lp))
         top = tops[parent.seq_id]
-        proc.add_token(group, parent, *picks[0], top)
+        ctx.add_token(group, parent, *picks[0], top)
         new_seqs.append(parent)
         for child, token, lp in forks:
-            proc.add_token(group, child, token, lp, top)
+            ctx.add_token(group, child, token, lp, top)
             new_seqs.append(child)
     # Best first, as transformers orders its running beams. Dropped beams stay in the group
     # until the scheduler has freed their blocks at the end of this step.

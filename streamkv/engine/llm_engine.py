@@ -3,6 +3,7 @@ schedule, execute, postprocess."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -11,12 +12,13 @@ from streamkv.config import EngineConfig
 from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
 from streamkv.core.contiguous import create_block_manager
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
-from streamkv.engine.beam_search import BeamState, beams_to_keep
+from streamkv.engine.beam_search import BeamState, beams_to_keep, ending_tokens
 from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.executor.base import Executor, create_executor
-from streamkv.models.loader import load_tokenizer, resolve_max_model_len
+from streamkv.model_info import ModelInfo
+from streamkv.models.loader import load_tokenizer, resolve_model_dir, resolve_model_info
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
 from streamkv.worker.messages import SampleRequest, SeqInput, StepFailed, StepInput, StepOutput
@@ -24,12 +26,38 @@ from streamkv.worker.messages import SampleRequest, SeqInput, StepFailed, StepIn
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What a front end needs to know about the engine, fixed once the model is loaded."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    num_swap_blocks: int
+    usable_kv_blocks: int  # the pool minus the scheduler's watermark
+    max_num_seqs: int
+    prefix_caching: bool
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 model_info: ModelInfo | None = None) -> None:
         config.verify()
-        self.config = config
+        # The model's facts, once: the executor and its workers get this record, not a path
+        # to re-read. Tensor-parallel sizes are checked here from config numbers, before any
+        # worker process starts.
+        model_dir = model_info.model_dir if model_info is not None else resolve_model_dir(config.model.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model_info = info = model_info or resolve_model_info(config.model, model_dir, self.tokenizer)
+        info.verify_tensor_parallel(config.model.tensor_parallel_size)
+        # The engine's own copy carries the served context length; the caller's config is
+        # never changed after verify().
+        self.config = config = dataclasses.replace(
+            config, scheduler=dataclasses.replace(config.scheduler, max_model_len=info.max_model_len)
+        )
         owned = executor is None
-        self.executor = executor = create_executor(config) if owned else executor
+        self.executor = executor = create_executor(config, info) if owned else executor
         try:
             self._setup(config, executor)
         except BaseException:
@@ -38,28 +66,25 @@ class LLMEngine:
             raise
 
     def _setup(self, config: EngineConfig, executor: Executor) -> None:
-        self.tokenizer = load_tokenizer(executor.model_dir)
-        hf = executor.hf_config
-        config.scheduler.max_model_len = resolve_max_model_len(config.model.max_model_len, hf)
+        info = self.model_info
         num_device, num_cpu = executor.num_available_blocks()
         if num_device < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
         executor.init_cache(num_device, num_cpu)
-        self.block_manager = create_block_manager(
-            config.cache, num_device, num_cpu, config.scheduler.max_model_len
-        )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        bm = self.block_manager
+        self.block_manager = bm = create_block_manager(config.cache, num_device, num_cpu, info.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, bm)
         self.limits = Limits(
-            max_model_len=config.scheduler.max_model_len, vocab_size=hf["vocab_size"],
-            block_size=config.cache.block_size, usable_blocks=bm.device.num_blocks - bm.watermark_blocks,
-            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=info.max_model_len, vocab_size=info.vocab_size, block_size=config.cache.block_size,
+            usable_blocks=bm.device.num_blocks - bm.watermark_blocks, max_num_seqs=config.scheduler.max_num_seqs,
         )
-        self.eos_token_ids = eos_ids(self.tokenizer, hf, executor.model_dir)
+        self.eos_token_ids = info.eos_token_ids
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.outputs = OutputProcessor(self, self.detokenizer, self.eos_token_ids)
-        self.stats_ = EngineStats(self.block_manager, self.scheduler, config.scheduler.max_model_len)
         self._seq_ids = itertools.count()
+        self.outputs = OutputProcessor(
+            bm, self.scheduler.free_finished_seqs, self.new_seq_id, info.max_model_len,
+            self.detokenizer, self.eos_token_ids,
+        )
+        self.stats_ = EngineStats(bm, self.scheduler, info.max_model_len)
         self.groups: dict[str, SequenceGroup] = {}
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
 
@@ -100,6 +125,23 @@ class LLMEngine:
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
+
+    # -- a narrow view for front ends (AsyncEngine): no scheduler or block-manager internals
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def info(self) -> EngineInfo:
+        bm = self.block_manager
+        return EngineInfo(
+            max_model_len=self.model_info.max_model_len,
+            vocab_size=self.model_info.vocab_size,
+            block_size=bm.block_size,
+            num_kv_blocks=bm.device.num_blocks,
+            num_swap_blocks=bm.cpu.num_blocks,
+            usable_kv_blocks=self.limits.usable_blocks,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            prefix_caching=self.config.cache.enable_prefix_caching,
+        )
 
     # -- the step -----------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -157,7 +199,7 @@ class LLMEngine:
             top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
             sample_index=seq.sample_index, output_pos=len(seq.output_token_ids),
             logprobs=p.logprobs,
-            num_candidates=beams_to_keep(p.best_of, len(self.eos_token_ids)) if p.use_beam_search else 0,
+            num_candidates=beams_to_keep(p.best_of, len(ending_tokens(p, self.eos_token_ids))) if p.use_beam_search else 0,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
             logit_bias=p.logit_bias,
@@ -175,18 +217,3 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-
-def eos_ids(tokenizer, hf_config: dict, model_dir) -> set[int]:
-    ids: set[int] = set()
-    for value in (hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(value)
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        import json
-
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update([value] if isinstance(value, int) else value or [])
-    return ids

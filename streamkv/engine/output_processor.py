@@ -5,10 +5,11 @@ build RequestOutputs."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from streamkv.core.block_manager import BlockManager
 from streamkv.core.scheduler import SchedulerOutput
-from streamkv.engine.beam_search import beam_step, ranked_beams
+from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
 from streamkv.sequence import (
     CompletionOutput,
@@ -20,20 +21,33 @@ from streamkv.sequence import (
 )
 from streamkv.worker.messages import SampleResult, StepOutput
 
-if TYPE_CHECKING:
-    from streamkv.engine.llm_engine import LLMEngine
-
 
 class OutputProcessor:
-    def __init__(self, engine: LLMEngine, detokenizer: Detokenizer | None, eos_token_ids: set[int]) -> None:
-        self.engine = engine
+    """Its collaborators, passed in: the block manager (mark computed blocks, fork samples),
+    the scheduler's function that frees finished sequences, the source of new sequence ids,
+    the served context length, the detokenizer and the EOS ids."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        free_finished: Callable[[], None],
+        new_seq_id: Callable[[], int],
+        max_model_len: int,
+        detokenizer: Detokenizer | None,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.bm = block_manager
+        self.free_finished = free_finished
+        self.new_seq_id = new_seq_id
+        self.max_model_len = max_model_len
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
+        self.beams = BeamContext(self.add_token, block_manager.fork, new_seq_id, eos_token_ids, max_model_len)
 
     def process(
         self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False
     ) -> list[RequestOutput]:
-        mark = self.engine.block_manager.mark_computed
+        mark = self.bm.mark_computed
         results = result.results
         touched: dict[str, SequenceGroup] = {}
         beams: dict[str, list] = {}
@@ -53,10 +67,10 @@ class OutputProcessor:
             else:
                 self._append_samples(group, seq, res)
         for request_id, group_results in beams.items():
-            beam_step(self, touched[request_id], group_results)
+            beam_step(self.beams, touched[request_id], group_results)
         for group in sched.failed:
             touched[group.request_id] = group
-        self.engine.scheduler.free_finished_seqs()
+        self.free_finished()
         for request_id in beams:
             group = touched[request_id]
             if not group.beam_state.done:
@@ -74,8 +88,8 @@ class OutputProcessor:
     def _append_samples(self, group: SequenceGroup, seq: Sequence, res: SampleResult) -> None:
         """Append one token per sample; a prompt's n>1 samples fork the sequence."""
         for j in range(1, len(res.token_ids)):
-            child = seq.fork(self.engine.new_seq_id(), sample_index=seq.sample_index + j)
-            self.engine.block_manager.fork(seq, child)
+            child = seq.fork(self.new_seq_id(), sample_index=seq.sample_index + j)
+            self.bm.fork(seq, child)
             group.seqs.append(child)
             self.append_token(group, child, res, j)
         self.append_token(group, seq, res, 0)
@@ -120,7 +134,7 @@ class OutputProcessor:
                     return
         if params.max_tokens is not None and n_out >= params.max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH
-        elif len(seq) >= self.engine.config.scheduler.max_model_len:
+        elif len(seq) >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:

@@ -5,48 +5,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.engine.llm_engine import LLMEngine
+from streamkv.entrypoints.args import engine_config
 from streamkv.sampling_params import BeamSearchParams, SamplingParams
 from streamkv.sequence import RequestOutput
 
-
-def engine_config(
-    model: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    block_size: int = 16,
-    num_kv_blocks: int | None = None,
-    swap_space: float = 4.0,
-    num_swap_blocks: int | None = None,
-    preemption_mode: str = "auto",
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    max_model_len: int | None = None,
-    enable_prefix_caching: bool = True,
-    seed: int = 0,
-    load_format: str = "auto",
-    gpu_memory_utilization: float = 0.9,
-    cpu_kv_cache_space: float = 2.0,
-    tensor_parallel_size: int = 1,
-    distributed_executor_backend: str | None = None,
-    enforce_eager: bool = False,
-) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(
-            model, dtype, device, load_format, seed, max_model_len, tensor_parallel_size,
-            distributed_executor_backend, enforce_eager,
-        ),
-        cache=CacheConfig(
-            block_size, num_kv_blocks, swap_space, num_swap_blocks, enable_prefix_caching,
-            gpu_memory_utilization, cpu_kv_cache_space,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode),
-    )
+__all__ = ["LLM", "engine_config"]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        """``kwargs`` are the engine arguments: the config dataclasses' field names
+        (entrypoints/args.py; the same as the command's flags)."""
         self.engine = LLMEngine(engine_config(model, **kwargs))
         self._ids = itertools.count()
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import abc
 
 from streamkv.config import EngineConfig
+from streamkv.model_info import ModelInfo
 from streamkv.worker.messages import StepInput, StepOutput
 
 
 class Executor(abc.ABC):
+    """What the engine reads from an executor: the KV pool's size, then one StepOutput per
+    StepInput. The model's facts come from the ModelInfo the engine resolved and handed in."""
+
     @abc.abstractmethod
     def num_available_blocks(self) -> tuple[int, int]: ...
 
@@ -22,12 +26,12 @@ class Executor(abc.ABC):
         """Release workers and their memory."""
 
 
-def create_executor(config: EngineConfig) -> Executor:
+def create_executor(config: EngineConfig, model_info: ModelInfo) -> Executor:
     """The executor ``config.model.executor_backend`` names: "inprocess" or "mp"."""
     if config.model.executor_backend == "mp":
         from streamkv.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(config)
+        return MultiprocExecutor(config, model_info=model_info)
     from streamkv.executor.inprocess import InProcessExecutor
 
-    return InProcessExecutor(config)
+    return InProcessExecutor(config, model_info)

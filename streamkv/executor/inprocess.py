@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from streamkv.config import EngineConfig
 from streamkv.executor.base import Executor
+from streamkv.model_info import ModelInfo
 from streamkv.worker.messages import StepInput, StepOutput
 from streamkv.worker.worker import Worker
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
-        self.worker = Worker(config)
+    def __init__(self, config: EngineConfig, model_info: ModelInfo | None = None) -> None:
+        self.worker = Worker(config, model_info=model_info)
+        self.model_info = self.worker.model_info
 
     @property
     def model_dir(self):
-        return self.worker.model_dir
+        return self.model_info.model_dir
 
     @property
     def hf_config(self) -> dict:
-        return self.worker.hf_config
+        return self.model_info.hf_config
 
     @property
     def device(self):

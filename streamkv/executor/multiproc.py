@@ -44,9 +44,8 @@ import streamkv
 from streamkv.config import EngineConfig
 from streamkv.executor import ipc
 from streamkv.executor.base import Executor
-from streamkv.models.common import ModelShape
-from streamkv.models.loader import load_config, resolve_model_dir
-from streamkv.models.registry import model_class
+from streamkv.model_info import ModelInfo, check_tensor_parallel
+from streamkv.models.loader import resolve_model_info
 from streamkv.worker.messages import StepInput, StepOutput
 from streamkv.worker.worker import resolve_device, resolve_dtype
 
@@ -58,33 +57,24 @@ class WorkerError(RuntimeError):
 
 
 def verify_tensor_parallel(hf_config: dict, tp: int, device: torch.device) -> None:
-    """Refuse, before any process starts, a tensor-parallel size the model cannot split."""
-    shape = ModelShape.from_config(hf_config)
-    if shape.num_heads % tp or shape.num_kv_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size {tp} must divide the model's {shape.num_heads} attention heads "
-            f"and {shape.num_kv_heads} KV heads (every rank holds whole heads; replicating KV "
-            f"heads across ranks is not supported)"
-        )
+    """Refuse, before any process starts, a tensor-parallel size the model cannot split
+    (from config numbers, without building the model here) or the GPUs cannot hold."""
+    check_tensor_parallel(hf_config, tp)
     if device.type == "cuda" and tp > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs, but {torch.cuda.device_count()} are visible")
-    try:  # every other sharded dimension (MLP width, an untied lm_head), on no memory at all
-        with torch.device("meta"):
-            model_class(hf_config)(hf_config, shape, tp_rank=0, tp_size=tp, device="meta")
-    except ValueError as e:
-        raise ValueError(f"tensor_parallel_size {tp} does not fit this model: {e}") from None
 
 
 class MultiprocExecutor(Executor):
     def __init__(
-        self, config: EngineConfig, step_timeout: float | None = 600.0, load_timeout: float | None = None
+        self, config: EngineConfig, step_timeout: float | None = 600.0, load_timeout: float | None = None,
+        model_info: ModelInfo | None = None,
     ) -> None:
         mc = config.model
         self.tp = mc.tensor_parallel_size
         self.step_timeout = step_timeout
-        # What the engine reads from an executor, found without loading the model here.
-        self.model_dir = resolve_model_dir(mc.model)  # converts a GGUF once, before the ranks race
-        self.hf_config = load_config(self.model_dir)
+        # Resolved once here (a GGUF is converted before the ranks race) and sent to every rank.
+        self.model_info = model_info or resolve_model_info(mc)
+        self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         verify_tensor_parallel(self.hf_config, self.tp, self.device)
@@ -98,7 +88,7 @@ class MultiprocExecutor(Executor):
         # starting them leaves nothing behind; it also runs at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._tmpdir)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        setup = (dataclasses.asdict(config), backend, f"file://{self._tmpdir}/rendezvous",
+        setup = (dataclasses.asdict(config), self.model_info.to_dict(), backend, f"file://{self._tmpdir}/rendezvous",
                  logging.getLogger().getEffectiveLevel())
         try:
             for rank in range(self.tp):
@@ -125,8 +115,8 @@ class MultiprocExecutor(Executor):
         conn = Connection(ours.detach())
         self._procs.append(proc)
         self._conns.append(conn)
-        config_data, backend, init_method, log_level = setup
-        conn.send_bytes(ipc.dumps(("setup", rank, self.tp, config_data, backend, init_method, log_level)))
+        config_data, info_data, backend, init_method, log_level = setup
+        conn.send_bytes(ipc.dumps(("setup", rank, self.tp, config_data, info_data, backend, init_method, log_level)))
 
     # -- the Executor interface -----------------------------------------------------------
     def num_available_blocks(self) -> tuple[int, int]:

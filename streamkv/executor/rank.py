@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.executor import ipc
+from streamkv.model_info import ModelInfo
 
 
 def config_from_dict(data: dict) -> EngineConfig:
@@ -34,7 +35,7 @@ def main(fd: int) -> None:
     # Ctrl-C reaches the whole process group: the engine decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
-    _, rank, tp, config_data, backend, init_method, log_level = ipc.loads(conn.recv_bytes())
+    _, rank, tp, config_data, info_data, backend, init_method, log_level = ipc.loads(conn.recv_bytes())
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     try:
         import torch
@@ -55,7 +56,7 @@ def main(fd: int) -> None:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp)
         from streamkv.worker.worker import Worker
 
-        worker = Worker(config, rank)
+        worker = Worker(config, rank, ModelInfo.from_dict(info_data))
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         _report_and_exit(conn, e)
     try:

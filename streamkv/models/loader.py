@@ -16,6 +16,12 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from streamkv.model_info import ModelInfo
+
+if TYPE_CHECKING:
+    from streamkv.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +167,31 @@ def resolve_max_model_len(requested: int | None, hf_config: dict) -> int:
     if requested is not None and requested > model_max:
         raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_max}")
     return requested or model_max
+
+
+def eos_token_ids(tokenizer, hf_config: dict, model_dir: Path) -> frozenset[int]:
+    """Every id that ends generation: config.json's, the tokenizer's and
+    generation_config.json's (models list different ones, e.g. Llama 3's <|eot_id|>)."""
+    ids: set[int] = set()
+    gen = Path(model_dir) / "generation_config.json"
+    gen_value = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+    for value in (hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None), gen_value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    return frozenset(ids)
+
+
+def resolve_model_info(model: ModelConfig, model_dir: Path | None = None, tokenizer=None) -> ModelInfo:
+    """The served model's facts (streamkv/model_info.py), read once: its directory, config,
+    vocabulary, EOS ids and served context length."""
+    model_dir = Path(model_dir) if model_dir is not None else resolve_model_dir(model.model)
+    hf_config = load_config(model_dir)
+    return ModelInfo.from_config(
+        model_dir, hf_config, resolve_max_model_len(model.max_model_len, hf_config),
+        eos_token_ids(tokenizer, hf_config, model_dir),
+    )
 
 
 def load_config(model_dir: Path) -> dict:
