@@ -137,6 +137,30 @@ def run_static_batching(model, requests, batch_size: int, pad_id: int) -> float:
     return time.perf_counter() - start
 
 
+def run_transformers_cb(model, requests) -> tuple[float, int]:
+    """transformers' own continuous batching (``generate_batch``, paged|sdpa attention, CUDA
+    graphs where the installed version offers them), greedy; returns (seconds, tokens made).
+    Tokens are counted from its outputs, since EOS cannot be suppressed the same way there."""
+    from transformers import GenerationConfig
+
+    out_len = max(r.output_len for r in requests)
+    gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, pad_token_id=0, eos_token_id=None)
+    kwargs = {}
+    try:  # transformers >= 5.2x keeps the CB knobs in their own record
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=True)
+    except (ImportError, TypeError):
+        gen.use_cuda_graph = True
+    prompts = [r.prompt_ids for r in requests]
+    model.generate_batch(inputs=prompts[:4], generation_config=gen, **kwargs)  # warm-up, graph capture
+    start = time.perf_counter()
+    outs = model.generate_batch(inputs=prompts, generation_config=gen, **kwargs)
+    elapsed = time.perf_counter() - start
+    made = sum(len(o.generated_tokens) for o in outs.values())
+    return elapsed, made
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=48)
@@ -163,6 +187,10 @@ def main() -> int:
     ap.add_argument("--compare-executors", action="store_true",
                     help="instead of the transformers baselines: in-process TP 1 vs mp at --tensor-parallel-size")
     ap.add_argument("--rounds", type=int, default=3, help="--compare-executors: timed runs per executor (median kept)")
+    ap.add_argument("--cb-requests", type=int, default=0,
+                    help="also run transformers' generate_batch (paged|sdpa, continuous batching) and "
+                         "streamkv on the first N requests, each --cb-output-len tokens, same run")
+    ap.add_argument("--cb-output-len", type=int, default=256)
     ap.add_argument("--json-out", default="bench_results/throughput.json")
     args = ap.parse_args()
 
@@ -224,7 +252,7 @@ def main() -> int:
     llm = LLM(args.model, **kwargs, tensor_parallel_size=args.tensor_parallel_size,
               distributed_executor_backend=args.distributed_executor_backend)
     worker = llm.engine.executor  # device and dtype, whichever executor holds the model
-    model_dir = str(llm.engine.executor.model_dir)
+    model_dir = str(llm.engine.model_info.model_dir)
     if args.load_format == "dummy":
         # The same shape with random weights, built on the device (values do not matter).
         from transformers import AutoConfig
@@ -241,11 +269,30 @@ def main() -> int:
     t = run_streamkv(llm, requests)
     rows.append({"system": "streamkv", "batch": f"continuous (<= {args.max_num_seqs})", "seconds": t, "output_tok_s": out_tokens / t})
     print(f"streamkv: {t:.1f}s, {out_tokens / t:.1f} output tok/s", flush=True)
-    for bs in [int(x) for x in args.baseline_batch_sizes.split(",")]:
+    if args.cb_requests:
+        from benchmarks.workloads import Request as _Req
+
+        cb_reqs = [_Req(r.prompt_ids, args.cb_output_len) for r in requests[: args.cb_requests]]
+        cb_tokens = sum(r.output_len for r in cb_reqs)
+        t_s = run_streamkv(llm, cb_reqs)
+        rows.append({"system": "streamkv (cb set)", "batch": f"{len(cb_reqs)} x {args.cb_output_len}",
+                     "seconds": t_s, "output_tok_s": cb_tokens / t_s})
+        try:  # older transformers need the paged| prefix for generate_batch; newer warn about it
+            hf.set_attn_implementation("paged|sdpa")
+        except (ValueError, ImportError) as e:
+            print(f"paged|sdpa not set ({e}); generate_batch picks its own paged attention")
+        t_h, made = run_transformers_cb(hf, cb_reqs)
+        hf.set_attn_implementation("sdpa")
+        rows.append({"system": "transformers generate_batch", "batch": f"{len(cb_reqs)} x {args.cb_output_len}",
+                     "seconds": t_h, "output_tok_s": made / t_h})
+        print(f"cb set: streamkv {cb_tokens / t_s:.1f} tok/s, transformers generate_batch {made / t_h:.1f} tok/s "
+              f"({made} tokens) -> {cb_tokens / t_s / (made / t_h):.2f}x", flush=True)
+    for bs in [int(x) for x in args.baseline_batch_sizes.split(",") if x]:
         t = run_static_batching(hf, requests, bs, pad_id)
         rows.append({"system": "transformers static", "batch": str(bs), "seconds": t, "output_tok_s": out_tokens / t})
         print(f"transformers static batch {bs}: {t:.1f}s, {out_tokens / t:.1f} output tok/s", flush=True)
-    best_base = max(r["output_tok_s"] for r in rows[1:])
+    static = [r["output_tok_s"] for r in rows if r["system"] == "transformers static"]
+    best_base = max(static) if static else float("nan")
     ratio = rows[0]["output_tok_s"] / best_base
 
     if torch.cuda.is_available():
@@ -261,6 +308,8 @@ def main() -> int:
     print(f"streamkv / best static baseline = {ratio:.2f}x")
     result = {"args": vars(args), "num_requests": len(requests), "prompt_tokens": in_tokens,
               "output_tokens": out_tokens, "rows": rows, "ratio_vs_best_baseline": ratio,
+              "ratio_vs_transformers_cb": (rows[1]["output_tok_s"] / rows[2]["output_tok_s"]
+                                           if args.cb_requests else None),
               "stats": llm.stats()}
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
