@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from streamkv.worker.messages import SampleRequest, SeqInput  # noqa: E402
+from streamkv.worker.input_batch import SampleRequest, SeqInput  # noqa: E402
 from streamkv.worker.worker import Worker  # noqa: E402
 
 GEMM_MARKS = ("gemm", "cutlass", "xmma", "nvjet", "splitk", "cublas")

@@ -24,8 +24,8 @@ from streamkv import SamplingParams  # noqa: E402
 from streamkv.engine.llm_engine import LLMEngine  # noqa: E402
 from streamkv.entrypoints.llm import engine_config  # noqa: E402
 from streamkv.executor.base import Executor  # noqa: E402
+from streamkv.messages import SampleResult, StepInput, StepOutput  # noqa: E402
 from streamkv.models.loader import load_config, resolve_model_dir  # noqa: E402
-from streamkv.worker.messages import SampleResult, StepInput, StepOutput  # noqa: E402
 
 
 class InstantExecutor(Executor):

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 
 from streamkv.executor.base import Executor
-from streamkv.worker.messages import SampleResult, StepInput, StepOutput
+from streamkv.messages import SampleResult, StepInput, StepOutput
 
 
 @dataclass(slots=True)
@@ -64,6 +64,7 @@ class SimulatedExecutor(Executor):
         self.cost, self.clock = cost, clock
         self.rng = random.Random(seed)
         self.num_steps = 0
+        self._candidates: dict[int, int] = {}  # seq_id -> beam candidates to return (0: sampling)
 
     def num_available_blocks(self) -> tuple[int, int]:
         return self.num_blocks, self.num_cpu_blocks
@@ -74,16 +75,22 @@ class SimulatedExecutor(Executor):
     def execute(self, step: StepInput) -> StepOutput:
         self.clock.advance(self.cost.seconds(step))
         self.num_steps += 1
+        # Like a worker, remember what each sequence was sent once (beam width), forget the
+        # finished ones.
+        for new in step.new_seqs:
+            self._candidates[new.seq_id] = new.params.num_candidates
+        for seq_id in step.finished_ids:
+            self._candidates.pop(seq_id, None)
         draw, hi = self.rng.randrange, min(self.hf_config["vocab_size"], 20000)
         results = {}
         for s in step.seqs:
-            req = s.sample
-            if req is None:
+            if not s.sample:
                 continue
-            if req.num_candidates:
-                cands = [(draw(1000, hi), -1.0 - 0.1 * i) for i in range(req.num_candidates)]
+            k = self._candidates.get(s.seq_id, 0)
+            if k:
+                cands = [(draw(1000, hi), -1.0 - 0.1 * i) for i in range(k)]
                 results[s.seq_id] = SampleResult([cands[0][0]], [cands[0][1]], candidates=cands)
             else:
-                results[s.seq_id] = SampleResult([draw(1000, hi) for _ in range(req.num_samples)],
-                                                 [-1.0] * req.num_samples)
+                results[s.seq_id] = SampleResult([draw(1000, hi) for _ in range(s.num_samples)],
+                                                 [-1.0] * s.num_samples)
         return StepOutput(results)

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from streamkv.messages import SampleResult
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
-from streamkv.worker.messages import SampleResult
 
 
 @dataclass(slots=True)

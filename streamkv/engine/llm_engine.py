@@ -12,16 +12,17 @@ from streamkv.config import EngineConfig
 from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
 from streamkv.core.contiguous import create_block_manager
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
-from streamkv.engine.beam_search import BeamState, beams_to_keep, ending_tokens
+from streamkv.engine.beam_search import BeamState
 from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
+from streamkv.engine.step_builder import StepBuilder
 from streamkv.executor.base import Executor, create_executor
+from streamkv.messages import StepFailed, StepOutput
 from streamkv.model_info import ModelInfo
 from streamkv.models.loader import load_tokenizer, resolve_model_dir, resolve_model_info
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
-from streamkv.worker.messages import SampleRequest, SeqInput, StepFailed, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class LLMEngine:
             usable_blocks=bm.device.num_blocks - bm.watermark_blocks, max_num_seqs=config.scheduler.max_num_seqs,
         )
         self.eos_token_ids = info.eos_token_ids
+        self.step_builder = StepBuilder(bm.tables, self.eos_token_ids)  # what the workers hold
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self._seq_ids = itertools.count()
         self.outputs = OutputProcessor(
@@ -150,7 +152,7 @@ class LLMEngine:
         building a snapshot of every running request on every step)."""
         sched = self.scheduler.schedule()
         try:
-            result = self.executor.execute(self._step_input(sched)) if not sched.is_empty else StepOutput()
+            result = self.executor.execute(self.step_builder.build(sched)) if not sched.is_empty else StepOutput()
         except StepFailed as e:
             return self._fail_step(sched, e)
         outputs = self.outputs.process(sched, result, finished_only)
@@ -175,41 +177,6 @@ class LLMEngine:
             outputs.append(self.outputs.make_output(group))
             self.groups.pop(group.request_id, None)
         return outputs
-
-    def _step_input(self, sched: SchedulerOutput) -> StepInput:
-        # Block tables go out as the block manager's own lists, not copies: the in-process
-        # worker reads them during this step only, and the multiprocess executor's encoder
-        # keeps copies of its own for its deltas.
-        tables = self.block_manager.tables
-        seqs = []
-        for s in sched.scheduled:
-            seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
-            tokens = [seq.token_at(start)] if n == 1 else seq.token_window(start)[:n]
-            sample = self._sample_request(s.group, seq) if s.do_sample else None
-            seqs.append(SeqInput(seq.seq_id, tokens, start, tables[seq.seq_id], sample))
-        return StepInput(seqs, sched.swap_in, sched.swap_out, sched.copies)
-
-    def _sample_request(self, group: SequenceGroup, seq: Sequence) -> SampleRequest:
-        p = group.sampling_params
-        first = not seq.output_token_ids and len(group.seqs) == 1
-        req = SampleRequest(
-            num_samples=p.best_of if first and not p.use_beam_search else 1,
-            temperature=0.0 if p.greedy else p.temperature,
-            top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
-            sample_index=seq.sample_index, output_pos=len(seq.output_token_ids),
-            logprobs=p.logprobs,
-            num_candidates=beams_to_keep(p.best_of, len(ending_tokens(p, self.eos_token_ids))) if p.use_beam_search else 0,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            logit_bias=p.logit_bias,
-        )
-        if p.needs_penalties:
-            req.prompt_token_ids = seq.prompt_token_ids
-            req.output_token_ids = seq.output_token_ids
-        if len(seq.output_token_ids) < p.min_tokens:
-            req.banned_token_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-        return req
 
     def stats(self) -> dict:
         return self.stats_.as_dict()

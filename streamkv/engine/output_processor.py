@@ -11,6 +11,7 @@ from streamkv.core.block_manager import BlockManager
 from streamkv.core.scheduler import SchedulerOutput
 from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
+from streamkv.messages import SampleResult, StepOutput
 from streamkv.sequence import (
     CompletionOutput,
     Logprob,
@@ -19,7 +20,6 @@ from streamkv.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
-from streamkv.worker.messages import SampleResult, StepOutput
 
 
 class OutputProcessor:

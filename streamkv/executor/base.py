@@ -5,8 +5,8 @@ from __future__ import annotations
 import abc
 
 from streamkv.config import EngineConfig
+from streamkv.messages import StepInput, StepOutput
 from streamkv.model_info import ModelInfo
-from streamkv.worker.messages import StepInput, StepOutput
 
 
 class Executor(abc.ABC):

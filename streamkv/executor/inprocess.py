@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from streamkv.config import EngineConfig
 from streamkv.executor.base import Executor
+from streamkv.messages import StepInput, StepOutput
 from streamkv.model_info import ModelInfo
-from streamkv.worker.messages import StepInput, StepOutput
 from streamkv.worker.worker import Worker
 
 

@@ -1,7 +1,7 @@
 """One worker process per tensor-parallel rank (any size, 1 included).
 
 The scheduler stays in the engine's process. Each step the executor encodes the StepInput
-once (executor/ipc.py: plain data, block tables as deltas) and writes the same bytes into
+once (executor/ipc.py: typed msgspec structs, no pickle) and writes the same bytes into
 every rank's pipe; the ranks run their shards in lock-step through torch.distributed's
 collectives (gloo on CPU, NCCL on GPU with rank r on cuda:r) and rank 0 alone answers with
 the StepOutput. Ranks other than 0 write to their pipe only to answer a control call or to
@@ -38,15 +38,16 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+import msgspec
 import torch
 
 import streamkv
 from streamkv.config import EngineConfig
 from streamkv.executor import ipc
 from streamkv.executor.base import Executor
+from streamkv.messages import StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
 from streamkv.models.loader import resolve_model_info
-from streamkv.worker.messages import StepInput, StepOutput
 from streamkv.worker.worker import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class MultiprocExecutor(Executor):
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         verify_tensor_parallel(self.hf_config, self.tp, self.device)
-        self._encoder = ipc.StepEncoder()
+        self._decoder = ipc.engine_decoder()
         self._dead: str | None = None
         self._steps, self._roundtrip_s, self._worker_s = 0, 0.0, 0.0
         self._tmpdir = tempfile.mkdtemp(prefix="streamkv-tp-")
@@ -93,7 +94,7 @@ class MultiprocExecutor(Executor):
         try:
             for rank in range(self.tp):
                 self._start(rank, setup)
-            self._gather("ready", load_timeout)
+            self._gather(ipc.Ready, load_timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -116,25 +117,24 @@ class MultiprocExecutor(Executor):
         self._procs.append(proc)
         self._conns.append(conn)
         config_data, info_data, backend, init_method, log_level = setup
-        conn.send_bytes(ipc.dumps(("setup", rank, self.tp, config_data, info_data, backend, init_method, log_level)))
+        conn.send_bytes(ipc.encode(ipc.Setup(rank, self.tp, config_data, info_data, backend, init_method, log_level)))
 
     # -- the Executor interface -----------------------------------------------------------
     def num_available_blocks(self) -> tuple[int, int]:
-        replies = self._call(("blocks",), "blocks")
+        replies = self._call(ipc.QueryBlocks(), ipc.Blocks)
         # Every rank needs the same block ids, so the smallest pool decides.
-        return min(r[1] for r in replies), min(r[2] for r in replies)
+        return min(r.num_device_blocks for r in replies), min(r.num_cpu_blocks for r in replies)
 
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        self._call(("init_cache", num_device_blocks, num_cpu_blocks), "ok")
+        self._call(ipc.InitCache(num_device_blocks, num_cpu_blocks), ipc.Ok)
 
     def execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        (_, results, worker_s), = self._call(self._encoder.encode(step), "out", ranks=[0])
-        out = ipc.decode_output(results)
+        (reply,) = self._call(ipc.Step(step), ipc.Out, ranks=[0])
         self._steps += 1
         self._roundtrip_s += time.perf_counter() - start
-        self._worker_s += worker_s
-        return out
+        self._worker_s += reply.worker_s
+        return reply.output
 
     def shutdown(self) -> None:
         self._dead = self._dead or "the executor was shut down"
@@ -157,17 +157,17 @@ class MultiprocExecutor(Executor):
         }
 
     # -- plumbing -------------------------------------------------------------------------
-    def _call(self, message: tuple, reply: str, ranks: list[int] | None = None) -> list[tuple]:
-        """Send ``message`` to every rank and gather ``reply`` from ``ranks`` (default all)."""
+    def _call(self, message: ipc.ToWorker, reply: type, ranks: list[int] | None = None) -> list:
+        """Send ``message`` to every rank and gather a ``reply`` from ``ranks`` (default all)."""
         try:
-            self._broadcast(ipc.dumps(message))
+            self._broadcast(ipc.encode(message))
             return self._gather(reply, self.step_timeout, ranks)
         except WorkerError:
             raise
         except BaseException:
-            # Interrupted with a reply unread (or the delta tables half updated): the next
-            # call would read a stale answer, so nothing more may be asked of these ranks.
-            self._dead = f"a call to the workers was interrupted while awaiting {reply!r}"
+            # Interrupted with a reply unread (or a step half sent, which the engine counts as
+            # held by the workers): nothing more may be asked of these ranks.
+            self._dead = f"a call to the workers was interrupted while awaiting {ipc.kind(reply)!r}"
             self._finalizer()
             raise
 
@@ -180,11 +180,12 @@ class MultiprocExecutor(Executor):
             except OSError:  # a broken pipe: that rank is gone
                 self._fail(self._death_message(rank))
 
-    def _gather(self, kind: str, timeout: float | None, ranks: list[int] | None = None) -> list[tuple]:
-        """One reply of ``kind`` from each of ``ranks`` (default all), in rank order; raises
+    def _gather(self, reply: type, timeout: float | None, ranks: list[int] | None = None) -> list:
+        """One ``reply`` message from each of ``ranks`` (default all), in rank order; raises
         WorkerError as soon as any rank reports an error or dies, or at the timeout."""
+        kind = ipc.kind(reply)
         pending = set(range(self.tp) if ranks is None else ranks)
-        replies: dict[int, tuple] = {}
+        replies: dict[int, ipc.FromWorker] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
             left = None if deadline is None else deadline - time.monotonic()
@@ -193,15 +194,17 @@ class MultiprocExecutor(Executor):
             for conn in wait(self._conns, left):
                 rank = self._conns.index(conn)
                 try:
-                    msg = ipc.loads(conn.recv_bytes())
+                    msg = self._decoder.decode(conn.recv_bytes())
                 except (EOFError, OSError):  # its end of the pipe closed: the process is gone
                     self._fail(self._death_message(rank))
-                if msg[0] == "error":
-                    failed = f"worker rank {rank} failed: {msg[1]}\n--- worker traceback ---\n{msg[2]}"
+                except msgspec.DecodeError as e:
+                    self._fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
+                if isinstance(msg, ipc.Error):
+                    failed = f"worker rank {rank} failed: {msg.message}\n--- worker traceback ---\n{msg.traceback}"
                     cause = self._peer_death(rank)
                     self._fail(f"{cause}; then {failed}" if cause else failed)
-                if msg[0] != kind or rank not in pending:
-                    self._fail(f"worker rank {rank} sent {msg[0]!r} while {kind!r} was awaited")
+                if not isinstance(msg, reply) or rank not in pending:
+                    self._fail(f"worker rank {rank} sent {ipc.kind(msg)!r} while {kind!r} was awaited")
                 replies[rank] = msg
                 pending.discard(rank)
         return [replies[r] for r in sorted(replies)]
@@ -239,7 +242,7 @@ class MultiprocExecutor(Executor):
 
 def _stop(procs: list[subprocess.Popen], conns: list[Connection], tmpdir: str) -> None:
     """Ask every rank to exit, then terminate and kill what is left, and reap them all."""
-    bye = ipc.dumps(("shutdown",))
+    bye = ipc.encode(ipc.Shutdown())
     for conn in conns:
         try:
             conn.send_bytes(bye)

@@ -35,12 +35,16 @@ def main(fd: int) -> None:
     # Ctrl-C reaches the whole process group: the engine decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
-    _, rank, tp, config_data, info_data, backend, init_method, log_level = ipc.loads(conn.recv_bytes())
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    decoder = ipc.worker_decoder()
+    setup = decoder.decode(conn.recv_bytes())
+    if not isinstance(setup, ipc.Setup):
+        raise ValueError(f"expected the setup message first, got {ipc.kind(setup)!r}")
+    rank, tp, backend = setup.rank, setup.tp, setup.backend
+    logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     try:
         import torch
 
-        config = config_from_dict(config_data)
+        config = config_from_dict(setup.config)
         if tp > 1:
             import torch.distributed as dist
 
@@ -53,14 +57,14 @@ def main(fd: int) -> None:
                 torch.set_num_threads(max(1, torch.get_num_threads() // tp))
             else:
                 torch.cuda.set_device(rank)
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp)
+            dist.init_process_group(backend, init_method=setup.init_method, rank=rank, world_size=tp)
         from streamkv.worker.worker import Worker
 
-        worker = Worker(config, rank, ModelInfo.from_dict(info_data))
+        worker = Worker(config, rank, ModelInfo.from_dict(setup.model_info))
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         _report_and_exit(conn, e)
     try:
-        _serve(rank, worker, conn)
+        _serve(rank, worker, conn, decoder)
     except BaseException as e:  # noqa: BLE001
         # No process-group clean-up: a collective may be half done, and the engine
         # terminates the other ranks anyway.
@@ -69,37 +73,34 @@ def main(fd: int) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _serve(rank: int, worker, conn: Connection) -> None:
-    conn.send_bytes(ipc.dumps(("ready",)))
-    decoder = ipc.StepDecoder()
+def _serve(rank: int, worker, conn: Connection, decoder) -> None:
+    conn.send_bytes(ipc.encode(ipc.Ready()))
     while True:
         try:
-            msg = ipc.loads(conn.recv_bytes())
+            msg = decoder.decode(conn.recv_bytes())
         except EOFError:  # the engine's process is gone
             return
-        kind = msg[0]
-        if kind == "step":
-            step = decoder.decode(msg)
+        if isinstance(msg, ipc.Step):
             start = time.perf_counter()
-            out = worker.execute(step)
+            out = worker.execute(msg.step)
             elapsed = time.perf_counter() - start
             if rank == 0:
-                conn.send_bytes(ipc.dumps(("out", ipc.encode_output(out), elapsed)))
-        elif kind == "blocks":
-            conn.send_bytes(ipc.dumps(("blocks", *worker.num_available_blocks())))
-        elif kind == "init_cache":
-            worker.init_cache(msg[1], msg[2])
-            conn.send_bytes(ipc.dumps(("ok",)))
-        elif kind == "shutdown":
+                conn.send_bytes(ipc.encode(ipc.Out(out, elapsed)))
+        elif isinstance(msg, ipc.QueryBlocks):
+            conn.send_bytes(ipc.encode(ipc.Blocks(*worker.num_available_blocks())))
+        elif isinstance(msg, ipc.InitCache):
+            worker.init_cache(msg.num_device_blocks, msg.num_cpu_blocks)
+            conn.send_bytes(ipc.encode(ipc.Ok()))
+        elif isinstance(msg, ipc.Shutdown):
             return
         else:
-            raise ValueError(f"unknown message {kind!r}")
+            raise ValueError(f"unexpected message {ipc.kind(msg)!r}")
 
 
 def _report_and_exit(conn: Connection, error: BaseException) -> None:
     try:
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        conn.send_bytes(ipc.dumps(("error", f"{type(error).__name__}: {error}", text)))
+        conn.send_bytes(ipc.encode(ipc.Error(f"{type(error).__name__}: {error}", text)))
     except OSError:
         pass  # the engine is gone too
     sys.stdout.flush()

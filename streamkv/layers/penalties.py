@@ -50,8 +50,7 @@ class TokenCounts:
         """Count one more output token for each (row, token) pair, in one launch."""
         if not rows:
             return
-        r = torch.tensor(rows, dtype=torch.long, device=self.device)
-        t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        r, t = torch.tensor([rows, token_ids], dtype=torch.long).to(self.device)  # one copy
         self.output.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
 
     def _grow(self) -> None:
@@ -77,12 +76,14 @@ def apply_penalties(
     multiplies a negative one) of every token seen in the prompt or the output; presence and
     frequency subtract from every token of the output, once and per occurrence."""
     dev = logits.device
-    crow = torch.tensor(count_rows, dtype=torch.long, device=counts.device)
+    # One host-to-device copy: the count rows (exact in float32 below 2**24) and the factors.
+    p = torch.tensor([(c, *f) for c, f in zip(count_rows, params)], dtype=logits.dtype).to(dev)
+    crow = p[:, 0].long().to(counts.device)
+    p = p[:, 1:]
     out = counts.output[crow].to(dev)
     whole = len(rows) == logits.shape[0]  # rows ascend: then they are every row, in order
     idx = None if whole else torch.tensor(rows, dtype=torch.long, device=dev)
     x = logits if whole else logits[idx]
-    p = torch.tensor(params, dtype=logits.dtype, device=dev)
     if any(r != 1.0 for _, _, r in params):
         seen = counts.prompt[crow].to(dev) | (out > 0)
         rep = p[:, 2:3]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from streamkv.layers.penalties import TokenCounts, apply_penalties
-from streamkv.worker.messages import SampleResult
+from streamkv.messages import SampleResult
 
 _M32 = 0xFFFF_FFFF
 _M64 = (1 << 64) - 1
@@ -121,7 +121,9 @@ class Sampler:
             if r.temperature > 0:
                 (top_k_draws if 0 < r.top_k < vocab else full_draws).append((k, *d))
         for part, fn in ((top_k_draws, self._sample_top_k), (full_draws, self._sample_full)):
-            if part:
+            if len(part) == len(draws):
+                chosen = fn(logits, part)
+            elif part:
                 chosen[torch.tensor([p[0] for p in part], device=dev)] = fn(logits, part)
         lse = torch.logsumexp(logits, -1)
         rows = src if expanded else torch.arange(len(reqs), device=dev)
@@ -150,31 +152,31 @@ class Sampler:
 
     # -- the two sampling paths; ``part`` holds (draw, row, request, sample index) ------------
     def _sample_top_k(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
-        dev, vocab = logits.device, logits.shape[1]
-        ks = [min(p[2].top_k, vocab) for p in part]
-        vals, ids = logits[torch.tensor([p[1] for p in part], device=dev)].topk(max(ks), dim=-1)
-        vals = vals / _column([p[2].temperature for p in part], dev)
-        cut = torch.arange(vals.shape[1], device=dev) >= torch.tensor(ks, device=dev)[:, None]
+        vocab = logits.shape[1]
+        params = _draw_params(part, logits.device, vocab)
+        vals, ids = logits[params[:, 0].long()].topk(min(max(p[2].top_k for p in part), vocab), dim=-1)
+        vals /= params[:, 1:2]
+        cut = torch.arange(vals.shape[1], device=vals.device) >= params[:, 4:5]
         probs = vals.masked_fill_(cut, -math.inf).softmax(-1)
         if any(p[2].top_p < 1.0 for p in part):
             # Drop a token when the mass before it already reaches top_p (keeps at least one).
-            drop = (probs.cumsum(-1) - probs) >= _column([p[2].top_p for p in part], dev)
-            probs = probs.masked_fill(drop, 0.0)
-        probs = _min_p(probs, part)
+            probs = probs.masked_fill((probs.cumsum(-1) - probs) >= params[:, 2:3], 0.0)
+        probs = _min_p(probs, part, params)
         q = self._exponentials(part, ids, 0)
         return ids.gather(1, (probs / q).argmax(-1, keepdim=True)).squeeze(1)
 
     def _sample_full(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
-        x = logits[torch.tensor([p[1] for p in part], device=dev)]
-        x /= _column([p[2].temperature for p in part], dev)
+        params = _draw_params(part, dev, vocab)
+        x = logits[params[:, 0].long()]
+        x /= params[:, 1:2]
         probs = x.softmax(-1)
-        weights = _min_p(probs, part)
+        weights = _min_p(probs, part, params)
         token_ids = torch.arange(vocab, device=dev)
         if all(p[2].top_p >= 1.0 for p in part):
             return (weights / self._exponentials(part, token_ids, 0)).argmax(-1)
         chosen = torch.empty(len(part), dtype=torch.long, device=dev)
-        top_p = _column([p[2].top_p for p in part], dev).squeeze(1)
+        top_p = params[:, 2]
         active = torch.arange(len(part), device=dev)
         live = part
         round_ = 0
@@ -185,8 +187,8 @@ class Sampler:
             above = torch.where(xs > score, probs if round_ == 0 else probs[active], 0.0).sum(-1)
             tp = top_p[active]
             ok = (above < tp) | (tp >= 1.0)
-            chosen[active[ok]] = pick.squeeze(1)[ok]
-            rejected = (~ok).nonzero().squeeze(1)
+            chosen[active] = torch.where(ok, pick.squeeze(1), chosen[active])
+            rejected = (~ok).nonzero().squeeze(1)  # the round's one host sync
             if rejected.numel() == 0:
                 return chosen
             # Redraw among the tokens more likely than the rejected one: the nucleus is inside.
@@ -214,15 +216,17 @@ class Sampler:
         return q
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+def _draw_params(part: list[tuple], device: torch.device, vocab: int) -> torch.Tensor:
+    """Per draw (row, temperature, top_p, min_p, top_k clamped to the vocabulary), float32
+    on the device in one copy (row ids and k stay exact below 2**24)."""
+    rows = [(p[1], p[2].temperature, p[2].top_p, p[2].min_p, min(p[2].top_k, vocab)) for p in part]
+    return torch.tensor(rows, dtype=torch.float32).to(device)
 
 
-def _min_p(probs: torch.Tensor, part: list[tuple]) -> torch.Tensor:
+def _min_p(probs: torch.Tensor, part: list[tuple], params: torch.Tensor) -> torch.Tensor:
     if all(p[2].min_p <= 0 for p in part):
         return probs
-    floor = _column([p[2].min_p for p in part], probs.device) * probs.amax(-1, keepdim=True)
-    return probs.masked_fill(probs < floor, 0.0)
+    return probs.masked_fill(probs < params[:, 3:4] * probs.amax(-1, keepdim=True), 0.0)
 
 
 def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:

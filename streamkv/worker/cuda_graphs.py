@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from streamkv.layers.attention import AttentionMetadata
-from streamkv.worker.messages import SeqInput
+from streamkv.worker.input_batch import SeqInput
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,9 @@ import torch
 
 from streamkv.layers.attention import AttentionMetadata
 from streamkv.layers.sampler import Sampler
+from streamkv.messages import StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from streamkv.worker.messages import SeqInput, StepOutput
+from streamkv.worker.input_batch import SeqInput
 
 
 class ModelRunner:

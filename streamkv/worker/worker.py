@@ -8,13 +8,12 @@ import logging
 import torch
 
 from streamkv.config import EngineConfig
-from streamkv.layers.penalties import TokenCounts
-from streamkv.layers.sampler import SampleRequest
+from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo
 from streamkv.models.loader import resolve_model_info
 from streamkv.models.registry import build_model
 from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from streamkv.worker.messages import SeqInput, StepFailed, StepInput, StepOutput
+from streamkv.worker.input_batch import InputBatch
 from streamkv.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -65,6 +64,9 @@ class Worker:
         self.runner = ModelRunner(
             self.model, config.cache.block_size, self.device, seed=mc.seed, samples=rank == 0
         )
+        # Every sequence's sampling state and block table, kept across steps (the engine's
+        # StepBuilder sends each only once, then deltas).
+        self.input_batch = InputBatch(self.model.shape.vocab_size, self.device, samples=rank == 0)
 
     def block_bytes(self) -> int:
         s = self.model.shape
@@ -116,13 +118,15 @@ class Worker:
             )
 
     def execute(self, step: StepInput) -> StepOutput:
+        # The state first and outside the failure path below: a step that does not fit it is
+        # an engine bug (ProtocolError), not a failed step.
+        seqs = self.input_batch.apply(step)
         # Order matters: blocks swapped out this step may be reused by copies and new slots.
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
         self.cache.copy(step.copies)
         try:
-            self._sampler_requests(step.seqs)
-            return self.runner.execute(step.seqs, self.cache.device_cache)
+            return self.runner.execute(seqs, self.cache.device_cache)
         except Exception as e:
             if self.device.type == "cuda":
                 try:  # a kernel fault is sticky: then nothing on this device can go on
@@ -131,21 +135,3 @@ class Worker:
                     raise e from None
             raise StepFailed(f"{type(e).__name__}: {e}") from e
 
-    def _sampler_requests(self, seqs: list[SeqInput]) -> None:
-        """The sampler's row specs from the step's messages; penalty rows counted afresh.
-        (Transitional: the per-sequence state moves to worker/input_batch.py.)"""
-        counts = None
-        for s in seqs:
-            w = s.sample
-            if w is None:
-                continue
-            req = SampleRequest(
-                w.num_samples, w.temperature, w.top_p, w.top_k, w.min_p, w.seed, w.sample_index, w.output_pos,
-                w.logprobs, w.num_candidates, w.presence_penalty, w.frequency_penalty, w.repetition_penalty,
-                w.banned_token_ids, w.logit_bias,
-            )
-            if req.has_penalties:
-                counts = counts or TokenCounts(self.model.shape.vocab_size, self.device)
-                req.counts = counts
-                req.counts_row = counts.allocate(w.prompt_token_ids or [], w.output_token_ids or [])
-            s.sample = req

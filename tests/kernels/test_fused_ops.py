@@ -217,7 +217,7 @@ def test_models_with_kernels_equal_references(arch, tmp_path, monkeypatch):
     from transformers import LlamaConfig, OPTConfig
 
     from streamkv.entrypoints.llm import LLM
-    from streamkv.worker.messages import SampleRequest, SeqInput
+    from streamkv.worker.input_batch import SampleRequest, SeqInput
     from tests.models.hf_tiny import save_tiny
 
     config = (

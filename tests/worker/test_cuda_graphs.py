@@ -33,7 +33,7 @@ from streamkv.worker.cuda_graphs import (
     is_decode_only,
     padded_batch_size,
 )
-from streamkv.worker.messages import SampleRequest, SeqInput
+from streamkv.worker.input_batch import SampleRequest, SeqInput
 from tests.models.hf_tiny import save_tiny
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -216,3 +216,17 @@ def test_penalties_from_token_counts_match_a_direct_count() -> None:
 def test_a_penalty_without_its_counts_is_an_error() -> None:
     with pytest.raises(ValueError, match="token counts"):
         Sampler()(logits(1), [SampleRequest(presence_penalty=1.0)])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_draws_are_the_same_on_cuda_and_cpu() -> None:
+    from streamkv.layers.sampler import hashed_exponentials, stream_keys
+
+    keys = stream_keys(list(range(8)), [0] * 8, list(range(8)))
+    ids = torch.arange(128_256)
+    torch.testing.assert_close(hashed_exponentials(keys.cuda(), ids.cuda()).cpu(), hashed_exponentials(keys, ids))
+    x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(11)) * 3
+    reqs = [SampleRequest(temperature=0.9, top_k=40, seed=s, output_pos=s) for s in range(4)]
+    reqs += [SampleRequest(temperature=1.1, top_p=0.8, seed=s) for s in range(4)]
+    assert _tokens(Sampler(device="cuda")(x.cuda(), reqs)) == _tokens(Sampler()(x.clone(), reqs))
