@@ -7,9 +7,9 @@ import itertools
 
 from streamkv.engine.beam_search import BeamState
 from streamkv.engine.output_processor import OutputProcessor
+from streamkv.messages import SampleResult, StepOutput
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
-from streamkv.worker.messages import SampleResult, StepOutput
 from tests.core.sched_helpers import make_bm, make_scheduler
 
 EOS = 2
