@@ -35,6 +35,81 @@ def run_streamkv(llm, requests, keep: list | None = None) -> float:
     return elapsed
 
 
+def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
+    """The same run as ``run_streamkv``, every request arriving at once, driving the engine's
+    step loop here so that each step is timed: step wall times split by whether the step
+    carried prompt tokens (a sequence computing more than one token), with the decode batch
+    beside them, and each request's time to first token."""
+    import statistics
+
+    from streamkv import SamplingParams
+
+    engine = llm.engine
+    steps: list[dict] = []
+    schedule = engine.scheduler.schedule
+
+    def timed_schedule():
+        out = schedule()
+        prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+        steps.append({"prompt_tokens": prompt, "decodes": decode})
+        return out
+
+    engine.scheduler.schedule = timed_schedule
+    done = {}
+    try:
+        start = time.perf_counter()
+        for i, r in enumerate(requests):
+            engine.add_request(f"s{i}", None, SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len),
+                               list(r.prompt_ids))
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            for out in engine.step(finished_only=True):
+                done[out.request_id] = out
+            steps[-1]["ms"] = 1e3 * (time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.scheduler.schedule = schedule
+    ttft = sorted(o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in done.values())
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    mixed = [s for s in steps if s["prompt_tokens"]]
+    pure = [s for s in steps if not s["prompt_tokens"] and s["decodes"]]
+    # A prompt-bearing step against decode-only steps of about the same decode batch (+-16).
+    ratios = []
+    for s in mixed:
+        peers = [p["ms"] for p in pure if abs(p["decodes"] - s["decodes"]) <= 16]
+        if peers:
+            ratios.append(s["ms"] / statistics.median(peers))
+    ratios.sort()
+    report = {
+        "steps": len(steps), "prompt_steps": len(mixed), "decode_steps": len(pure),
+        "prompt_step_ms": {q: pct(sorted(s["ms"] for s in mixed), q) for q in (0.5, 0.9, 0.99)},
+        "decode_step_ms": {q: pct(sorted(s["ms"] for s in pure), q) for q in (0.5, 0.9, 0.99)},
+        "prompt_vs_decode_step": {"p50": pct(ratios, 0.5), "p90": pct(ratios, 0.9), "max": ratios[-1] if ratios else None,
+                                  "compared": len(ratios)},
+        "prompt_step_share_of_time": sum(s["ms"] for s in mixed) / max(sum(s["ms"] for s in steps), 1e-9),
+        "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
+        "max_prompt_tokens_per_step": max((s["prompt_tokens"] for s in steps), default=0),
+    }
+    return elapsed, report
+
+
+def print_step_report(rep: dict) -> None:
+    print(f"steps {rep['steps']}: {rep['prompt_steps']} with prompt tokens "
+          f"({100 * rep['prompt_step_share_of_time']:.0f}% of step time), {rep['decode_steps']} decode-only")
+    for name in ("prompt_step_ms", "decode_step_ms"):
+        q = rep[name]
+        print(f"  {name:<16} p50 {q[0.5]:8.2f}  p90 {q[0.9]:8.2f}  p99 {q[0.99]:8.2f}")
+    r = rep["prompt_vs_decode_step"]
+    print(f"  prompt step / decode step of the same batch: p50 {r['p50']:.2f}x, p90 {r['p90']:.2f}x, "
+          f"max {r['max']}, over {r['compared']} steps")
+    print(f"  time to first token (all arrive at once): p50 {rep['ttft_s']['p50']:.2f} s, "
+          f"p99 {rep['ttft_s']['p99']:.2f} s")
+
+
 def compare_executors(args, kwargs: dict, requests, out_tokens: int, on_cpu: bool) -> dict:
     """In-process TP 1 vs mp at args.tensor_parallel_size, best of args.rounds each. On the
     CPU both engines stay up and the rounds alternate, so that drift in the machine's speed
@@ -191,6 +266,9 @@ def main() -> int:
                     help="also run transformers' generate_batch (paged|sdpa, continuous batching) and "
                          "streamkv on the first N requests, each --cb-output-len tokens, same run")
     ap.add_argument("--cb-output-len", type=int, default=256)
+    ap.add_argument("--step-report", action="store_true",
+                    help="time every engine step of the main run: prompt-bearing vs decode-only step "
+                         "times, and time to first token with every request arriving at once")
     ap.add_argument("--json-out", default="bench_results/throughput.json")
     args = ap.parse_args()
 
@@ -266,9 +344,15 @@ def main() -> int:
 
     run_streamkv(llm, requests[:4])  # warm-up
     rows = []
-    t = run_streamkv(llm, requests)
+    step_report = None
+    if args.step_report:
+        t, step_report = run_streamkv_steps(llm, requests)
+    else:
+        t = run_streamkv(llm, requests)
     rows.append({"system": "streamkv", "batch": f"continuous (<= {args.max_num_seqs})", "seconds": t, "output_tok_s": out_tokens / t})
     print(f"streamkv: {t:.1f}s, {out_tokens / t:.1f} output tok/s", flush=True)
+    if step_report:
+        print_step_report(step_report)
     if args.cb_requests:
         from benchmarks.workloads import Request as _Req
 
@@ -310,7 +394,7 @@ def main() -> int:
               "output_tokens": out_tokens, "rows": rows, "ratio_vs_best_baseline": ratio,
               "ratio_vs_transformers_cb": (rows[1]["output_tok_s"] / rows[2]["output_tok_s"]
                                            if args.cb_requests else None),
-              "stats": llm.stats()}
+              "stats": llm.stats(), "step_report": step_report}
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=2)
