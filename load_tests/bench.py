@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--label", default=None, help="system name in reports and plots (default: the KV allocation)")
     o.add_argument("--goodput", nargs="*", metavar="KEY:MS", help="SLOs for goodput: ttft, tpot, e2e (ms), norm (ms/token)")
     o.add_argument("--json-out", default="bench_results/bench.json")
+    o.add_argument("--append", action="store_true",
+                   help="add this sweep's points to --json-out's (same system and workload): extend a sweep")
     o.add_argument("--plot", default=None, help="write a latency-vs-rate PNG here")
     o.add_argument("--disable-tqdm", action="store_true")
     e = p.add_argument_group("offline engine (--backend offline)")
@@ -218,10 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         args.label = args.kv_allocation if args.backend == "offline" else (scrape(args.url) or {}).get("kv_allocation") or "server"
     result = {"label": args.label, "backend": args.backend + (" (simulated model)" if args.simulate else ""), "workload": args.workload,
               "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "hardware": hardware(), "runs": []}
+    if args.append and os.path.exists(args.json_out):
+        with open(args.json_out) as f:
+            old = json.load(f)
+        if (old["label"], old["workload"]) != (result["label"], result["workload"]):
+            raise SystemExit(f"error: {args.json_out} holds {old['label']} on {old['workload']}, not "
+                             f"{result['label']} on {result['workload']}")
+        result["runs"] = [r for r in old["runs"] if r["request_rate"] not in rates]
     try:
         for rate in rates:
             run = run_point(args, requests, rate, target)
             result["runs"].append(run)
+            result["runs"].sort(key=lambda r: r["request_rate"])
             print(format_summary(run), flush=True)
             _write(args.json_out, result)  # after every point: a long sweep keeps what it measured
     finally:
