@@ -1,47 +1,66 @@
 #!/usr/bin/env bash
-# Everything that needs GPUs, in one call of a two-H200 machine (the device tool's
-# nvidia-h200-x2), results under $OUT. Phases run what can share the machine side by side:
-#   A: GPU 0 - kernel tests, then offline throughput vs transformers (llama3-8b, dummy weights)
-#      GPU 1 - CUDA-graph tests, then decode steps/s with graphs vs eager
-#   B: both  - tensor-parallel tests over NCCL, then TP 2 vs TP 1 throughput
-# Each step has its own time limit so one slow step cannot starve the rest. $OUT gets the
-# JSON results and one log per lane (the device tool brings back at most 8 files).
+# Everything that needs a GPU, in one call of one H200 (the device tool's nvidia-h200):
+# builds (NVRTC, on first use), checks (CUDA tests) and times (every GPU benchmark), results
+# under $OUT. Steps run one after another, each under its own time limit so one slow step
+# cannot starve the rest; $OUT gets the JSON results and one log (the device tool brings
+# back at most 8 files). With two or more GPUs the tensor-parallel checks run at the end.
 #
-#     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
+#     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh          # the session's figures
+#     FULL=1 OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # + the whole decode-kernel matrix
+#
+# The ShareGPT workload is token ids saved on a CPU box (the GPU box has neither the data
+# set nor the tokenizer):
+#     python benchmarks/bench_throughput.py --save-workload bench_inputs/sharegpt_1000.json \
+#         --num-requests 1000 --max-output-len 1024 --max-prompt-len 1024
+# Python packages the GPU image lacks (msgspec) travel as wheels in .whl/ (docs/benchmarks.md).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 nvidia-smi -L
+LOG=$OUT/gpu.log
+M8B="--model llama3-8b --load-format dummy --dtype bfloat16 --device cuda"
 
-step() {  # step LOG NAME SECONDS GPUS COMMAND...: appends the whole output to $OUT/LOG
-  local log=$OUT/$1 name=$2 limit=$3 gpus=$4
-  shift 4
+step() {  # step NAME SECONDS COMMAND...: appends the whole output to $LOG
+  local name=$1 limit=$2
+  shift 2
   local t0=$SECONDS
-  echo "== $name: $*" >>"$log"
-  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@" >>"$log" 2>&1
+  echo "== $name: $*" >>"$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 
-(
-  step gpu0.log kernel_tests 150 0 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
-  step gpu0.log throughput 150 0 python3 benchmarks/bench_throughput.py --model llama3-8b \
-    --load-format dummy --device cuda --dtype bfloat16 \
-    --workload-file bench_inputs/sharegpt_1000.json --num-requests 256 --max-output-len 256 \
-    --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes ${BASELINE_BATCHES:-64,128} \
-    --json-out "$OUT/throughput_llama3_8b.json"
-) &
-(
-  step gpu1.log graph_tests 130 1 python3 -m pytest -q -rs -p no:cacheprovider tests/worker/test_cuda_graphs.py
-  step gpu1.log decode_graphs 130 1 python3 benchmarks/bench_decode_graphs.py --model llama3-8b \
-    --dtype bfloat16 --batch-sizes 1 8 32 128 --context 512 --steps 50 \
-    --out "$OUT/decode_graphs.json"
-) &
-wait
+# Checks: the kernels this session changed, the graphs, the sampler (CUDA tests skip on CPU).
+step tests 170 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_prefill_attention.py \
+  tests/kernels/test_fused_ops.py tests/worker/test_cuda_graphs.py tests/worker/test_sampler.py
+if [ "${FULL:-0}" = 1 ]; then
+  step decode_kernel_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_cuda_kernels.py
+fi
 
-step tp.log tp_tests 90 0,1 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/executor
-step tp.log tp2_bf16 120 0,1 python3 benchmarks/bench_throughput.py --compare-executors \
-  --tensor-parallel-size 2 --model llama3-8b --load-format dummy --device cuda \
-  --dtype bfloat16 --random-input-len 128 --max-output-len 128 --num-requests 64 \
-  --max-num-seqs 64 --rounds 1 --json-out "$OUT/tp2_llama3_8b_bf16.json"
+# Decode steps with graphs: batch 1 and 256 at context 512 and 128, GPU time split by kernel kind.
+step decode_graphs 110 python3 benchmarks/bench_decode_graphs.py --model llama3-8b --dtype bfloat16 \
+  --batch-sizes 1 256 --context 512 --steps 30 --profile --profile-steps 5 --no-eager \
+  --out "$OUT/decode_graphs.json"
+
+# Prefill: the varlen kernel against flash SDPA, and the engine against transformers' forward.
+step prefill_kernel 60 python3 benchmarks/bench_prefill.py --kernel-only --out "$OUT/prefill_kernel.json"
+step prefill_e2e 150 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
+
+# 1,000 ShareGPT requests (every step timed), and 400 of them x 256 tokens against
+# transformers' own continuous batching (generate_batch) in the same run.
+step throughput 240 python3 benchmarks/bench_throughput.py $M8B \
+  --workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
+  --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes "" --step-report \
+  --cb-requests ${CB_REQUESTS:-400} --cb-output-len 256 --json-out "$OUT/throughput.json"
+
+# Sampling modes against greedy, 400 requests x 256 tokens, one engine.
+step sampling 150 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
+  --max-num-seqs 256 --json-out "$OUT/sampling.json"
+
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  step tp_tests 90 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/executor
+  step tp2_bf16 120 python3 benchmarks/bench_throughput.py --compare-executors \
+    --tensor-parallel-size 2 $M8B --random-input-len 128 --max-output-len 128 --num-requests 64 \
+    --max-num-seqs 64 --rounds 1 --json-out "$OUT/tp2_llama3_8b_bf16.json"
+fi
