@@ -25,7 +25,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # int32 [num_decode, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # int32 [num_decode]
     # An upper bound on decode_context_lens (the decode kernel's partitions must cover it);
-    # a captured CUDA graph uses max_model_len so that one graph serves every context.
+    # a captured CUDA graph uses its context bucket (worker/cuda_graphs.py).
     decode_max_context_len: int = 0
     prefill_cu_query_lens: torch.Tensor | None = None  # int32 [num_spans + 1], from 0
     prefill_context_lens: torch.Tensor | None = None  # int32 [num_spans], span included
