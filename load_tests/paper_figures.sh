@@ -29,10 +29,16 @@ sweep sharegpt 1000 0.5,1,2,3,4,5,6 "${ALL[@]}"
 nice -n 5 "$PY" -m load_tests.bench "${COMMON[@]}" --kv-allocation paged --workload sharegpt \
   --num-requests 1000 --request-rate 7,8 --append --json-out "$OUT/sharegpt-paged.json" > "$OUT/sharegpt-paged-hi.log"
 sweep alpaca 1000 10,20,30,40,60,80,100 "${ALL[@]}"
+for sys in paged orca-oracle orca-pow2; do  # still under the knee at 100 req/s
+  nice -n 5 "$PY" -m load_tests.bench "${COMMON[@]}" --kv-allocation "$sys" --workload alpaca \
+    --num-requests 1000 --request-rate 150,200 --append --json-out "$OUT/alpaca-$sys.json" > "$OUT/alpaca-$sys-hi.log"
+done
 sweep chat 300 0.25,0.5,1,1.5,2,3 paged orca-oracle orca-pow2 orca-max
 
 plot() { nice -n 5 "$PY" -m load_tests.plot "$@"; }
-declare -A FIG2_RATE=([sharegpt]=2 [alpaca]=30 [chat]=1)  # the paper's Fig 13 rates
+# Fig 2 / 13 figures at a rate where paged runs near its memory limit (the paper's 2 and 30
+# req/s put its A100 there; this step model is faster, so the same load is a higher rate).
+declare -A FIG2_RATE=([sharegpt]=5 [alpaca]=100 [chat]=1)
 for w in sharegpt alpaca chat; do
   files=("$OUT/$w-paged.json" "$OUT/$w-orca-oracle.json" "$OUT/$w-orca-pow2.json" "$OUT/$w-orca-max.json")
   [ -f "$OUT/$w-ft-max.json" ] && files+=("$OUT/$w-ft-max.json")

@@ -116,7 +116,7 @@ def plot_waste(results: list[dict], out: str, title: str = "", rate: float | Non
             continue
         labels.append(res["label"])
         rows.append([100 * sum(k["shares"][kind] * k["samples"] for k in kvs) / total for kind, _ in kinds])
-    fig, ax = plt.subplots(figsize=(4.8, 3.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(4.8, 3.6), dpi=110)
     bottom = [0.0] * len(labels)
     for j, (_, name) in enumerate(kinds):
         vals = [row[j] for row in rows]
@@ -128,7 +128,8 @@ def plot_waste(results: list[dict], out: str, title: str = "", rate: float | Non
     ax.set_ylabel("KV memory held (%)")
     ax.set_ylim(0, 100)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -168,9 +169,9 @@ def sustained_rate(result: dict, threshold: float, metric: str = "normalized_lat
 
 
 def markdown_table(results: list[dict], threshold: float, rate: float | None) -> str:
-    """Per system: the rate sustained under ``threshold`` s/token (and its ratio to the first
-    system's), and at ``rate``: batched requests and the KV memory split."""
-    head = [f"| system | rate at {threshold} s/token | vs {results[0]['label']} |"]
+    """Per system: the rate sustained under ``threshold`` s/token (and how many times that the
+    first system sustains), and at ``rate``: batched requests and the KV memory split."""
+    head = [f"| system | rate at {threshold} s/token | {results[0]['label']} ÷ this |"]
     sep = "|---|---|---|"
     if rate is not None:
         head[0] += f" batched @ {rate:g} req/s | token / reserved / internal / external % @ {rate:g} |"
