@@ -43,6 +43,7 @@ for w in sharegpt alpaca chat; do
   files=("$OUT/$w-paged.json" "$OUT/$w-orca-oracle.json" "$OUT/$w-orca-pow2.json" "$OUT/$w-orca-max.json")
   [ -f "$OUT/$w-ft-max.json" ] && files+=("$OUT/$w-ft-max.json")
   plot latency "${files[@]}" --ylim 1.0 --title "$w, OPT-13B KV pool (983 blocks), simulated model" --out "$OUT/$w-latency.png"
+  plot latency "${files[@]}" --logy --title "$w (log scale)" --out "$OUT/$w-latency-log.png"
   plot waste "${files[@]}" --rate "${FIG2_RATE[$w]}" --title "$w at ${FIG2_RATE[$w]} req/s: KV memory held" --out "$OUT/$w-waste.png"
   plot batched "${files[@]}" --title "$w: average batched requests" --out "$OUT/$w-batched.png"
 done

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metric", choices=sorted(METRICS), default="normalized_latency", help="latency plots: y axis")
     p.add_argument("--title", default="")
     p.add_argument("--ylim", type=float, default=None, help="latency plots: clip the y axis here")
+    p.add_argument("--logy", action="store_true", help="latency plots: a log y axis")
     p.add_argument("--rate", type=float, default=None, help="waste plots: only the runs at this request rate")
     args = p.parse_args(argv)
     results = []
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         p.error("--out is required for a plot")
     if args.kind == "latency":
-        plot_latency(results, args.out, args.metric, args.title, args.ylim)
+        plot_latency(results, args.out, args.metric, args.title, args.ylim, args.logy)
     elif args.kind == "waste":
         plot_waste(results, args.out, args.title, args.rate)
     else:

@@ -81,7 +81,7 @@ def _pyplot():
 
 
 def plot_latency(results: list[dict], out: str, metric: str = "normalized_latency", title: str = "",
-                 ylim: float | None = None) -> None:
+                 ylim: float | None = None, logy: bool = False) -> None:
     """One line per system: ``metric`` against the configured request rate."""
     plt = _pyplot()
     name, get = METRICS[metric]
@@ -91,8 +91,10 @@ def plot_latency(results: list[dict], out: str, metric: str = "normalized_latenc
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=res["label"])
     ax.set_xlabel("Request rate (req/s)")
     ax.set_ylabel(name)
+    if logy:
+        ax.set_yscale("log")
     if ylim:
-        ax.set_ylim(0, ylim)
+        ax.set_ylim(top=ylim) if logy else ax.set_ylim(0, ylim)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
