@@ -45,6 +45,7 @@ import streamkv
 from streamkv.config import EngineConfig
 from streamkv.executor import ipc
 from streamkv.executor.base import Executor
+from streamkv.executor.supervisor import HEARTBEAT_ENV, Supervisor
 from streamkv.messages import StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
 from streamkv.models.loader import resolve_model_info
@@ -87,7 +88,8 @@ class MultiprocExecutor(Executor):
         self._conns: list[Connection] = []
         # Set up before the first process starts, so that even a failure halfway through
         # starting them leaves nothing behind; it also runs at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._tmpdir)
+        self._supervisor = Supervisor()  # heartbeats: a frozen rank is killed, so it fails like a dead one
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._tmpdir, self._supervisor)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         setup = (dataclasses.asdict(config), self.model_info.to_dict(), backend, f"file://{self._tmpdir}/rendezvous",
                  logging.getLogger().getEffectiveLevel())
@@ -95,6 +97,7 @@ class MultiprocExecutor(Executor):
             for rank in range(self.tp):
                 self._start(rank, setup)
             self._gather(ipc.Ready, load_timeout)
+            self._supervisor.watch(self.pids)
         except BaseException:
             self.shutdown()
             raise
@@ -102,17 +105,20 @@ class MultiprocExecutor(Executor):
 
     def _start(self, rank: int, setup: tuple) -> None:
         ours, theirs = socket.socketpair()
+        beat = self._supervisor.add_rank()
         env = dict(os.environ)
+        env[HEARTBEAT_ENV] = str(beat.fileno())
         # The ranks import the same streamkv as this process, installed or not.
         root = str(Path(streamkv.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "streamkv.executor.rank", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env,
+                pass_fds=(theirs.fileno(), beat.fileno()), env=env,
             )
         finally:
             theirs.close()
+            beat.close()
         conn = Connection(ours.detach())
         self._procs.append(proc)
         self._conns.append(conn)
@@ -139,6 +145,11 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         self._dead = self._dead or "the executor was shut down"
         self._finalizer()
+
+    def check_workers(self) -> None:
+        """Raise WorkerError if a rank was found dead or frozen while no call was waiting."""
+        if self._dead is None and self._supervisor.failure is not None:
+            self._fail(self._supervisor.failure)
 
     # -- extras ---------------------------------------------------------------------------
     @property
@@ -231,6 +242,9 @@ class MultiprocExecutor(Executor):
         return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
 
     def _fail(self, message: str):
+        why = self._supervisor.failure  # a kill by the supervisor: say why it was killed
+        if why is not None and why not in message:
+            message = f"{why}: {message}"
         self._dead = message
         logger.error("%s; stopping the workers", message.splitlines()[0])
         for proc in self._procs:  # no graceful exit: the others may be stuck in a collective
@@ -240,8 +254,9 @@ class MultiprocExecutor(Executor):
         raise WorkerError(message)
 
 
-def _stop(procs: list[subprocess.Popen], conns: list[Connection], tmpdir: str) -> None:
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], tmpdir: str, supervisor: Supervisor) -> None:
     """Ask every rank to exit, then terminate and kill what is left, and reap them all."""
+    supervisor.stop()
     bye = ipc.encode(ipc.Shutdown())
     for conn in conns:
         try:

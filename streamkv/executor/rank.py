@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.executor import ipc
+from streamkv.executor.supervisor import start_heartbeat
 from streamkv.model_info import ModelInfo
 
 
@@ -34,6 +35,7 @@ def config_from_dict(data: dict) -> EngineConfig:
 def main(fd: int) -> None:
     # Ctrl-C reaches the whole process group: the engine decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start_heartbeat()  # from its own thread, so that a long step does not delay it
     conn = Connection(fd)
     decoder = ipc.worker_decoder()
     setup = decoder.decode(conn.recv_bytes())
