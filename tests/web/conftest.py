@@ -5,6 +5,7 @@ by git)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -24,7 +25,12 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
 
 @pytest.fixture(scope="package")
 def server():
-    with run_server("--max-num-seqs", "8") as s:
+    # One torch thread: Chromium needs the other core of a 2-core CI machine, and on a busy
+    # machine idle OpenMP threads spin against everything else (steps ~10x slower, measured).
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("OMP_NUM_THREADS", "1")
+            s = stack.enter_context(run_server("--max-num-seqs", "8"))
         yield s
 
 

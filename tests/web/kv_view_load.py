@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 
@@ -60,32 +61,47 @@ async def viewer(url: str, stop: asyncio.Event, costs: list[float]) -> int:
     return size
 
 
-async def phase(url: str, viewers: int, args) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def phase(server, viewers: int, args) -> dict:
+    url = server.url
     stop, costs = asyncio.Event(), []
     tasks = [asyncio.create_task(viewer(url, stop, costs)) for _ in range(viewers)]
     await asyncio.sleep(0.5 if viewers else 0)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds(server.proc.pid)
     tps = await load(url, args.concurrency, args.requests, args.max_tokens)
     elapsed = time.perf_counter() - t0
+    # CPU time per token hardly depends on what else the machine runs, unlike tokens/s.
+    cpu_ms_per_token = 1000 * (cpu_seconds(server.proc.pid) - cpu0) / (tps * elapsed)
     stop.set()
     sizes = await asyncio.gather(*tasks) if tasks else []
     # Each viewer reports every snapshot's cost; the producer takes one for all of them.
     per_viewer = len(costs) / viewers if viewers else 0
     engine_ms = sum(costs) / viewers if viewers else 0.0
     return {"viewers": viewers, "tokens_per_s": tps, "seconds": elapsed, "snapshots": per_viewer,
+            "server_cpu_ms_per_token": cpu_ms_per_token,
             "engine_thread_share": engine_ms / 1000 / elapsed if viewers else 0.0,
             "bytes_per_viewer_per_s": (sum(sizes) / viewers / elapsed) if viewers else 0.0}
 
 
 async def main_async(args) -> list[dict]:
+    # One torch thread: then the server's CPU time per token counts work done, not the
+    # spin-waiting of idle OpenMP threads, which grows with whatever else the machine runs.
+    os.environ["OMP_NUM_THREADS"] = str(args.server_threads)
     with run_server(*args.server_args) as server:
         await load(server.url, args.concurrency, args.concurrency, 8)  # warm up
         results = []
         for r in range(args.rounds):
             order = (0, args.viewers) if r % 2 == 0 else (args.viewers, 0)
             for n in order:
-                results.append(await phase(server.url, n, args))
-                print(f"round {r}: {n} viewers: {results[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+                results.append(await phase(server, n, args))
+                print(f"round {r}: {n} viewers: {results[-1]['tokens_per_s']:.2f} tok/s, "
+                      f"{results[-1]['server_cpu_ms_per_token']:.1f} server CPU ms per token", flush=True)
         return results
 
 
@@ -124,6 +140,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per phase")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--server-args", nargs="*", default=[], help="extra `streamkv serve` flags")
+    p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--micro", action="store_true", help="only time one snapshot of a 32k-block pool")
     args = p.parse_args()
@@ -139,6 +156,10 @@ def main() -> None:
     print(f"| 0 | {statistics.median(base):.1f} | {', '.join(f'{x:.1f}' for x in base)} |")
     print(f"| {args.viewers} | {statistics.median(tps):.1f} | {', '.join(f'{x:.1f}' for x in tps)} |")
     change = statistics.median(tps) / statistics.median(base) - 1
+    cpu0 = statistics.median(r["server_cpu_ms_per_token"] for r in rows if r["viewers"] == 0)
+    cpu1 = statistics.median(r["server_cpu_ms_per_token"] for r in watched)
+    print(f"server CPU per token: {cpu0:.2f} ms without viewers, {cpu1:.2f} ms with {args.viewers} "
+          f"({100 * (cpu1 / cpu0 - 1):+.2f} %)")
     share = statistics.median(r["engine_thread_share"] for r in watched)
     rate = statistics.median(r["snapshots"] / r["seconds"] for r in watched)
     kib = statistics.median(r["bytes_per_viewer_per_s"] for r in watched) / 1024
@@ -146,7 +167,8 @@ def main() -> None:
           f"{100 * share:.3f} % of the engine thread; {kib:.1f} KiB/s per viewer")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "change": change, "engine_thread_share": share}, f, indent=1)
+            json.dump({"args": vars(args), "rows": rows, "change": change, "engine_thread_share": share,
+                       "cpu_change": cpu1 / cpu0 - 1}, f, indent=1)
 
 
 if __name__ == "__main__":
