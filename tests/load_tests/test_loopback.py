@@ -37,6 +37,23 @@ def test_short_run_against_the_server(server, backend, tmp_path):
     server.wait_idle()
 
 
+def test_a_baseline_allocation_behind_the_server(tmp_path):
+    """``serve --kv-allocation orca-oracle``: the harness reads the system's name and its KV
+    split from /metrics."""
+    out = tmp_path / "orca.json"
+    with run_server("--no-enable-prefix-caching", "--kv-allocation", "orca-oracle") as s:
+        rc = main(["--backend", "openai", "--url", s.url, "--workload", "alpaca", "--length-scale", "0.1",
+                   "--num-requests", "3", "--request-rate", "8", "--max-duration", "120", "--disable-tqdm",
+                   "--json-out", str(out)])
+        s.wait_idle()
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["label"] == "orca-oracle"
+    run = result["runs"][0]
+    assert run["summary"]["completed"] == 3 and run["kv"]["kv_allocation"] == "orca-oracle"
+    assert run["kv"]["shares"]["token"] < 1.0  # a reservation holds more than its tokens
+
+
 def test_non_loopback_targets_are_refused():
     with pytest.raises(SystemExit, match="loopback"):
         main(["--backend", "openai", "--url", "http://10.0.0.1:8000", "--num-requests", "1"])
