@@ -27,6 +27,8 @@ class FirstFitAllocator:
     """Free space as sorted, coalesced ``[start, length]`` holes; a request takes the first
     hole large enough (lowest address)."""
 
+    num_evictions = 0  # no prefix cache: nothing is ever evicted (read like BlockPool's)
+
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._holes: list[list[int]] = [[0, num_blocks]] if num_blocks else []
@@ -39,6 +41,15 @@ class FirstFitAllocator:
     @property
     def largest_free(self) -> int:
         return max((h[1] for h in self._holes), default=0)
+
+    @property
+    def ref_counts(self) -> bytearray:
+        """A BlockPool-shaped view for readers (the KV view's snapshot): 1 for every reserved
+        block, 0 for a free one. Built on demand, O(blocks)."""
+        counts = bytearray(b"\x01") * self.num_blocks
+        for start, length in self._holes:
+            counts[start : start + length] = bytes(length)
+        return counts
 
     @property
     def num_holes(self) -> int:

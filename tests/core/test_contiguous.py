@@ -224,3 +224,20 @@ def test_a_recomputed_group_comes_back_with_a_run_per_sequence():
     for seq in group.seqs:
         bm.free(seq)
     bm.check_no_leaks()
+
+
+def test_the_kv_snapshot_draws_runs_and_holes():
+    from types import SimpleNamespace
+
+    from streamkv.core.kv_snapshot import take_snapshot
+
+    bm = ContiguousBlockManager("orca-oracle", 1, 12, 0, max_model_len=64)
+    groups = [_group(i, 2, 2) for i in range(3)]  # runs of 4 at [0, 4), [4, 8), [8, 12)
+    for g in groups:
+        _admit(bm, g)
+    bm.free(groups[1].seqs[0])
+    assert list(bm.device.ref_counts) == [1] * 4 + [0] * 4 + [1] * 4
+    sched = SimpleNamespace(running=[groups[0], groups[2]], waiting=[], swapped=[], num_preemptions=0,
+                            num_swapped_out_blocks=0, num_swapped_in_blocks=0)
+    snap = take_snapshot(bm, sched).as_dict()
+    assert snap["device"]["cells"] == "uuuu....uuuu"  # two runs and the hole between them
