@@ -5,6 +5,7 @@ the client drops after the first token, and malformed requests, from ``--concurr
 workers; it stops after ``--requests`` requests or ``--duration`` seconds, whichever comes
 first (both are capped). Then it checks that the server went idle with every KV block free
 and that no request got a 5xx. Prints a report, writes JSON, exits 1 on a failed check.
+A robustness soak (closed loop); the open-loop serving benchmark is ``load_tests/bench.py``.
 
     python load_tests/loadgen.py --start-server --requests 300 --concurrency 24 --duration 180
     python load_tests/loadgen.py --url http://127.0.0.1:8000 --requests 100
