@@ -18,7 +18,8 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle", "ft-max")
 EXECUTOR_BACKENDS = ("inprocess", "mp")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-BLOCK_SIZES = (8, 16, 32)
+# Every power of two from 1 to 256 (the paper's Fig 18b sweep; docs/kernels.md "Block sizes").
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def arg(default: Any, help: str, **meta: Any) -> Any:
@@ -45,8 +46,9 @@ class CacheConfig:
         if self.kv_allocation != "paged" and self.enable_prefix_caching:
             raise ValueError(f"kv_allocation {self.kv_allocation!r} has no prefix cache: turn prefix "
                              "caching off (enable_prefix_caching=False, --no-enable-prefix-caching).")
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
+        if type(self.block_size) is not int or self.block_size not in BLOCK_SIZES:  # not True, 16.0
+            raise ValueError(f"block_size must be a power of two from 1 to 256 {BLOCK_SIZES}, "
+                             f"got {self.block_size!r}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:

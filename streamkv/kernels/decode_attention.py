@@ -23,6 +23,7 @@ from streamkv.kernels.decode_variants import (
     DecodeVariant,
     attention_names,
     attention_smem,
+    check_block_size,
     decode_name,
     reduce_name,
     resolve_kernel,
@@ -95,6 +96,7 @@ def _check(query, key_cache, value_cache) -> None:
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("KV caches must be contiguous")
+    check_block_size(key_cache.shape[2])
     if not (launch.aligned16(key_cache) and launch.aligned16(value_cache)) or (
         head * key_cache.element_size()
     ) % 16:

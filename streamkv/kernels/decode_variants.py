@@ -14,9 +14,16 @@ from streamkv.kernels.launch import next_pow2
 
 ATTENTION_SOURCE = "paged_attention.cu"
 HEAD_SIZES = (64, 80, 96, 128, 256)
-BLOCK_SIZES = (8, 16, 32)
+# Tokens per KV block: every power of two from 1 to 256 (the paper's Fig 18b sweep). BLOCK
+# is a template parameter that only addresses a token's row (t / BLOCK, t % BLOCK) and sizes
+# the partition's block-id array (kMaxPartition / BLOCK ints), so each size is one more
+# instantiation of the same kernels. The benchmarks and tuning of docs/kernels.md were
+# measured at TUNED_BLOCK_SIZES; the others are tested for correctness only.
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TUNED_BLOCK_SIZES = (8, 16, 32)
 GROUP_PADS = (1, 2, 4, 8)  # query heads per CTA; larger groups are split into chunks of 8
-PARTITION_SIZES = (1024, 512, 256, 128)  # tokens per CTA, multiples of every block size
+# Tokens per CTA. A partition holds whole blocks, so block 256 uses only 1024, 512 and 256.
+PARTITION_SIZES = (1024, 512, 256, 128)
 TENSOR_CORE_DTYPES = ("__half", "__nv_bfloat16")
 # Tensor-core kernel: 16-token chunks a warp loads per step (UNROLL, 1-4) by head size;
 # docs/kernels.md has the measurements.
@@ -46,6 +53,14 @@ class DecodeVariant:
     warp_softmax: bool | None = None
     unroll: int | None = None
     fused_merge: bool = False
+
+
+def check_block_size(block: int) -> None:
+    """The decode kernels serve BLOCK_SIZES only (kMaxPartition % BLOCK == 0 in the source)."""
+    if block not in BLOCK_SIZES:
+        raise ValueError(
+            f"block size must be a power of two from 1 to {BLOCK_SIZES[-1]}, got {block}"
+        )
 
 
 def tensor_core_ok(dtype: str, head: int) -> bool:

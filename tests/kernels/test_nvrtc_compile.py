@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from streamkv.kernels import cuda_ops, nvrtc  # noqa: E402
+from streamkv.kernels import cuda_ops, decode_variants, nvrtc  # noqa: E402
 
 ARCHS = (80, 90)
 
@@ -31,10 +31,11 @@ def _assert_complete(compiled: nvrtc.Compiled, names: tuple[str, ...]) -> None:
 def test_attention_variants_compile(dtype: str, arch: int, fresh_cache) -> None:
     # One program per (dtype, head, block) holds every GQA padding and the reduce kernel, so
     # the front end runs once per program; NVRTC releases the GIL, so threads share the CPUs.
+    # The other block sizes: test_nvrtc_compile_block_sizes.py.
     jobs = [
         cuda_ops.attention_names(dtype, head, block)
         for head in cuda_ops.HEAD_SIZES
-        for block in cuda_ops.BLOCK_SIZES
+        for block in decode_variants.TUNED_BLOCK_SIZES
     ]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(
