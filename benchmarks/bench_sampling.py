@@ -13,6 +13,10 @@ a table and writes JSON. With the in-process executor it also reports the time s
 sampler per step (the worker's Sampler.__call__, which ends in a device sync).
 
     python benchmarks/bench_sampling.py --device cpu --num-requests 64 --output-len 32
+    python benchmarks/bench_sampling.py --sampler-only --device cuda --vocab-size 128256
+
+With --sampler-only it times the Sampler alone instead, on random logits of --max-num-seqs
+rows (each penalised row with a 110-token prompt and 128 outputs counted): ms per call.
     python benchmarks/bench_sampling.py --model llama3-8b --load-format dummy --dtype bfloat16 --device cuda
 """
 
@@ -67,6 +71,46 @@ class SamplerClock:
         return out
 
 
+def sampler_only(args, modes: list[str]) -> list[dict]:
+    """ms per Sampler call on random logits, each mode over the same rows."""
+    import torch
+
+    from streamkv.layers.penalties import TokenCounts
+    from streamkv.layers.sampler import Sampler, SampleRequest
+    from streamkv.models.loader import load_config, resolve_model_dir
+
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                       "cpu" if args.device == "auto" else args.device)
+    vocab = args.vocab_size or load_config(resolve_model_dir(args.model))["vocab_size"]
+    rows = args.max_num_seqs
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    logits = torch.randn(rows, vocab, generator=gen, device=dev).mul_(3).to(torch.bfloat16)
+    counts = TokenCounts(vocab, dev, capacity=rows)
+    rng = random.Random(args.seed)
+    count_rows = [counts.allocate([rng.randrange(vocab) for _ in range(110)], [rng.randrange(vocab) for _ in range(128)])
+                  for _ in range(rows)]
+    sampler = Sampler(args.seed, dev)
+    out = []
+    for mode in modes:
+        p = dict(MODES[mode])
+        seeded = p.pop("seed", None) is not None
+        reqs = [SampleRequest(**p, seed=i if seeded else None, output_pos=128, counts=counts, counts_row=count_rows[i])
+                for i in range(rows)]
+        for _ in range(3):
+            sampler(logits, reqs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            sampler(logits, reqs)  # returns host lists: every call ends in a sync
+        out.append({"mode": mode, "params": MODES[mode], "ms_per_call": 1e3 * (time.perf_counter() - start) / args.calls})
+    print(f"\nsampler alone on {dev}: {rows} rows x {vocab} vocabulary, mean of {args.calls} calls")
+    print(f"{'mode':<14}{'ms/call':>10}")
+    for r in out:
+        print(f"{r['mode']:<14}{r['ms_per_call']:>10.3f}")
+    return out
+
+
 def run_mode(llm, prompts: list[list[int]], params: list) -> float:
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -93,12 +137,21 @@ def main() -> int:
     ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--sampler-only", action="store_true", help="time the Sampler alone on random logits")
+    ap.add_argument("--vocab-size", type=int, default=None, help="--sampler-only: default the model's")
+    ap.add_argument("--calls", type=int, default=20, help="--sampler-only: timed calls per mode")
     ap.add_argument("--json-out", default="bench_results/sampling.json")
     args = ap.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    if args.sampler_only:
+        rows = sampler_only(args, modes)
+        os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "sampler_only": rows}, f, indent=2)
+        return 0
 
     import torch
 

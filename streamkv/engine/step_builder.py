@@ -56,7 +56,8 @@ class StepBuilder:
                 step.new_seqs.append(self._new_seq(s.group, seq))
                 known = sent[seq.seq_id] = _Sent(seq, [], start)
             tokens = [seq.token_at(start)] if n == 1 else seq.token_window(start)[:n]
-            item = SeqStep(seq.seq_id, tokens, start, s.do_sample)
+            sample = s.do_sample
+            item = SeqStep(seq.seq_id, tokens, start, sample)
             table, prev = tables[seq.seq_id], known.table
             n_prev = len(prev)
             if n_prev <= len(table) and table[:n_prev] == prev:  # unchanged or grown: the usual
@@ -67,7 +68,7 @@ class StepBuilder:
                 keep = _common_prefix(prev, table)
                 item.num_kept_blocks, item.new_blocks = keep, table[keep:]
                 known.table = list(table)
-            if s.do_sample:
+            if sample:
                 group = s.group
                 p = group.sampling_params
                 if not seq.output_token_ids and len(group.seqs) == 1 and not p.use_beam_search:

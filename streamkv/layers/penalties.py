@@ -84,12 +84,13 @@ def apply_penalties(
     whole = len(rows) == logits.shape[0]  # rows ascend: then they are every row, in order
     idx = None if whole else torch.tensor(rows, dtype=torch.long, device=dev)
     x = logits if whole else logits[idx]
+    in_output = out > 0
     if any(r != 1.0 for _, _, r in params):
-        seen = counts.prompt[crow].to(dev) | (out > 0)
+        seen = counts.prompt[crow].to(dev) | in_output
         rep = p[:, 2:3]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     if any(pr or fr for pr, fr, _ in params):
-        x = x - p[:, 1:2] * out - p[:, 0:1] * (out > 0)
+        x = x - p[:, 1:2] * out - p[:, 0:1] * in_output
     if whole:
         logits.copy_(x)
     else:

@@ -154,7 +154,8 @@ class Sampler:
     def _sample_top_k(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
         vocab = logits.shape[1]
         params = _draw_params(part, logits.device, vocab)
-        vals, ids = logits[params[:, 0].long()].topk(min(max(p[2].top_k for p in part), vocab), dim=-1)
+        rows = logits if _every_row(part, logits) else logits[params[:, 0].long()]
+        vals, ids = rows.topk(min(max(p[2].top_k for p in part), vocab), dim=-1)
         vals /= params[:, 1:2]
         cut = torch.arange(vals.shape[1], device=vals.device) >= params[:, 4:5]
         probs = vals.masked_fill_(cut, -math.inf).softmax(-1)
@@ -168,8 +169,11 @@ class Sampler:
     def _sample_full(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
         params = _draw_params(part, dev, vocab)
-        x = logits[params[:, 0].long()]
-        x /= params[:, 1:2]
+        if _every_row(part, logits):  # no gather: one pass less over the vocabulary
+            x = logits / params[:, 1:2]
+        else:
+            x = logits[params[:, 0].long()]
+            x /= params[:, 1:2]
         probs = x.softmax(-1)
         weights = _min_p(probs, part, params)
         token_ids = torch.arange(vocab, device=dev)
@@ -221,6 +225,10 @@ def _draw_params(part: list[tuple], device: torch.device, vocab: int) -> torch.T
     on the device in one copy (row ids and k stay exact below 2**24)."""
     rows = [(p[1], p[2].temperature, p[2].top_p, p[2].min_p, min(p[2].top_k, vocab)) for p in part]
     return torch.tensor(rows, dtype=torch.float32).to(device)
+
+
+def _every_row(part: list[tuple], logits: torch.Tensor) -> bool:
+    return len(part) == logits.shape[0] and all(p[1] == i for i, p in enumerate(part))
 
 
 def _min_p(probs: torch.Tensor, part: list[tuple], params: torch.Tensor) -> torch.Tensor:
