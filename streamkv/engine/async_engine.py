@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from streamkv.engine.llm_engine import LLMEngine
+from streamkv.engine.llm_engine import EngineInfo, LLMEngine
 from streamkv.engine.recovery import (
     EngineRestartedError,
     RestartBudget,
@@ -62,20 +62,6 @@ class _Add:
     prompt_token_ids: list[int] | None
     arrival_time: float
     accepted: asyncio.Future
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the front end needs to validate requests, fixed once the model is loaded."""
-
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
-    num_swap_blocks: int
-    usable_kv_blocks: int  # the pool minus the scheduler's watermark
-    max_num_seqs: int
-    prefix_caching: bool
 
 
 class AsyncEngine:
@@ -303,22 +289,21 @@ class AsyncEngine:
     def _on_restarted(self, handed: threading.Event) -> None:
         """Loop side of a restart: every request the old engine had taken goes into the new
         one from where its stream stands (requests not yet taken are still queued)."""
+        taken = [(self._adds[rid], stream) for rid, stream in self._streams.items()
+                 if rid in self._adds and _was_taken(self._adds[rid].accepted)]
         resumes = []
-        for request_id, stream in list(self._streams.items()):
-            add = self._adds.get(request_id)
-            if add is None or not add.accepted.done() or add.accepted.cancelled() or add.accepted.exception():
-                continue
+        for add, stream in taken:
             if not resumable(add.params):
-                self._forget(request_id)
+                self._forget(add.request_id)
                 stream.fail(EngineRestartedError(
                     "the workers were restarted and a request with n > 1, best_of or beam search cannot resume"))
                 continue
             ids, params, base = resume_request(add.prompt_token_ids, add.params, stream.last, self.tokenizer)
             if base is not None:
-                self._resumed[request_id] = base
+                self._resumed[add.request_id] = base
             accepted = self._loop.create_future()
             accepted.add_done_callback(lambda f, s=stream: f.exception() and s.fail(EngineDeadError(str(f.exception()))))
-            resumes.append(_Add(request_id, add.prompt, params, ids, add.arrival_time, accepted))
+            resumes.append(_Add(add.request_id, add.prompt, params, ids, add.arrival_time, accepted))
         self._pending_adds += len(resumes)
         self._commands.extendleft(reversed(resumes))  # before anything queued meanwhile
         self._recovering = None
@@ -351,7 +336,7 @@ class AsyncEngine:
             engine = self._build()
             self.engine, self.tokenizer = engine, engine.tokenizer
             self._tokenizer_lanes.set_tokenizer(engine.tokenizer)
-            self.info = _engine_info(engine)
+            self.info = engine.info()
             self.stats = engine.stats()
         except (OSError, ValueError) as e:  # a bad model path or configuration: no traceback
             logger.error("the engine failed to load: %s", e)
@@ -387,7 +372,7 @@ class AsyncEngine:
                     probe()
                 continue
             outputs = engine.step()
-            waiting = len(engine.scheduler.waiting)
+            waiting = engine.num_waiting()
             if outputs or waiting != last_waiting:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs, waiting)
                 last_waiting = waiting
@@ -453,7 +438,7 @@ class AsyncEngine:
             else:
                 engine.abort_request(cmd[1])
         if results:
-            self._loop.call_soon_threadsafe(self._resolve, results, len(engine.scheduler.waiting))
+            self._loop.call_soon_threadsafe(self._resolve, results, engine.num_waiting())
 
 
 def _workers_failed(error: BaseException) -> bool:
@@ -466,16 +451,5 @@ def _workers_failed(error: BaseException) -> bool:
     return isinstance(error, WorkerError)
 
 
-def _engine_info(engine: LLMEngine) -> EngineInfo:
-    bm = engine.block_manager
-    cfg = engine.config
-    return EngineInfo(
-        max_model_len=cfg.scheduler.max_model_len,
-        vocab_size=engine.executor.hf_config["vocab_size"],
-        block_size=bm.block_size,
-        num_kv_blocks=bm.device.num_blocks,
-        num_swap_blocks=bm.cpu.num_blocks,
-        usable_kv_blocks=bm.device.num_blocks - bm.watermark_blocks,
-        max_num_seqs=cfg.scheduler.max_num_seqs,
-        prefix_caching=cfg.cache.enable_prefix_caching,
-    )
+def _was_taken(accepted: asyncio.Future) -> bool:
+    return accepted.done() and not accepted.cancelled() and accepted.exception() is None

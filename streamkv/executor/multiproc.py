@@ -242,7 +242,7 @@ class MultiprocExecutor(Executor):
         return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
 
     def _fail(self, message: str):
-        why = self._supervisor.failure  # a kill by the supervisor: say why it was killed
+        why = self._supervisor.killed  # a kill by the supervisor: say why it was killed
         if why is not None and why not in message:
             message = f"{why}: {message}"
         self._dead = message

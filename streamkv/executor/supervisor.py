@@ -58,6 +58,7 @@ class Supervisor:
         self._socks: list[socket.socket] = []
         self._pids: list[int] = []
         self._failure: str | None = None
+        self._killed: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -79,6 +80,11 @@ class Supervisor:
     def failure(self) -> str | None:
         """Why a worker was found dead or frozen; None while all are well."""
         return self._failure
+
+    @property
+    def killed(self) -> str | None:
+        """Why the watcher killed a worker (frozen); None if it killed none."""
+        return self._killed
 
     def stop(self) -> None:
         self._stop.set()
@@ -109,8 +115,9 @@ class Supervisor:
             for rank in list(live):
                 if now - last[rank] > self.timeout and not self._stop.is_set():
                     live.discard(rank)
-                    self._record(f"worker rank {rank} (pid {self._pids[rank]}) sent no heartbeat for "
-                                 f"{now - last[rank]:.1f} s (frozen); killed it")
+                    self._killed = (f"worker rank {rank} (pid {self._pids[rank]}) sent no heartbeat for "
+                                    f"{now - last[rank]:.1f} s (frozen); killed it")
+                    self._record(self._killed)
                     try:
                         os.kill(self._pids[rank], signal.SIGKILL)  # works on a stopped process too
                     except ProcessLookupError:

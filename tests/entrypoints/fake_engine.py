@@ -8,6 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from streamkv.engine.llm_engine import EngineInfo
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import CompletionOutput, Logprob, RequestOutput
 
@@ -61,6 +62,14 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         if self.requests.pop(request_id, None) is not None:
             self.aborted.append(request_id)
+
+    def num_waiting(self) -> int:
+        return 0
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(max_model_len=self.config.scheduler.max_model_len, vocab_size=1000, block_size=16,
+                          num_kv_blocks=self.block_manager.device.num_blocks, num_swap_blocks=0,
+                          usable_kv_blocks=self.block_manager.device.num_blocks, max_num_seqs=8, prefix_caching=False)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

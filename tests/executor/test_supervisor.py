@@ -45,7 +45,7 @@ def test_frozen_worker_is_killed_and_a_healthy_one_is_not():
         procs[1].send_signal(signal.SIGSTOP)
         took = wait_for(lambda: procs[1].poll() is not None, 10)
         assert took < 1.0 + 1.5 and procs[1].returncode == -signal.SIGKILL
-        assert "rank 1" in sup.failure and "frozen" in sup.failure
+        assert "rank 1" in sup.failure and "frozen" in sup.failure and sup.killed == sup.failure
         assert procs[0].poll() is None
     finally:
         sup.stop()
@@ -61,7 +61,7 @@ def test_exited_worker_is_recorded_at_once():
         sup.watch([proc.pid])
         proc.kill()
         wait_for(lambda: sup.failure is not None, 5)
-        assert "rank 0" in sup.failure and "exited" in sup.failure
+        assert "rank 0" in sup.failure and "exited" in sup.failure and sup.killed is None
     finally:
         sup.stop()
         proc.wait()
