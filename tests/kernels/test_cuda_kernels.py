@@ -26,6 +26,13 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 HEADS = (64, 80, 96, 128, 256)
 BLOCKS = (8, 16, 32)
+# The rest of the paper's 1-256 sweep: the same kernels instantiated at other BLOCKs, tested
+# on a few shapes each (decode: the tensor-core and the CUDA-core kernel).
+NEW_BLOCKS = (1, 2, 4, 64, 128, 256)
+NEW_BLOCK_SHAPES = (  # dtype, head, group, kernel, fused merge
+    (torch.bfloat16, 128, 4, "auto", False),
+    (torch.float32, 256, 2, "cuda_core", True),
+)
 GROUPS = (1, 4, 8)
 POOL_BLOCKS = 2048
 RING_DEPTHS = (0, 3, 4, 6)  # besides the default: register loads and other cp.async depths
@@ -62,7 +69,7 @@ def _precompile():
     """Compile every program this module uses at once, in threads (NVRTC drops the GIL)."""
     if not torch.cuda.is_available():
         return
-    from streamkv.kernels import cuda_ops, nvrtc
+    from streamkv.kernels import cuda_ops, launch, nvrtc
 
     major, minor = torch.cuda.get_device_capability()
     jobs = [
@@ -90,6 +97,14 @@ def _precompile():
         for g in (4, 8)
         for u in TC_UNROLLS
     ]
+    jobs += [
+        (
+            cuda_ops.ATTENTION_SOURCE,
+            cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[d], h, b, (min(8, launch.next_pow2(g)),)),
+        )
+        for b in NEW_BLOCKS
+        for d, h, g, _, _ in NEW_BLOCK_SHAPES
+    ]
     jobs.append((cuda_ops.CACHE_OPS_SOURCE, cuda_ops.cache_ops_names()))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         list(pool.map(lambda j: nvrtc.compile_program(*j, major * 10 + minor), jobs))
@@ -101,12 +116,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_paged(
-    context_lens: list[int], num_kv_heads: int, block: int, head: int, dtype, gen
+    context_lens: list[int],
+    num_kv_heads: int,
+    block: int,
+    head: int,
+    dtype,
+    gen,
+    pool_blocks: int = POOL_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NaN pools where only the slots inside each context hold random data."""
     max_blocks = max(-(-c // block) for c in context_lens)
     counts = [-(-c // block) for c in context_lens]
-    num_blocks = max(POOL_BLOCKS, 2 * sum(counts))
+    num_blocks = max(pool_blocks, 2 * sum(counts))
     perm = torch.randperm(num_blocks, generator=gen, device="cuda")
     used = perm[: sum(counts)]
     shape = (num_blocks, num_kv_heads, block, head)
@@ -156,11 +177,14 @@ def attention_case(
     fused_merge: bool | None = None,
     kernel: str | None = None,
     unroll: int | None = None,
+    pool_blocks: int = POOL_BLOCKS,
 ) -> float:
     from streamkv.kernels import cuda_ops
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    key, value, tables = make_paged(context_lens, num_kv_heads, block, head, dtype, gen)
+    key, value, tables = make_paged(
+        context_lens, num_kv_heads, block, head, dtype, gen, pool_blocks
+    )
     num_heads = num_kv_heads * group
     seqs = len(context_lens)
     if strided_query:  # a slice of a fused qkv projection, as the model produces it
@@ -201,6 +225,29 @@ def test_paged_attention_decode(dtype, head: int, block: int, group: int, kernel
     lens = [max(1, n) for n in lens]
     err = attention_case(dtype, head, block, group, lens, partition, seed, kernel=kernel)
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("shape", NEW_BLOCK_SHAPES, ids=lambda s: f"{s[0]}-{s[1]}-{s[3]}")
+@pytest.mark.parametrize("block", NEW_BLOCKS)
+def test_paged_attention_decode_new_block_sizes(block: int, shape) -> None:
+    # Contexts around block and partition edges; a partition that holds whole blocks (block
+    # 256 has no 128-token partition), or the launch's own choice; one context long enough
+    # for several partitions to merge. The pool holds about as many tokens at every size.
+    from streamkv.kernels import cuda_ops
+
+    dtype, head, group, kernel, fused = shape
+    seed = zlib.crc32(f"{block}{dtype}{head}".encode())
+    sizes = [p for p in cuda_ops.PARTITION_SIZES if p % block == 0]
+    partition = [*sizes, None][seed % (len(sizes) + 1)]
+    p = partition or 1024
+    rng = torch.Generator().manual_seed(seed)
+    lens = [1, block, block + 1, p - 1, p + 1, 2 * p + block + 3, 5000]
+    lens += torch.randint(1, 1500, (3,), generator=rng).tolist()
+    err = attention_case(
+        dtype, head, block, group, lens, partition, seed, fused_merge=fused, kernel=kernel,
+        pool_blocks=max(64, 16384 // block),
+    )
+    assert err <= TOLERANCE[dtype], f"partition {partition}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize(
@@ -330,6 +377,16 @@ def test_decode_through_ops_seam_matches_reference() -> None:
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reshape_and_cache(dtype, head: int, block: int) -> None:
+    reshape_and_cache_case(dtype, head, block)
+
+
+@pytest.mark.parametrize("dtype,head", [(torch.bfloat16, 128), (torch.float32, 80)], ids=str)
+@pytest.mark.parametrize("block", NEW_BLOCKS)
+def test_reshape_and_cache_new_block_sizes(block: int, dtype, head: int) -> None:
+    reshape_and_cache_case(dtype, head, block)
+
+
+def reshape_and_cache_case(dtype, head: int, block: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(head * 100 + block)
     num_kv_heads, num_heads, tokens, num_blocks = 4, 8, 300, 512
     key_cache = torch.randn((num_blocks, num_kv_heads, block, head), generator=gen, device="cuda")
@@ -394,8 +451,17 @@ def _mapping(n: int, src_blocks: int, dst_blocks: int, gen, runs: bool) -> torch
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_copy_blocks_all_layers_one_launch(dtype) -> None:
+    copy_blocks_case(dtype, 16)
+
+
+@pytest.mark.parametrize("block", NEW_BLOCKS)
+def test_copy_blocks_new_block_sizes(block: int) -> None:
+    copy_blocks_case(torch.float16, block)
+
+
+def copy_blocks_case(dtype, block: int) -> None:
     gen = torch.Generator().manual_seed(5)
-    shape = (4, 16, 96)
+    shape = (4, block, 96)
     keys = _pools(3, 300, shape, dtype, "cuda", gen)
     values = _pools(3, 300, shape, dtype, "cuda", gen)
     ids = torch.randperm(300, generator=gen)[:80]
@@ -410,8 +476,18 @@ def test_copy_blocks_all_layers_one_launch(dtype) -> None:
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
 @pytest.mark.parametrize("runs", [True, False], ids=["runs", "scattered"])
 def test_swap_out_and_in(stacked: bool, runs: bool) -> None:
+    swap_case(stacked, runs, 16)
+
+
+@pytest.mark.parametrize("block", NEW_BLOCKS)
+def test_swap_out_and_in_new_block_sizes(block: int) -> None:
+    # Stacked host pools with runs: the 2D-copy path, whose rows are block-size multiples.
+    swap_case(True, True, block)
+
+
+def swap_case(stacked: bool, runs: bool, block: int) -> None:
     gen = torch.Generator().manual_seed(int(stacked) * 2 + int(runs))
-    shape, layers = (2, 16, 128), 4
+    shape, layers = (2, block, 128), 4
     device_pools = _pools(layers, 256, shape, torch.bfloat16, "cuda", gen)
     host_pools = _pools(layers, 128, shape, torch.bfloat16, "cpu", gen, stacked=stacked, pin=True)
     out_map = _mapping(40, 256, 128, gen, runs)
