@@ -66,14 +66,26 @@ def test_health_is_503_while_loading_then_200():
         wait_healthy(c)
 
 
-def test_engine_death_gives_503_not_500():
-    with make_client() as c:
+def test_engine_death_gives_503_not_500_and_asks_the_server_to_exit():
+    exits = threading.Event()
+    with make_client(FakeEngine(step_delay=0.01), on_load_failure=exits.set) as c:
         wait_healthy(c)
+        streamed: list = []
+        reader = threading.Thread(target=lambda: streamed.append(c.post(
+            "/v1/completions", json={"prompt": "abc", "max_tokens": 10_000, "stream": True})))
+        reader.start()
+        time.sleep(0.3)
         r = c.post("/v1/completions", json={"prompt": [CRASH_TOKEN], "max_tokens": 4})
-        assert r.status_code == 503 and "dead" in r.json()["error"]["message"]
-        assert c.get("/health").status_code == 503
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        reader.join(10)
+        events, _ = sse_events(streamed[0].text)  # the same code on the streaming path
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503 and "Traceback" not in r.text
+        # A dead engine serves nothing: the server is told to exit (cmd_serve then returns 1).
+        assert exits.wait(5)
 
 
 def test_streaming_n2_indices_finish_once_and_usage(client):
