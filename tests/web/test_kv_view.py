@@ -82,3 +82,18 @@ def test_n4_samples_share_their_prompt_blocks(page, server):
     page.click("#stop")
     wait_reply_done(page, timeout=15_000)
     wait_all_free(page)
+
+
+def test_a_beam_search_request_shares_blocks_between_beams(page):
+    open_kv(page)
+    use_settings(page, max_tokens=40, n=2, beam_width=3)
+    page.wait_for_selector("#kv-root[data-state=live]")
+    send(page, "Write a long story about a lighthouse keeper and the sea.")
+    page.wait_for_function("() => Number(document.querySelector('.kv-stat[data-key=shared_blocks]').dataset.value) > 0"
+                           " && [...document.querySelectorAll('.kv-request')].some(r => r.querySelectorAll('.kv-row').length >= 2)",
+                           timeout=60_000)
+    wait_reply_done(page, timeout=120_000)
+    # Answered whole: the two best beams arrive together as choices.
+    assert page.locator(".msg.assistant .choices button").count() == 2
+    assert "tok/s" in page.locator(".msg.assistant .stats").inner_text()
+    wait_all_free(page)
