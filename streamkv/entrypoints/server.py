@@ -342,6 +342,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allowed_hosts:
+        logger.warning("serving on %s: requests must name the server by the IP address they connect to or a loopback name; "
+                       "list its DNS names with --allowed-hosts (others get 421)", args.host)
     try:
         import uvloop  # noqa: F401
 
