@@ -6,6 +6,7 @@ as one varlen call over its paged context, cached prefix included."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +31,8 @@ class AttentionMetadata:
     prefill_cu_query_lens: torch.Tensor | None = None  # int32 [num_spans + 1], from 0
     prefill_context_lens: torch.Tensor | None = None  # int32 [num_spans], span included
     prefill_block_tables: torch.Tensor | None = None  # int32 [num_spans, max_blocks]
+    # Set only while worker/piecewise_graphs.py captures a mixed step: attention calls go to it.
+    piecewise: Any = None
 
     @property
     def num_prefill_spans(self) -> int:
@@ -65,15 +68,23 @@ class PagedAttention(torch.nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if meta.piecewise is not None:  # capturing a mixed step's graphs around this call
+            return meta.piecewise.attention(self, q, k, v, kv_cache)
+        return self.attend(q, k, v, kv_cache, meta)
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the step's K/V into their slots, then attend: decode rows in one call, every
+        prefill span in one varlen call. Rows past the decodes and spans are left as they are."""
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         d = meta.num_decode
-        if d and d == q.shape[0]:  # decode only (every CUDA graph): no output copy
+        if out is None and d and d == q.shape[0]:  # decode only (every CUDA graph): no output copy
             return ops.paged_attention_decode(
                 q, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
                 self.scale, meta.decode_max_context_len,
             )
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         if d:
             out[:d] = ops.paged_attention_decode(
                 q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,

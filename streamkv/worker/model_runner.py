@@ -15,6 +15,7 @@ from streamkv.layers.sampler import Sampler
 from streamkv.messages import StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamkv.worker.input_batch import SeqInput
+from streamkv.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 
 
 class ModelRunner:
@@ -27,6 +28,7 @@ class ModelRunner:
         self.samples = samples  # False on tensor-parallel ranks other than 0
         self.sampler = Sampler(seed, device)
         self.graphs: DecodeGraphs | None = None  # None: every step runs eagerly
+        self.mixed_graphs: PiecewiseGraphs | None = None  # steps with prompt tokens
 
     def capture_decode_graphs(self, kv_caches, max_model_len: int, max_num_seqs: int) -> None:
         """Capture the decode-only forward pass for every padded batch size up to
@@ -35,6 +37,13 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_model_len, sizes, self.device)
         graphs.capture()
         self.graphs = graphs
+
+    def capture_mixed_graphs(self, kv_caches, max_num_batched_tokens: int) -> None:
+        """Capture the piecewise graphs of steps with prompt tokens, for token counts up to
+        the step budget (worker/piecewise_graphs.py)."""
+        graphs = PiecewiseGraphs(self.model, kv_caches, token_buckets(max_num_batched_tokens), self.device)
+        graphs.capture()
+        self.mixed_graphs = graphs
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[SeqInput]]:
         """The step's tensors from two host buffers (two host-to-device copies): int64 input
@@ -92,6 +101,9 @@ class ModelRunner:
         if use_graphs and self.graphs is not None and self.graphs.can_run(seqs, kv_caches):
             return self.graphs.run(seqs), list(seqs)
         input_ids, positions, meta, ordered = self.prepare(seqs)
+        mixed = self.mixed_graphs
+        if use_graphs and mixed is not None and mixed.can_run(input_ids.shape[0], kv_caches):
+            return mixed.run(input_ids, positions, meta), ordered
         return self.model(input_ids, positions, kv_caches, meta), ordered
 
     @torch.inference_mode()

@@ -116,6 +116,7 @@ class Worker:
             self.runner.capture_decode_graphs(
                 self.cache.device_cache, self.model_info.max_model_len, self.config.scheduler.max_num_seqs
             )
+            self.runner.capture_mixed_graphs(self.cache.device_cache, self.config.scheduler.token_budget)
 
     def execute(self, step: StepInput) -> StepOutput:
         # The state first and outside the failure path below: a step that does not fit it is
