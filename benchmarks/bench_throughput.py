@@ -243,6 +243,8 @@ def main() -> int:
     ap.add_argument("--max-prompt-len", type=int, default=512)
     ap.add_argument("--baseline-batch-sizes", default="8,16", help="comma list; the best is the baseline")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's step token budget (default: the engine's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: embedded SmolLM2)")
@@ -294,7 +296,8 @@ def main() -> int:
         return 0
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     blocks = args.num_kv_blocks or (4096 if on_cpu else None)
-    kwargs = {"max_num_seqs": args.max_num_seqs, "num_kv_blocks": blocks, "num_swap_blocks": 0,
+    kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "num_kv_blocks": blocks, "num_swap_blocks": 0,
               "device": args.device, "dtype": args.dtype, "load_format": args.load_format}
     if args.workload_file:
         with open(args.workload_file) as f:

@@ -32,31 +32,37 @@ step() {  # step NAME SECONDS COMMAND...: appends the whole output to $LOG
 }
 
 # Checks: the kernels this session changed, the graphs, the sampler (CUDA tests skip on CPU).
-step tests 170 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_prefill_attention.py \
-  tests/kernels/test_fused_ops.py tests/worker/test_cuda_graphs.py tests/worker/test_sampler.py
+step tests 150 python3 -m pytest -q -p no:cacheprovider tests/worker/test_piecewise_graphs.py \
+  tests/worker/test_sampler.py tests/kernels/test_block_sizes_cuda.py tests/worker/test_cuda_graphs.py
 if [ "${FULL:-0}" = 1 ]; then
-  step decode_kernel_tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_cuda_kernels.py
+  step kernel_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
+  # Decode steps with graphs: batch 1 and 256 at context 512, GPU time split by kernel kind.
+  step decode_graphs 110 python3 benchmarks/bench_decode_graphs.py --model llama3-8b --dtype bfloat16 \
+    --batch-sizes 1 256 --context 512 --steps 30 --profile --profile-steps 5 --no-eager \
+    --out "$OUT/decode_graphs.json"
+  step prefill_kernel 60 python3 benchmarks/bench_prefill.py --kernel-only --out "$OUT/prefill_kernel.json"
 fi
-
-# Decode steps with graphs: batch 1 and 256 at context 512 and 128, GPU time split by kernel kind.
-step decode_graphs 110 python3 benchmarks/bench_decode_graphs.py --model llama3-8b --dtype bfloat16 \
-  --batch-sizes 1 256 --context 512 --steps 30 --profile --profile-steps 5 --no-eager \
-  --out "$OUT/decode_graphs.json"
-
-# Prefill: the varlen kernel against flash SDPA, and the engine against transformers' forward.
-step prefill_kernel 60 python3 benchmarks/bench_prefill.py --kernel-only --out "$OUT/prefill_kernel.json"
-step prefill_e2e 150 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
 
 # 1,000 ShareGPT requests (every step timed), and 400 of them x 256 tokens against
 # transformers' own continuous batching (generate_batch) in the same run.
-step throughput 240 python3 benchmarks/bench_throughput.py $M8B \
+step throughput 200 python3 benchmarks/bench_throughput.py $M8B \
   --workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
   --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes "" --step-report \
   --cb-requests ${CB_REQUESTS:-400} --cb-output-len 256 --json-out "$OUT/throughput.json"
 
 # Sampling modes against greedy, 400 requests x 256 tokens, one engine.
-step sampling 150 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
+step sampling 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
   --max-num-seqs 256 --json-out "$OUT/sampling.json"
+
+# Prefill against transformers' contiguous forward, and the step budget's sweep: the engine
+# at the default budget (2048) and at 8192, on prompts and on ShareGPT.
+step prefill_e2e 100 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
+step prefill_e2e_8192 70 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 \
+  --max-num-batched-tokens 8192 --out "$OUT/prefill_e2e_8192.json"
+step throughput_8192 80 python3 benchmarks/bench_throughput.py $M8B \
+  --workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
+  --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes "" --step-report \
+  --max-num-batched-tokens 8192 --json-out "$OUT/throughput_8192.json"
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   step tp_tests 90 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/executor
