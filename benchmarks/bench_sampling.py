@@ -10,7 +10,9 @@ Prompts are random token ids (no tokenizer or data set needed); every request de
 exactly --output-len tokens (EOS ignored). With --rounds > 1 the modes alternate round by
 round and the median is kept, so drift in the machine's speed hits every mode alike. Prints
 a table and writes JSON. With the in-process executor it also reports the time spent in the
-sampler per step (the worker's Sampler.__call__, which ends in a device sync).
+sampler per step (the worker's Sampler.__call__). On a GPU that includes waiting for the
+step's forward pass, since the sampler's first host sync waits for it: compare the modes'
+figures with each other, or use --sampler-only for the sampler alone.
 
     python benchmarks/bench_sampling.py --device cpu --num-requests 64 --output-len 32
     python benchmarks/bench_sampling.py --sampler-only --device cuda --vocab-size 128256
