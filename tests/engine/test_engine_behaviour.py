@@ -148,7 +148,7 @@ def test_token_ids_past_the_vocabulary_are_refused_alone(llm):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=bad)
     # A top_k past the vocabulary is no filter at all, not an error.
-    big_k = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, top_k=10**6, seed=1))
+    big_k = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, top_k=10**6, seed=1, ignore_eos=True))
     assert len(big_k[0].outputs[0].token_ids) == 3
     assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=ok)[0].outputs[0].token_ids) == 3
     llm.engine.block_manager.check_no_leaks()
