@@ -60,6 +60,27 @@ def test_batch_matches_transformers(make_llm, prompts_ids, references, block_siz
     _check(outs, references, f"block_size={block_size}")
 
 
+# The rest of the 1-256 sweep, kept cheap: the shortest prompt (a new block every token at
+# block 1), a medium one and the longest (~500 tokens: past a 256-token block), few tokens.
+_SHORT_SET, _SHORT_NEW = (0, 5, 7), 12
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 64, 128, 256])
+def test_other_block_sizes_match_transformers(prompts_ids, references, block_size):
+    from streamkv.entrypoints.llm import LLM
+
+    # Not make_llm's cache: six more engines held to the end of the module cost memory.
+    llm = LLM(block_size=block_size, num_kv_blocks=16384 // block_size, num_swap_blocks=0)
+    ids = [prompts_ids[i] for i in _SHORT_SET]
+    refs = [(references[i][0][:_SHORT_NEW], references[i][1][:_SHORT_NEW]) for i in _SHORT_SET]
+    try:
+        outs = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=_SHORT_NEW))
+        _check(outs, refs, f"block_size={block_size}")
+        llm.engine.block_manager.check_no_leaks()
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_greedy_outputs(make_llm, prompts_ids, references, mode):
     # The batch needs ~1,300 token slots at its peak; a 56-block pool holds 896 (the longest
