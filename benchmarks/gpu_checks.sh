@@ -32,8 +32,8 @@ step() {  # step NAME SECONDS COMMAND...: appends the whole output to $LOG
 }
 
 # Checks: the kernels this session changed, the graphs, the sampler (CUDA tests skip on CPU).
-step tests 150 python3 -m pytest -q -p no:cacheprovider tests/worker/test_piecewise_graphs.py \
-  tests/worker/test_sampler.py tests/kernels/test_block_sizes_cuda.py tests/worker/test_cuda_graphs.py
+step tests 120 python3 -m pytest -q -p no:cacheprovider tests/worker/test_piecewise_graphs.py \
+  tests/worker/test_sampler.py tests/worker/test_cuda_graphs.py tests/kernels/test_prefill_attention.py
 if [ "${FULL:-0}" = 1 ]; then
   step kernel_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
   # Decode steps with graphs: batch 1 and 256 at context 512, GPU time split by kernel kind.
@@ -57,6 +57,8 @@ step sampling 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 -
 # Prefill against transformers' contiguous forward, and the step budget's sweep: the engine
 # at the default budget (2048) and at 8192, on prompts and on ShareGPT.
 step prefill_e2e 100 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
+step block_size_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_kernels.py \
+  -k new_block_sizes
 step prefill_e2e_8192 70 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 \
   --max-num-batched-tokens 8192 --out "$OUT/prefill_e2e_8192.json"
 step throughput_8192 80 python3 benchmarks/bench_throughput.py $M8B \
