@@ -152,7 +152,8 @@ def test_demo_page_and_assets(client):
     r = client.get("/")
     assert r.status_code == 200 and "/v1/chat/ws" not in r.text and "app.js" in r.text
     assert "default-src 'self'" in r.headers["content-security-policy"]
-    js = client.get("/web/app.js")
+    assert client.get("/web/app.js").status_code == 200
+    js = client.get("/web/transport.js")  # the WebSocket client lives here
     assert js.status_code == 200 and "/v1/chat/ws" in js.text
     assert client.get("/web/style.css").status_code == 200
 

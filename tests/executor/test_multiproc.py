@@ -78,14 +78,14 @@ def test_bad_tensor_parallel_sizes_are_refused_before_any_process_starts(tmp_pat
         LLM(distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="use device='cuda'"):
         LLM(tensor_parallel_size=3, device="cuda:1")
-    # Heads divide, the MLP width does not: caught by building the shard on the meta device.
+    # Heads divide, the MLP width does not: caught from config.json's numbers (ModelInfo).
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 129, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 64,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"does not fit this model: output sizes \[129, 129\]"):
+    with pytest.raises(ValueError, match=r"does not fit this model: its MLP width 129 does not divide by 2"):
         LLM(str(tmp_path), load_format="dummy", tensor_parallel_size=2)
 
 
