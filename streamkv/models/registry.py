@@ -87,9 +87,12 @@ def build_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     seed: int = 0,
+    config: dict | None = None,
 ) -> torch.nn.Module:
+    """``config``: the model's config.json as already read (ModelInfo.hf_config), so a worker
+    does not read it again; None reads it here (tools and tests)."""
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    config = load_config(model_dir) if config is None else config
     cls = model_class(config)
     shape = ModelShape.from_config(config)
     load_format = effective_load_format(model_dir, load_format)

@@ -57,7 +57,7 @@ class Worker:
         torch.manual_seed(mc.seed)
         self.model = build_model(
             self.model_dir, self.dtype, self.device, mc.load_format,
-            tp_rank=rank, tp_size=mc.tensor_parallel_size, seed=mc.seed,
+            tp_rank=rank, tp_size=mc.tensor_parallel_size, seed=mc.seed, config=self.hf_config,
         )
         self.cache: CacheEngine | None = None
         # Every rank computes the same logits; only rank 0 samples and answers the engine.
