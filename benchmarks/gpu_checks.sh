@@ -12,7 +12,8 @@
 # set nor the tokenizer):
 #     python benchmarks/bench_throughput.py --save-workload bench_inputs/sharegpt_1000.json \
 #         --num-requests 1000 --max-output-len 1024 --max-prompt-len 1024
-# Python packages the GPU image lacks (msgspec) travel as wheels in .whl/ (docs/benchmarks.md).
+# bench_inputs/ and .whl/ are git-ignored: name both in the device call's carry. Python packages
+# the GPU image lacks (msgspec) travel as wheels in .whl/ (docs/benchmarks.md).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-/tmp/gpu_checks}
