@@ -117,6 +117,7 @@ class ModelConfig:
     # (worker/cuda_graphs.py); True: every step runs eagerly. CPU runs always run eagerly.
     enforce_eager: bool = arg(False, "never replay CUDA graphs for decode steps (on a GPU they are "
                                      "captured at start-up by default; CPU runs are always eager)")
+    max_logprobs: int = arg(20, "most logprobs and prompt_logprobs a request may ask for (-1: no cap)")
 
     @property
     def executor_backend(self) -> str:
@@ -133,6 +134,8 @@ class ModelConfig:
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}.")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")

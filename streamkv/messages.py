@@ -39,6 +39,7 @@ class SeqParams(msgspec.Struct, omit_defaults=True, frozen=True):
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # ``banned_token_ids`` are banned until this many outputs
     banned_token_ids: list[int] | None = None  # stop token ids and EOS (with min_tokens)
+    prompt_logprobs: int | None = None  # score the prompt: top logprobs per prompt token
 
     @property
     def has_penalties(self) -> bool:
@@ -65,6 +66,9 @@ class SeqStep(msgspec.Struct, array_like=True):
     new_blocks: list[int] = msgspec.field(default_factory=list)  # appended to the kept table
     num_kept_blocks: int = -1  # entries of last step's table that still hold; -1: all
     num_samples: int = 1  # a prompt of a best_of > 1 request samples best_of tokens at once
+    # Structured outputs: the tokens this step may sample, a bitmask of little-endian int32
+    # words (bit t % 32 of word t // 32 set = token t allowed); None: unconstrained.
+    token_mask: bytes | None = None
 
 
 class StepInput(msgspec.Struct, array_like=True):
@@ -83,8 +87,18 @@ class SampleResult(msgspec.Struct, array_like=True):
     candidates: list[tuple[int, float]] | None = None  # beam search
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """The prompt tokens a step scored for one sequence (SeqParams.prompt_logprobs)."""
+
+    start: int  # prompt index of the first token scored (>= 1: token 0 has no logprob)
+    logprobs: list[float]  # of each scored prompt token, given the tokens before it
+    ranks: list[int]  # each one's rank in its distribution (1 = the most likely)
+    top: list[list[tuple[int, float]]] | None = None  # per token, the top (id, logprob)
+
+
 class StepOutput(msgspec.Struct, array_like=True):
     results: dict[int, SampleResult] = msgspec.field(default_factory=dict)  # seq_id -> result
+    prompt_logprobs: dict[int, PromptLogprobs] = msgspec.field(default_factory=dict)  # seq_id ->
 
 
 class StepFailed(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -16,6 +17,73 @@ class InvalidParameter(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's ``structured_outputs``): exactly one of a JSON
+    schema (a dict or its JSON text), any JSON object, a regular expression, one of several
+    strings, or an EBNF grammar (GBNF, as the grammar engine reads it). The engine compiles
+    it when the request arrives (engine/structured.py): a schema or pattern the grammar
+    engine refuses is an InvalidParameter naming ``structured_outputs``."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        def bad(why: str) -> InvalidParameter:
+            return InvalidParameter("structured_outputs", f"structured_outputs {why}.")
+
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise bad(f"must set exactly one of {', '.join(STRUCTURED_KINDS)}, got {set_ or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as e:
+                raise bad(f"json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise bad("json must be a JSON schema (an object)")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise bad(f"json must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise bad("json_object must be true or false")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise bad(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice:
+                raise bad("choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise bad("choice must hold non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """A hashable, canonical form: the compile cache's key (the same schema written with
+        its keys in another order compiles once)."""
+        kind = self.kind
+        if kind == "json":
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, _json.dumps(self.choice)
+        return kind, getattr(self, kind)
 
 
 @dataclass
@@ -45,8 +113,20 @@ class SamplingParams:
     # sampling (and before the returned logprobs, like the penalties). -100 in effect bans a
     # token and +100 forces it.
     logit_bias: dict[int, float] | None = None
+    # A grammar the output must follow (engine/structured.py); None: unconstrained. A dict of
+    # StructuredOutputs' fields is accepted too.
+    structured_outputs: StructuredOutputs | None = None
+    # Per prompt token, its logprob and the top ``prompt_logprobs`` (0: its own only),
+    # computed in the prefill pass (RequestOutput.prompt_logprobs). Capped, like logprobs,
+    # by the engine's max_logprobs.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except TypeError as e:
+                raise InvalidParameter("structured_outputs", f"structured_outputs: {e}.") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -97,7 +177,20 @@ class SamplingParams:
                 raise bad("logit_bias", "must map non-negative integer token ids to numbers")
             if isinstance(b, bool) or not isinstance(b, int | float) or not -100.0 <= b <= 100.0:
                 raise bad("logit_bias", "values must be numbers in [-100, 100]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", "must be a non-negative integer")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputs):
+                raise bad("structured_outputs", "must be a StructuredOutputs")
+            so.verify()
         if self.use_beam_search:
+            if so is not None:
+                raise InvalidParameter(
+                    "structured_outputs", "structured_outputs cannot be combined with beam search."
+                )
             if self.best_of < 2:
                 raise bad("best_of", "must be >= 2 with use_beam_search (it is the beam width)")
             if self.temperature > _GREEDY_EPS:
@@ -109,6 +202,17 @@ class SamplingParams:
                 # beams are chosen; stop_token_ids (which end a hypothesis like EOS) are the
                 # supported way to end beams early.
                 raise bad("stop", "is not supported with use_beam_search (use stop_token_ids)")
+
+    def check_max_logprobs(self, max_logprobs: int) -> None:
+        """Refuse logprobs / prompt_logprobs above the engine's cap (-1: no cap)."""
+        if max_logprobs < 0:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v > max_logprobs:
+                raise InvalidParameter(
+                    name, f"{name} must be at most the engine's max_logprobs ({max_logprobs}), got {v}."
+                )
 
     @property
     def greedy(self) -> bool:

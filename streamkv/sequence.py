@@ -53,6 +53,10 @@ class Sequence:
     # Detokenizer state (see engine/detokenizer.py).
     prefix_offset: int = -1
     read_offset: int = -1
+    # Structured outputs: this sequence's grammar matcher (engine/structured.py), or None.
+    grammar: Any = None
+    # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+    skip_prefix_cache: bool = False
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -98,6 +102,8 @@ class Sequence:
             output_text=self.output_text,
             prefix_offset=self.prefix_offset,
             read_offset=self.read_offset,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
+            skip_prefix_cache=self.skip_prefix_cache,
         )
         return child
 
@@ -122,6 +128,8 @@ class SequenceGroup:
     # After recompute of a group of several sequences: the tokens they share, which the
     # first sequence computes before the others start (BlockManager.allocate_group).
     num_shared_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token scored so far, the first None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def live_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
@@ -159,3 +167,6 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token its logprob (and the top ones), in
+    # the Logprob records of the outputs; the first token has none (None).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
