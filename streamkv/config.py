@@ -71,6 +71,9 @@ class SchedulerConfig:
         None, "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
               f"default max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs)")
     preemption_mode: str = arg("auto", "how a preempted request gives its blocks back", choices=PREEMPTION_MODES)
+    max_prefill_step_ratio: float = arg(
+        0.0, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
+             "times a decode-only step (fitted online; 0 = no cap, the whole token budget)")
     # The served context length, ModelInfo.max_model_len: the engine's own copy of the config
     # carries it (set by replace(), never by mutation); ModelConfig.max_model_len is the request.
     max_model_len: int = field(default=2048, metadata={"cli": False})
@@ -80,6 +83,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
             )
+        if self.max_prefill_step_ratio < 0:
+            raise ValueError(f"max_prefill_step_ratio must be >= 0, got {self.max_prefill_step_ratio}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:

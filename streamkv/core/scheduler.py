@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from streamkv.config import SchedulerConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
+from streamkv.core.step_budget import StepCostModel
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -104,6 +105,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        # The engine reports each step's time here; it caps prompt chunks beside decodes.
+        self.step_cost = StepCostModel(config.max_prefill_step_ratio)
 
     # -- queues -------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -154,11 +157,14 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
-        budget, num_seqs = self.config.token_budget, 0
+        num_seqs = 0
         bm, max_seqs = self.bm, self.config.max_num_seqs
         decodes, prefills = [], []
         for group in sorted(self.running, key=lambda g: g.arrival_time):
             (decodes if _decoding(group) else prefills).append(group)
+        budget = self.config.token_budget
+        if self.step_cost.enabled and decodes:
+            budget = self.step_cost.budget(sum(len(g.live_seqs(SequenceStatus.RUNNING)) for g in decodes), budget)
         queue = decodes + prefills
         self.running = []
         i = 0
