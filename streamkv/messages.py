@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import msgspec
 
+# Async scheduling: a SeqStep's input token that the engine does not know yet because the
+# step before, still running, is sampling it. The worker takes it on the device from that
+# step's sampled tokens (worker/model_runner.py). Real token ids are never negative.
+PENDING_TOKEN = -1
+
 
 class SeqParams(msgspec.Struct, omit_defaults=True, frozen=True):
     """How a sequence samples, for its whole life on the worker. A map on the wire, with the

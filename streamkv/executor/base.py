@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import abc
+from typing import ClassVar, Protocol
 
 from streamkv.config import EngineConfig
 from streamkv.messages import StepInput, StepOutput
 from streamkv.model_info import ModelInfo
+
+
+class StepHandle(Protocol):
+    def result(self) -> StepOutput: ...
+
+
+class DoneStep:
+    """The handle of a step that already ran."""
+
+    __slots__ = ("output",)
+
+    def __init__(self, output: StepOutput) -> None:
+        self.output = output
+
+    def result(self) -> StepOutput:
+        return self.output
 
 
 class Executor(abc.ABC):
@@ -19,8 +36,18 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def init_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None: ...
 
+    # Whether the workers fill a PENDING_TOKEN input from the previous step's samples on the
+    # device (async scheduling); the engine sends none to an executor that does not.
+    resolves_pending_tokens: ClassVar[bool] = False
+
     @abc.abstractmethod
     def execute(self, step: StepInput) -> StepOutput: ...
+
+    def submit(self, step: StepInput) -> StepHandle:
+        """Hand a step over and return at once if the executor can; ``result()`` of the
+        handle returns (or raises) what ``execute`` would. Steps run in submission order.
+        The default runs the step here, synchronously."""
+        return DoneStep(self.execute(step))
 
     def shutdown(self) -> None:  # noqa: B027 - executors without resources need nothing
         """Release workers and their memory."""

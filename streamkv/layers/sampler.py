@@ -97,12 +97,63 @@ def hashed_exponentials(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Te
     return u.log_().neg_()
 
 
+class SampledBatch(Sequence):
+    """One batch's samples, a list of SampleResult (one per request) that stays on the device
+    until it is first read. ``tokens`` (one per draw, in draw order) is the device tensor the
+    next step can take its input ids from without the host (async scheduling). On CUDA the
+    results are copied to pinned host memory without blocking as soon as they are launched;
+    the first read waits for that copy alone."""
+
+    def __init__(self, reqs: list[SampleRequest], chosen: torch.Tensor, chosen_lp: torch.Tensor,
+                 asks: list[int], top) -> None:
+        self.reqs, self.tokens, self._asks = reqs, chosen, asks
+        tensors = [chosen, chosen_lp] + ([top.indices, top.values] if top is not None else [])
+        self._ready = None
+        if chosen.is_cuda:
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned by torch
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._host = tensors
+        self._results: list[SampleResult] | None = None
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __getitem__(self, i):
+        return self.results()[i]
+
+    def results(self) -> list[SampleResult]:
+        if self._results is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._results = _to_results(self.reqs, self._asks, *(t.tolist() for t in self._host))
+        return self._results
+
+
+def _to_results(reqs: list[SampleRequest], asks: list[int], chosen: list[int], lps: list[float],
+                top_ids: list | None = None, top_vals: list | None = None) -> list[SampleResult]:
+    ids = dict(zip(asks, top_ids or ()))
+    vals = dict(zip(asks, top_vals or ()))
+    results: list[SampleResult] = []
+    k = 0
+    for i, r in enumerate(reqs):
+        n = r.num_samples
+        res = SampleResult(token_ids=chosen[k : k + n], logprobs=lps[k : k + n])
+        if r.logprobs:
+            res.top_logprobs = [list(zip(ids[i][: r.logprobs], vals[i][: r.logprobs]))] * n
+        if r.num_candidates:
+            res.candidates = list(zip(ids[i][: r.num_candidates], vals[i][: r.num_candidates]))
+        results.append(res)
+        k += n
+    return results
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> SampledBatch:
         logits = logits.float()
         vocab, dev = logits.shape[1], logits.device
         _adjust(logits, reqs)
@@ -131,26 +182,11 @@ class Sampler:
         rows = src if expanded else torch.arange(len(reqs), device=dev)
         chosen_lp = logprobs[rows, chosen]
         asks = [i for i, r in enumerate(reqs) if r.logprobs or r.num_candidates]
-        top_ids, top_vals = {}, {}
+        top = None
         if asks:
             k = min(max(max(reqs[i].logprobs or 0, reqs[i].num_candidates) for i in asks), vocab)
-            idx = torch.tensor(asks, device=dev)
-            top = logprobs[idx].topk(k, dim=-1)
-            top_ids = dict(zip(asks, top.indices.tolist()))
-            top_vals = dict(zip(asks, top.values.tolist()))
-        chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
-        results: list[SampleResult] = []
-        k = 0
-        for i, r in enumerate(reqs):
-            n = r.num_samples
-            res = SampleResult(token_ids=chosen_l[k : k + n], logprobs=lp_l[k : k + n])
-            if r.logprobs:
-                res.top_logprobs = [list(zip(top_ids[i][: r.logprobs], top_vals[i][: r.logprobs]))] * n
-            if r.num_candidates:
-                res.candidates = list(zip(top_ids[i][: r.num_candidates], top_vals[i][: r.num_candidates]))
-            results.append(res)
-            k += n
-        return results
+            top = logprobs[torch.tensor(asks, device=dev)].topk(k, dim=-1)
+        return SampledBatch(list(reqs), chosen, chosen_lp, asks, top)
 
     # -- the two sampling paths; ``part`` holds (draw, row, request, sample index) ------------
     def _sample_top_k(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:

@@ -31,7 +31,7 @@ import logging
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -243,10 +243,12 @@ class DecodeGraphs:
             and all(s.start_pos < self.max_model_len and len(s.block_table) <= self.max_blocks for s in seqs)
         )
 
-    def run(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
+    def run(self, seqs: Sequence[SeqInput], fill_pending: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Replays the step (``can_run`` must hold); returns the hidden states of the padded
         batch, row i for ``seqs[i]``. The tensor is the graph's output buffer: the next replay
-        overwrites it."""
+        overwrites it. ``fill_pending`` writes the pending input tokens into the static
+        input ids on the device, after the step's host inputs are copied in and before the
+        replay reads them (stream order; async scheduling)."""
         n = len(seqs)
         b = padded_batch_size(n, self.sizes)
         if b is None:
@@ -255,6 +257,8 @@ class DecodeGraphs:
         graph, out = self._graphs[(b, bucket)]
         with torch.cuda.device(self.device):
             self.inputs.fill(seqs, b)
+            if fill_pending is not None:
+                fill_pending(self.inputs.input_ids)
             graph.replay()
         self.replays += 1
         self.bucket_replays[bucket] += 1

@@ -14,7 +14,7 @@ import torch
 
 from streamkv.layers.penalties import TokenCounts
 from streamkv.layers.sampler import SampleRequest
-from streamkv.messages import NewSeq, StepInput
+from streamkv.messages import PENDING_TOKEN, NewSeq, StepInput
 
 
 @dataclass(slots=True)
@@ -26,6 +26,9 @@ class SeqInput:
     start_pos: int  # position of token_ids[0] (= tokens already cached)
     block_table: list[int]
     sample: SampleRequest | None = None  # None: a prompt chunk that samples nothing
+    # Its one input token is the one the previous step sampled for it (PENDING_TOKEN on the
+    # wire): the model runner fills it in on the device, and counts it for penalties there.
+    pending: bool = False
 
 
 @dataclass(slots=True)
@@ -72,13 +75,16 @@ class InputBatch:
                 del table[s.num_kept_blocks :]
             table.extend(s.new_blocks)
             req = state.request
+            pending = len(s.token_ids) == 1 and s.token_ids[0] == PENDING_TOKEN
             if req.counts is not None:
-                # Tokens past the counted history are outputs sampled since: count them.
+                # Tokens past the counted history are outputs sampled since: count them (a
+                # pending one on the device, by the model runner).
                 end = s.start_pos + len(s.token_ids)
                 if end > state.num_counted:
-                    new = s.token_ids[max(state.num_counted - s.start_pos, 0) :]
-                    count_rows.extend([req.counts_row] * len(new))
-                    count_tokens.extend(new)
+                    if not pending:
+                        new = s.token_ids[max(state.num_counted - s.start_pos, 0) :]
+                        count_rows.extend([req.counts_row] * len(new))
+                        count_tokens.extend(new)
                     state.num_counted = end
             sample = None
             if s.sample:  # every rank: ranks that do not sample still join the logits' all-gather
@@ -86,7 +92,7 @@ class InputBatch:
                 req.num_samples = s.num_samples
                 req.output_pos = pos = s.start_pos + len(s.token_ids) - state.prompt_len
                 req.banned_token_ids = state.banned if pos < state.min_tokens else None
-            out.append(SeqInput(s.seq_id, s.token_ids, s.start_pos, table, sample))
+            out.append(SeqInput(s.seq_id, s.token_ids, s.start_pos, table, sample, pending))
         if count_rows:
             self.counts.add(count_rows, count_tokens)
         return out

@@ -1,7 +1,13 @@
 """Builds one step's tensors (input ids, positions, slot mapping, block tables), runs the
 model and samples. Decode sequences (one new token) go first so they form one batched
 paged-decode call; prompt spans follow. On CUDA, a decode-only step replays a captured
-graph instead (worker/cuda_graphs.py)."""
+graph instead (worker/cuda_graphs.py).
+
+``launch`` never waits for the device (async scheduling): it returns a StepResult whose
+``result()`` waits for the step's sampled tokens alone. A sequence whose input token is
+pending (the step before is sampling it; SeqInput.pending) gets it on the device, gathered
+from that step's sampled-token tensor into the input ids before the forward pass, so the
+engine can hand over step N+1 before it has read step N's tokens."""
 
 from __future__ import annotations
 
@@ -11,10 +17,10 @@ import numpy as np
 import torch
 
 from streamkv.layers.attention import AttentionMetadata
-from streamkv.layers.sampler import Sampler
+from streamkv.layers.sampler import SampledBatch, Sampler
 from streamkv.messages import StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from streamkv.worker.input_batch import SeqInput
+from streamkv.worker.input_batch import ProtocolError, SeqInput
 from streamkv.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 
 
@@ -29,6 +35,10 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.graphs: DecodeGraphs | None = None  # None: every step runs eagerly
         self.mixed_graphs: PiecewiseGraphs | None = None  # steps with prompt tokens
+        # The last step's sampled tokens on the device and each single-sample sequence's
+        # row in them: where the next step's pending input tokens come from.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[int, int] = {}
 
     def capture_decode_graphs(self, kv_caches, max_model_len: int, max_num_seqs: int) -> None:
         """Capture the decode-only forward pass for every padded batch size up to
@@ -92,6 +102,45 @@ class ModelRunner:
             meta.prefill_context_lens, meta.prefill_block_tables = ctx[n_dec:], dev_tables[n_dec:]
         return input_ids, positions, meta, ordered
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        # A pageable host-to-device copy waits for the whole stream: that would make the
+        # next step's launch wait for the step still running.
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+    def _pending_gather(self, rows: list[SeqInput]):
+        """A function that writes the pending input tokens of ``rows`` (row i = input id i)
+        into an input-ids tensor on the device, and counts them for penalties; None when
+        no row is pending."""
+        dst, src, count_rows, count_src = [], [], [], []
+        for i, s in enumerate(rows):
+            if s.pending:
+                j = self._last_rows.get(s.seq_id)
+                if j is None:
+                    raise ProtocolError(f"sequence {s.seq_id}'s input token is pending, but the last step "
+                                        "sampled no single token for it")
+                dst.append(i)
+                src.append(j)
+                if s.sample is not None and s.sample.counts is not None:
+                    count_rows.append(s.sample.counts_row)
+                    count_src.append(j)
+        if not dst:
+            return None
+        last = self._last_tokens
+        d, g = self._to_device(dst + count_rows), self._to_device(src + count_src)
+        n = len(dst)
+        counts = next((s.sample.counts for s in rows if s.pending and s.sample is not None
+                       and s.sample.counts is not None), None)
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids[d[:n]] = last[g[:n]]
+            if counts is not None:
+                tokens = last[g[n:]]
+                counts.output.index_put_((d[n:], tokens), torch.ones_like(tokens, dtype=torch.int32),
+                                         accumulate=True)
+
+        return fill
+
     @torch.inference_mode()
     def forward(
         self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True
@@ -99,18 +148,25 @@ class ModelRunner:
         """Hidden states of every computed token, and the order of their rows. A graph
         replay's rows past ``len(seqs)`` are padding."""
         if use_graphs and self.graphs is not None and self.graphs.can_run(seqs, kv_caches):
-            return self.graphs.run(seqs), list(seqs)
+            return self.graphs.run(seqs, self._pending_gather(seqs)), list(seqs)
         input_ids, positions, meta, ordered = self.prepare(seqs)
+        fill = self._pending_gather(ordered)  # decodes, the only pending rows, come first
+        if fill is not None:
+            fill(input_ids)
         mixed = self.mixed_graphs
         if use_graphs and mixed is not None and mixed.can_run(input_ids.shape[0], kv_caches):
             return mixed.run(input_ids, positions, meta), ordered
         return self.model(input_ids, positions, kv_caches, meta), ordered
 
-    @torch.inference_mode()
     def execute(self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True) -> StepOutput:
-        out = StepOutput()
+        return self.launch(seqs, kv_caches, use_graphs).result()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True) -> StepResult:
+        """Run the step without waiting for the device; ``result()`` of the return waits."""
+        self._last_tokens, self._last_rows = None, {}
         if not seqs:
-            return out
+            return StepResult([], None)
         hidden, ordered = self.forward(seqs, kv_caches, use_graphs)
         # Only the last row of each sampling sequence needs logits.
         rows, reqs, ids = [], [], []
@@ -122,17 +178,36 @@ class ModelRunner:
                 reqs.append(s.sample)
                 ids.append(s.seq_id)
         if not rows:
-            return out
+            return StepResult([], None)
         if rows[-1] == len(rows) - 1:  # rows ascend, so these are rows 0..k-1: no gather
             hidden = hidden[: len(rows)]
         else:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[self._to_device(rows)]
         if not self.samples:
             # A sharded (untied) lm_head all-gathers its logits: this rank must take part.
             if self.model.lm_head is not None and self.model.tp_size > 1:
                 self.model.compute_logits(hidden)
-            return out
-        logits = self.model.compute_logits(hidden)
-        for seq_id, result in zip(ids, self.sampler(logits, reqs)):
-            out.results[seq_id] = result
+            return StepResult([], None)
+        batch = self.sampler(self.model.compute_logits(hidden), reqs)
+        last_rows, k = {}, 0
+        for seq_id, r in zip(ids, reqs):
+            if r.num_samples == 1:
+                last_rows[seq_id] = k
+            k += r.num_samples
+        self._last_tokens, self._last_rows = batch.tokens, last_rows
+        return StepResult(ids, batch)
+
+
+class StepResult:
+    """A launched step's samples: ``result()`` waits for them (and only for them)."""
+
+    __slots__ = ("_ids", "_batch")
+
+    def __init__(self, seq_ids: list[int], batch: SampledBatch | None) -> None:
+        self._ids, self._batch = seq_ids, batch
+
+    def result(self) -> StepOutput:
+        out = StepOutput()
+        if self._batch is not None:
+            out.results = dict(zip(self._ids, self._batch.results()))
         return out

@@ -14,7 +14,7 @@ from streamkv.models.loader import resolve_model_info
 from streamkv.models.registry import build_model
 from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from streamkv.worker.input_batch import InputBatch
-from streamkv.worker.model_runner import ModelRunner
+from streamkv.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,11 @@ class Worker:
             self.runner.capture_mixed_graphs(self.cache.device_cache, self.config.scheduler.token_budget)
 
     def execute(self, step: StepInput) -> StepOutput:
+        return self.launch(step).result()
+
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Hand the step to the device without waiting for it; ``result()`` of the return
+        waits for its samples. Raises StepFailed if the model or the sampler raised."""
         # The state first and outside the failure path below: a step that does not fit it is
         # an engine bug (ProtocolError), not a failed step.
         seqs = self.input_batch.apply(step)
@@ -127,12 +132,29 @@ class Worker:
         self.cache.swap_in(step.swap_in)
         self.cache.copy(step.copies)
         try:
-            return self.runner.execute(seqs, self.cache.device_cache)
+            return LaunchedStep(self, self.runner.launch(seqs, self.cache.device_cache))
         except Exception as e:
-            if self.device.type == "cuda":
-                try:  # a kernel fault is sticky: then nothing on this device can go on
-                    torch.cuda.synchronize(self.device)
-                except Exception:
-                    raise e from None
-            raise StepFailed(f"{type(e).__name__}: {e}") from e
+            raise self.step_failed(e) from e
 
+    def step_failed(self, e: Exception) -> StepFailed:
+        if self.device.type == "cuda":
+            try:  # a kernel fault is sticky: then nothing on this device can go on
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                raise e from None
+        return StepFailed(f"{type(e).__name__}: {e}")
+
+
+class LaunchedStep:
+    """A step on its way through the device (Executor.submit's handle for this worker)."""
+
+    __slots__ = ("_worker", "_result")
+
+    def __init__(self, worker: Worker, result: StepResult) -> None:
+        self._worker, self._result = worker, result
+
+    def result(self) -> StepOutput:
+        try:
+            return self._result.result()
+        except Exception as e:
+            raise self._worker.step_failed(e) from e
