@@ -35,3 +35,40 @@ def test_chunked_prefill_matches_transformers_under_preemption(tiny_llama_dir, h
         llm.engine.block_manager.check_no_leaks()
     finally:
         llm.shutdown()
+
+
+
+def test_prefill_step_cap_limits_chunks_beside_decodes_and_keeps_outputs(tiny_llama_dir):
+    """max_prefill_step_ratio: once the step-time fit is usable, a step that carries decodes
+    takes fewer prompt tokens than the budget while prompts wait; outputs equal the uncapped run."""
+    from streamkv import SamplingParams
+
+    ids = prompts(1000, lengths=(120, 90, 110, 100) * 8)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 7 * (i % 5), ignore_eos=True) for i in range(len(ids))]
+    runs = {}
+    for ratio in (0.0, 1.2):
+        llm = LLM(str(tiny_llama_dir), device="cpu", block_size=8, num_kv_blocks=400, num_swap_blocks=0,
+                  max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256, max_prefill_step_ratio=ratio)
+        try:
+            engine, seen = llm.engine, []
+            schedule = engine.scheduler.schedule
+
+            def spy(engine=engine, seen=seen, schedule=schedule):
+                out = schedule()
+                decodes = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+                # The budget the cap allowed, recomputed from the fit as the scheduler saw it.
+                allowed = engine.scheduler.step_cost.budget(decodes, 512) if decodes else 512
+                seen.append((out.num_batched_tokens, allowed))
+                return out
+
+            engine.scheduler.schedule = spy
+            runs[ratio] = [list(o.outputs[0].token_ids) for o in llm.generate(None, params, prompt_token_ids=ids)]
+            engine.block_manager.check_no_leaks()
+            # No step exceeds what the cap allowed; with the cap on, some step was cut by it
+            # (a full step of exactly the capped budget while prompts still waited).
+            assert all(n <= allowed for n, allowed in seen)
+            cut = [n for n, allowed in seen if allowed < 512 and n == allowed]
+            assert bool(cut) == (ratio > 0), seen
+        finally:
+            llm.shutdown()
+    assert runs[1.2] == runs[0.0]
