@@ -81,9 +81,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   // src-size 0 writes 16 zero bytes and reads nothing: rows past the context cost no
   // traffic and hold zeros, so a masked (zero) probability never meets a NaN.
+#ifdef PREFILL_L2_HINT
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
+#endif
 }
 
 __device__ __forceinline__ void cp_async_commit() {
@@ -116,6 +122,30 @@ __device__ __forceinline__ int span_of(const int* cu, int num_spans, int tm, int
   }
   return lo;
 }
+
+// The 16-byte chunks of a tile of ROWS rows of CPR chunks that thread `tid` copies: N of
+// them, chunk i in row row(tid, i). When a row's chunks divide the CTA, a thread keeps one
+// chunk column (rows tid / CPR, + THREADS / CPR, ...), so its address math stays in few
+// registers; otherwise chunks are dealt out in order.
+template <int ROWS, int CPR, int THREADS>
+struct ChunkMap {
+  static constexpr bool kColumn = THREADS % CPR == 0;
+  static constexpr int kStep = kColumn ? THREADS / CPR : 1;
+  static constexpr int N =
+      kColumn ? (ROWS + kStep - 1) / kStep : (ROWS * CPR + THREADS - 1) / THREADS;
+  static __device__ __forceinline__ int row(int tid, int i) {
+    return kColumn ? tid / CPR + i * kStep : (tid + i * THREADS) / CPR;
+  }
+  static __device__ __forceinline__ int col(int tid, int i) {
+    return kColumn ? tid % CPR : (tid + i * THREADS) % CPR;
+  }
+  static __device__ __forceinline__ bool used(int tid, int i) {
+    if constexpr (kColumn)
+      return ROWS % kStep == 0 || row(tid, i) < ROWS;
+    else
+      return (ROWS * CPR) % THREADS == 0 || tid + i * THREADS < ROWS * CPR;
+  }
+};
 
 // Calls copy(row, chunk) for every 16-byte chunk of ROWS rows of CPR chunks, spread over the
 // CTA. When a row's chunks divide the CTA, a thread keeps one chunk column (rows row0,
@@ -162,7 +192,11 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   T* sK = sQ + BM * LD;
   T* sV = sK + BN * LD;
 
-  const int x = gridDim.x - 1 - blockIdx.x;
+  // The G-head groups of one query tile are neighbours in launch order, and tiles run from
+  // the last slot down: all heads of a span's longest tiles start first, so the short tiles
+  // of the first span are what is left at the end (no long CTA starts late and tails).
+  const int head_groups = num_kv_heads * group_size / G;
+  const int x = gridDim.x / head_groups - 1 - blockIdx.x / head_groups;
   const int span = span_of(cu_query_lens, num_spans, TM, x);
   const int q_start = __ldg(cu_query_lens + span);
   const int q_len = __ldg(cu_query_lens + span + 1) - q_start;
@@ -171,7 +205,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   const int ctx = __ldg(context_lens + span);
   const int prefix = ctx - q_len;
   const int n_kv = min(ctx, prefix + t0 + TM);  // keys any row of this tile can see
-  const int head0 = blockIdx.y * G;
+  const int head0 = blockIdx.x % head_groups * G;
   const int kvh = head0 / group_size;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -189,20 +223,34 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
                    (long long)(head0 + r % G) * HEAD + col * 8;
     cp_async16(sQ + r * LD + col * 8, src, ok);
   });
+  // A K/V tile is copied in two steps: block_ids reads the block table for the rows this
+  // thread copies, all reads in flight at once and issued before the barrier that precedes
+  // the copy, so their latency hides behind it; load_kv then issues the copies. Keys past
+  // the context read key 0's entry (always a valid slot) and copy nothing.
+  using KV = ChunkMap<BN, CPR, THREADS>;
+  int blk[KV::N];
+  auto block_ids = [&](int tile) {
+#pragma unroll
+    for (int i = 0; i < KV::N; ++i) {
+      const int k = tile * BN + KV::row(tid, i);
+      blk[i] = __ldg(bt + ((k < n_kv ? k : 0) >> block_shift));
+    }
+  };
   auto load_kv = [&](T* dst, const T* cache, int tile) {
-    const int k0 = tile * BN;
     const T* base = cache + head_off;
-    for_chunks<BN, CPR, THREADS>(tid, [&](int r, int col) {
-      const int k = k0 + r;
+#pragma unroll
+    for (int i = 0; i < KV::N; ++i) {
+      if (!KV::used(tid, i)) continue;
+      const int r = KV::row(tid, i), col = KV::col(tid, i);
+      const int k = tile * BN + r;
       const bool ok = k < n_kv;
-      const T* src = ok ? base + (long long)__ldg(bt + (k >> block_shift)) * blk_stride +
-                              (k & bmask) * HEAD + col * 8
-                        : cache;
+      const T* src = base + (long long)blk[i] * blk_stride + ((ok ? k : 0) & bmask) * HEAD + col * 8;
       cp_async16(dst + r * LD + col * 8, src, ok);
-    });
+    }
   };
 
   const int n_tiles = (n_kv + BN - 1) / BN;
+  block_ids(n_tiles - 1);
   load_kv(sK, key_cache, n_tiles - 1);
   cp_async_commit();
 
@@ -223,6 +271,9 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   // for K and V: V(j) streams in during Q K(j)^T, K(j-1) during the softmax and P V(j).
   // (Two (K, V) buffers with one barrier per tile measured 2-9% slower: docs/kernels.md.)
   for (int j = n_tiles - 1; j >= 0; --j) {
+#ifndef PREFILL_KEEP_IDS
+    if (j < n_tiles - 1) block_ids(j);
+#endif
     cp_async_wait_all();
     __syncthreads();  // K(j) (and Q) landed; every warp is done with V(j+1)
     load_kv(sV, value_cache, j);
@@ -267,6 +318,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
         }
     }
 
+    if (j > 0) block_ids(j - 1);
     cp_async_wait_all();
     __syncthreads();  // V(j) landed; every warp is done with K(j)
     if (j > 0) {

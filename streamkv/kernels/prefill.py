@@ -147,9 +147,11 @@ def paged_attention_prefill_varlen(
     device = _device_index(query.device)
     kernel = _kernel(DTYPE_NAMES[dtype], head, pack, t, device)
     # Span i's tiles start at slot cu[i] // tokens_per_cta + i (span_of in the kernel), so
-    # this many slots cover every span without a host-side tile map.
+    # this many slots cover every span without a host-side tile map; each slot is one CTA
+    # per group of `pack` heads, the groups of a slot adjacent in the 1-D grid.
+    slots = num_tokens // tokens_per_cta + num_spans
     kernel.launch(
-        (num_tokens // tokens_per_cta + num_spans, num_heads // pack, 1),
+        (slots * (num_heads // pack), 1, 1),
         (t.warps * 32, 1, 1),
         [
             (_P, dst.data_ptr()),
