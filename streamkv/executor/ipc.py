@@ -72,7 +72,35 @@ class Error(msgspec.Struct, tag="error", array_like=True):
     traceback: str
 
 
-FromWorker = Ready | Blocks | Ok | Out | Error
+class StepError(msgspec.Struct, tag="step_error", array_like=True):
+    """The model or the sampler raised during a step (StepFailed) and the rank serves on: the
+    engine fails that step's requests once every rank has answered the step."""
+
+    message: str
+
+
+FromWorker = Ready | Blocks | Ok | Out | Error | StepError
+
+
+# -- a rank on another host joining the engine (executor/cluster.py, executor/launcher.py) ----
+class Join(msgspec.Struct, tag="join", array_like=True):
+    """The first message on a new connection to the engine's rank listener. A rank joins
+    with two connections: ``control`` (then the same messages as a local rank's pipe) and
+    ``heartbeat`` (supervisor.py's beats)."""
+
+    rank: int
+    channel: str  # "control" or "heartbeat"
+    token: str  # $STREAMKV_CLUSTER_TOKEN on the launcher's host ("" when unset)
+    world_size: int  # the launcher's $WORLD_SIZE, checked against the engine's; 0: not given
+    host: str  # for log lines and error messages
+    launcher_pid: int
+
+
+class Joined(msgspec.Struct, tag="joined", array_like=True):
+    pass
+
+
+JoinReply = Joined | Error
 
 
 def encode(message: ToWorker | FromWorker) -> bytes:
@@ -87,6 +115,16 @@ def worker_decoder() -> msgspec.msgpack.Decoder:
 def engine_decoder() -> msgspec.msgpack.Decoder:
     """Decodes what a worker process sends (in the engine)."""
     return msgspec.msgpack.Decoder(FromWorker)
+
+
+def join_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes a new connection's first message (in the engine)."""
+    return msgspec.msgpack.Decoder(Join)
+
+
+def join_reply_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes the engine's answer to a Join (in a launcher)."""
+    return msgspec.msgpack.Decoder(JoinReply)
 
 
 def kind(message: msgspec.Struct | type[msgspec.Struct]) -> str:

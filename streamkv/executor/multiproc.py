@@ -12,10 +12,14 @@ kernel-launch work then runs under another GIL, so the server's event loop stays
 responsive while a step runs.
 
 Each rank is a fresh interpreter (``python -m streamkv.executor.rank``, see rank.py for why
-not multiprocessing's spawn) holding one end of a socket pair. Failure handling: a rank
-that raises sends its traceback before it exits; a rank that dies (killed, out of memory,
-a crash in C++) closes its end of the pipe, which every wait for a reply watches. Either
-way the engine gets a WorkerError at once instead of a hang. Once a rank failed, or a call
+not multiprocessing's spawn) holding one end of a socket pair; ranks on other hosts hold a
+TCP connection instead (executor/cluster.py, launcher.py) and are otherwise the same.
+Failures: every rank answers every step, so a step whose model or sampler raised on any rank
+(StepFailed) fails on all of them together and the engine goes on; a rank that fails a step
+alone while the others stay in it has diverged from them, which ends the executor. A rank
+that raises anything else sends its traceback before it exits; a rank that dies (killed, out
+of memory, a crash in C++) closes its end of the pipe, which every wait for a reply watches.
+Either way the engine gets a WorkerError at once instead of a hang. Once a rank failed, or a call
 was interrupted (Ctrl-C) with its reply unread, the executor is dead: it stops the ranks and
 every later call raises. Shutdown asks the ranks to exit, then terminates and kills what is
 left, and reaps them all; a finalizer does the same if the executor is dropped or the
@@ -45,8 +49,9 @@ import streamkv
 from streamkv.config import EngineConfig
 from streamkv.executor import ipc
 from streamkv.executor.base import Executor
+from streamkv.executor.cluster import JoinTimeout, Placement, RankListener, RemoteRank
 from streamkv.executor.supervisor import HEARTBEAT_ENV, Supervisor
-from streamkv.messages import StepInput, StepOutput
+from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
 from streamkv.models.loader import resolve_model_info
 from streamkv.worker.worker import resolve_device, resolve_dtype
@@ -69,11 +74,13 @@ def verify_tensor_parallel(hf_config: dict, tp: int, device: torch.device) -> No
 class MultiprocExecutor(Executor):
     def __init__(
         self, config: EngineConfig, step_timeout: float | None = 600.0, load_timeout: float | None = None,
-        model_info: ModelInfo | None = None,
+        model_info: ModelInfo | None = None, placement: Placement | None = None, diverge_timeout: float = 10.0,
     ) -> None:
         mc = config.model
         self.tp = mc.tensor_parallel_size
-        self.step_timeout = step_timeout
+        self.step_timeout, self.diverge_timeout = step_timeout, diverge_timeout
+        # Ranks on other hosts: given, or torchrun's MASTER_ADDR / MASTER_PORT / LOCAL_WORLD_SIZE.
+        self.placement = placement or Placement.from_env(os.environ, self.tp)
         # Resolved once here (a GGUF is converted before the ranks race) and sent to every rank.
         self.model_info = model_info or resolve_model_info(mc)
         self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
@@ -84,24 +91,56 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._steps, self._roundtrip_s, self._worker_s = 0, 0.0, 0.0
         self._tmpdir = tempfile.mkdtemp(prefix="streamkv-tp-")
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen | RemoteRank] = []
         self._conns: list[Connection] = []
+        self._resources: list = []  # the remote ranks' listener and store, dropped at shutdown
         # Set up before the first process starts, so that even a failure halfway through
         # starting them leaves nothing behind; it also runs at interpreter exit.
         self._supervisor = Supervisor()  # heartbeats: a frozen rank is killed, so it fails like a dead one
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._tmpdir, self._supervisor)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._tmpdir, self._supervisor,
+                                           self._resources)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        setup = (dataclasses.asdict(config), self.model_info.to_dict(), backend, f"file://{self._tmpdir}/rendezvous",
-                 logging.getLogger().getEffectiveLevel())
+        local = self.tp if self.placement is None else self.placement.local_ranks
         try:
-            for rank in range(self.tp):
+            init_method = self._rendezvous(local)
+            setup = (dataclasses.asdict(config), self.model_info.to_dict(), backend, init_method,
+                     logging.getLogger().getEffectiveLevel())
+            for rank in range(local):
                 self._start(rank, setup)
+            if local < self.tp:
+                self._attach_remote(list(range(local, self.tp)), setup)
             self._gather(ipc.Ready, load_timeout)
             self._supervisor.watch(self.pids)
         except BaseException:
             self.shutdown()
             raise
         logger.info("%d worker process(es) ready (pids %s, %s)", self.tp, self.pids, backend)
+
+    def _rendezvous(self, local: int) -> str:
+        """torch.distributed's meeting point: a file on one host, else a TCPStore hosted here
+        (and, with ranks elsewhere, the listener they join through)."""
+        if self.placement is None:
+            return f"file://{self._tmpdir}/rendezvous"
+        import torch.distributed as dist
+
+        addr = self.placement.master_addr
+        if local < self.tp:
+            self._resources.append(RankListener(self.placement))
+        store = dist.TCPStore(addr, 0, None, True, wait_for_workers=False)
+        self._resources.append(store)
+        return f"tcp://{addr}:{store.port}"
+
+    def _attach_remote(self, ranks: list[int], setup: tuple) -> None:
+        try:
+            joined = self._resources[0].accept(ranks, self.tp)
+        except JoinTimeout as e:
+            raise WorkerError(str(e)) from None
+        for rank in ranks:
+            conn, beat, handle = joined[rank]
+            self._supervisor.add_remote(beat)
+            self._procs.append(handle)
+            self._conns.append(conn)
+            self._send_setup(rank, conn, setup)
 
     def _start(self, rank: int, setup: tuple) -> None:
         ours, theirs = socket.socketpair()
@@ -122,6 +161,9 @@ class MultiprocExecutor(Executor):
         conn = Connection(ours.detach())
         self._procs.append(proc)
         self._conns.append(conn)
+        self._send_setup(rank, conn, setup)
+
+    def _send_setup(self, rank: int, conn: Connection, setup: tuple) -> None:
         config_data, info_data, backend, init_method, log_level = setup
         conn.send_bytes(ipc.encode(ipc.Setup(rank, self.tp, config_data, info_data, backend, init_method, log_level)))
 
@@ -136,7 +178,7 @@ class MultiprocExecutor(Executor):
 
     def execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        (reply,) = self._call(ipc.Step(step), ipc.Out, ranks=[0])
+        reply = self._call(ipc.Step(step), ipc.Out)[0]  # rank 0's; the others answered Ok
         self._steps += 1
         self._roundtrip_s += time.perf_counter() - start
         self._worker_s += reply.worker_s
@@ -153,7 +195,8 @@ class MultiprocExecutor(Executor):
 
     # -- extras ---------------------------------------------------------------------------
     @property
-    def pids(self) -> list[int]:
+    def pids(self) -> list[int | None]:
+        """Local ranks' process ids; None for a rank on another host."""
         return [p.pid for p in self._procs]
 
     def ipc_stats(self) -> dict:
@@ -168,12 +211,13 @@ class MultiprocExecutor(Executor):
         }
 
     # -- plumbing -------------------------------------------------------------------------
-    def _call(self, message: ipc.ToWorker, reply: type, ranks: list[int] | None = None) -> list:
-        """Send ``message`` to every rank and gather a ``reply`` from ``ranks`` (default all)."""
+    def _call(self, message: ipc.ToWorker, reply: type) -> list:
+        """Send ``message`` to every rank and gather one ``reply`` from each (a step: rank 0's
+        Out, the others' Ok)."""
         try:
             self._broadcast(ipc.encode(message))
-            return self._gather(reply, self.step_timeout, ranks)
-        except WorkerError:
+            return self._gather(reply, self.step_timeout)
+        except (WorkerError, StepFailed):
             raise
         except BaseException:
             # Interrupted with a reply unread (or a step half sent, which the engine counts as
@@ -191,16 +235,24 @@ class MultiprocExecutor(Executor):
             except OSError:  # a broken pipe: that rank is gone
                 self._fail(self._death_message(rank))
 
-    def _gather(self, reply: type, timeout: float | None, ranks: list[int] | None = None) -> list:
-        """One ``reply`` message from each of ``ranks`` (default all), in rank order; raises
-        WorkerError as soon as any rank reports an error or dies, or at the timeout."""
+    def _gather(self, reply: type, timeout: float | None) -> list:
+        """One ``reply`` message from each rank, in rank order (to a step, ranks other than 0
+        answer Ok); raises WorkerError as soon as any rank reports an error or dies, or at the
+        timeout. A step that some rank failed (StepError) raises StepFailed once every rank
+        answered; ranks silent ``diverge_timeout`` seconds after another failed it have
+        diverged from it (stuck in a collective it left): WorkerError."""
         kind = ipc.kind(reply)
-        pending = set(range(self.tp) if ranks is None else ranks)
+        pending = set(range(self.tp))
         replies: dict[int, ipc.FromWorker] = {}
+        failed: dict[int, str] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                if failed:
+                    self._fail(f"worker rank(s) {sorted(failed)} failed a step ({next(iter(failed.values()))}) "
+                               f"while rank(s) {sorted(pending)} did not finish it within {self.diverge_timeout:.0f}s:"
+                               " the ranks diverged")
                 self._fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
             for conn in wait(self._conns, left):
                 rank = self._conns.index(conn)
@@ -211,13 +263,21 @@ class MultiprocExecutor(Executor):
                 except msgspec.DecodeError as e:
                     self._fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
                 if isinstance(msg, ipc.Error):
-                    failed = f"worker rank {rank} failed: {msg.message}\n--- worker traceback ---\n{msg.traceback}"
+                    text = f"worker rank {rank} failed: {msg.message}\n--- worker traceback ---\n{msg.traceback}"
                     cause = self._peer_death(rank)
-                    self._fail(f"{cause}; then {failed}" if cause else failed)
-                if not isinstance(msg, reply) or rank not in pending:
-                    self._fail(f"worker rank {rank} sent {ipc.kind(msg)!r} while {kind!r} was awaited")
+                    self._fail(f"{cause}; then {text}" if cause else text)
+                want = ipc.Ok if reply is ipc.Out and rank != 0 else reply
+                if isinstance(msg, ipc.StepError) and reply is ipc.Out and rank in pending:
+                    failed[rank] = msg.message
+                    end = time.monotonic() + self.diverge_timeout
+                    deadline = end if deadline is None else min(deadline, end)
+                elif not isinstance(msg, want) or rank not in pending:
+                    self._fail(f"worker rank {rank} sent {ipc.kind(msg)!r} while {ipc.kind(want)!r} was awaited")
                 replies[rank] = msg
                 pending.discard(rank)
+        if failed:
+            rank, message = min(failed.items())
+            raise StepFailed(message if len(failed) == self.tp else f"{message} (on worker rank(s) {sorted(failed)})")
         return [replies[r] for r in sorted(replies)]
 
     def _peer_death(self, rank: int) -> str | None:
@@ -233,6 +293,8 @@ class MultiprocExecutor(Executor):
 
     def _death_message(self, rank: int) -> str:
         proc = self._procs[rank]
+        if isinstance(proc, RemoteRank):
+            return f"{proc.describe()} closed its connection"
         try:
             code = proc.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
@@ -254,15 +316,20 @@ class MultiprocExecutor(Executor):
         raise WorkerError(message)
 
 
-def _stop(procs: list[subprocess.Popen], conns: list[Connection], tmpdir: str, supervisor: Supervisor) -> None:
-    """Ask every rank to exit, then terminate and kill what is left, and reap them all."""
-    supervisor.stop()
+def _stop(procs: list, conns: list[Connection], tmpdir: str, supervisor: Supervisor, resources: list) -> None:
+    """Ask every rank to exit, then terminate and kill what is left, and reap them all (a
+    remote rank's launcher does that for its own)."""
     bye = ipc.encode(ipc.Shutdown())
     for conn in conns:
         try:
             conn.send_bytes(bye)
         except OSError:
             pass
+    supervisor.stop()  # after the Shutdown: a launcher kills a rank whose heartbeat closes
+    for resource in resources:
+        if isinstance(resource, RankListener):
+            resource.close()
+    resources.clear()  # the TCPStore stops with its last reference
     deadline = time.monotonic() + 5.0
     for proc in procs:
         try:

@@ -16,11 +16,13 @@ import signal
 import sys
 import time
 import traceback
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.executor import ipc
 from streamkv.executor.supervisor import start_heartbeat
+from streamkv.messages import StepFailed
 from streamkv.model_info import ModelInfo
 
 
@@ -41,25 +43,14 @@ def main(fd: int) -> None:
     setup = decoder.decode(conn.recv_bytes())
     if not isinstance(setup, ipc.Setup):
         raise ValueError(f"expected the setup message first, got {ipc.kind(setup)!r}")
-    rank, tp, backend = setup.rank, setup.tp, setup.backend
+    rank, tp = setup.rank, setup.tp
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     try:
         import torch
 
         config = config_from_dict(setup.config)
         if tp > 1:
-            import torch.distributed as dist
-
-            # Rendezvous goes through a file; the collectives' own sockets stay on loopback.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-            if backend == "gloo":
-                # The ranks share this machine's cores: without this each would start one
-                # thread per core and they would fight over them.
-                torch.set_num_threads(max(1, torch.get_num_threads() // tp))
-            else:
-                torch.cuda.set_device(rank)
-            dist.init_process_group(backend, init_method=setup.init_method, rank=rank, world_size=tp)
+            _init_distributed(setup)
         from streamkv.worker.worker import Worker
 
         worker = Worker(config, rank, ModelInfo.from_dict(setup.model_info))
@@ -75,6 +66,36 @@ def main(fd: int) -> None:
         torch.distributed.destroy_process_group()
 
 
+def _init_distributed(setup: ipc.Setup) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, tp, backend = setup.rank, setup.tp, setup.backend
+    # On one host LOCAL_RANK is unset and rank r is GPU r; a launcher on another host numbers
+    # its own ranks from 0 (executor/launcher.py).
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    if backend == "gloo":
+        # The ranks share this machine's cores: without this each would start one thread per
+        # core and they would fight over them.
+        torch.set_num_threads(max(1, torch.get_num_threads() // local_ranks))
+    else:
+        torch.cuda.set_device(local)
+    timeout = timedelta(seconds=600)
+    if setup.init_method.startswith("tcp://"):
+        # Ranks on several hosts: the engine hosts the store (executor/cluster.py), and the
+        # collectives use whatever interface reaches the other hosts (GLOO_/NCCL_SOCKET_IFNAME
+        # choose one).
+        host, _, port = setup.init_method.removeprefix("tcp://").rpartition(":")
+        store = dist.TCPStore(host, int(port), tp, False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=tp, timeout=timeout)
+        return
+    # One host: rendezvous through a file, the collectives' own sockets on loopback.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=setup.init_method, rank=rank, world_size=tp, timeout=timeout)
+
+
 def _serve(rank: int, worker, conn: Connection, decoder) -> None:
     conn.send_bytes(ipc.encode(ipc.Ready()))
     while True:
@@ -83,11 +104,17 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
         except EOFError:  # the engine's process is gone
             return
         if isinstance(msg, ipc.Step):
+            # Every rank answers every step, so the engine knows the step's fate on all of
+            # them before it goes on: rank 0 with the output, the others with Ok, any rank
+            # whose model or sampler raised (StepFailed) with a StepError, serving on.
             start = time.perf_counter()
-            out = worker.execute(msg.step)
+            try:
+                out = worker.execute(msg.step)
+            except StepFailed as e:
+                conn.send_bytes(ipc.encode(ipc.StepError(str(e))))
+                continue
             elapsed = time.perf_counter() - start
-            if rank == 0:
-                conn.send_bytes(ipc.encode(ipc.Out(out, elapsed)))
+            conn.send_bytes(ipc.encode(ipc.Out(out, elapsed) if rank == 0 else ipc.Ok()))
         elif isinstance(msg, ipc.QueryBlocks):
             conn.send_bytes(ipc.encode(ipc.Blocks(*worker.num_available_blocks())))
         elif isinstance(msg, ipc.InitCache):

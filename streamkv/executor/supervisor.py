@@ -70,8 +70,16 @@ class Supervisor:
         self._socks.append(ours)
         return theirs
 
-    def watch(self, pids: list[int]) -> None:
-        """Start watching, once every rank is up (loading a model may pause a thread longer)."""
+    def add_remote(self, sock: socket.socket) -> None:
+        """A rank on another host: its heartbeat connection (executor/cluster.py). Such a rank
+        cannot be killed from here; a frozen one has its connection shut down instead, which
+        its launcher answers by killing it (executor/launcher.py)."""
+        sock.setblocking(False)
+        self._socks.append(sock)
+
+    def watch(self, pids: list[int | None]) -> None:
+        """Start watching, once every rank is up (loading a model may pause a thread longer).
+        ``pids``: one per rank, in the order the ranks were added; None for a remote rank."""
         self._pids = list(pids)
         self._thread = threading.Thread(target=self._run, name="streamkv-supervisor", daemon=True)
         self._thread.start()
@@ -111,17 +119,30 @@ class Supervisor:
                     last[rank] = now
                 else:  # its process ended; the executor sees the same on its own pipe
                     live.discard(rank)
-                    self._record(f"worker rank {rank} (pid {self._pids[rank]}) exited")
+                    pid = self._pids[rank]
+                    self._record(f"worker rank {rank} ({f'pid {pid}' if pid else 'remote'}) exited")
             for rank in list(live):
                 if now - last[rank] > self.timeout and not self._stop.is_set():
                     live.discard(rank)
-                    self._killed = (f"worker rank {rank} (pid {self._pids[rank]}) sent no heartbeat for "
-                                    f"{now - last[rank]:.1f} s (frozen); killed it")
+                    pid = self._pids[rank]
+                    self._killed = (f"worker rank {rank} ({f'pid {pid}' if pid else 'remote'}) sent no heartbeat for "
+                                    f"{now - last[rank]:.1f} s (frozen); "
+                                    f"{'killed it' if pid else 'dropped it, for its launcher to kill'}")
                     self._record(self._killed)
-                    try:
-                        os.kill(self._pids[rank], signal.SIGKILL)  # works on a stopped process too
-                    except ProcessLookupError:
-                        pass
+                    self._end(rank)
+
+    def _end(self, rank: int) -> None:
+        pid = self._pids[rank]
+        if pid is None:
+            try:
+                self._socks[rank].shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)  # works on a stopped process too
+        except ProcessLookupError:
+            pass
 
     def _record(self, message: str) -> None:
         if self._failure is None:
