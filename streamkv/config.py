@@ -39,10 +39,18 @@ class CacheConfig:
     cpu_kv_cache_space: float = arg(2.0, "GiB of KV pool when the model runs on the CPU")
     kv_allocation: str = arg("paged", "how the KV pool is handed out: 'paged' (the engine) or a "
                                       "contiguous baseline of the paper (benchmarks only)", choices=KV_ALLOCATIONS)
+    # Files of text computed once at start and pinned (core/reserved_prefix.py, paper §4.4).
+    reserved_prefix: tuple[str, ...] = arg((), "a file whose text is a reserved shared prefix: computed once, "
+                                               "pinned, mapped into every prompt that starts with it "
+                                               "(repeatable)", repeatable=True, metavar="FILE")
 
     def verify(self) -> None:
         if self.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}.")
+        if not isinstance(self.reserved_prefix, (tuple, list)) or not all(isinstance(p, str) for p in self.reserved_prefix):
+            raise ValueError(f"reserved_prefix must be a list of file paths, got {self.reserved_prefix!r}.")
+        if self.kv_allocation != "paged" and self.reserved_prefix:
+            raise ValueError(f"kv_allocation {self.kv_allocation!r} cannot share a reserved prefix: use 'paged'.")
         if self.kv_allocation != "paged" and self.enable_prefix_caching:
             raise ValueError(f"kv_allocation {self.kv_allocation!r} has no prefix cache: turn prefix "
                              "caching off (enable_prefix_caching=False, --no-enable-prefix-caching).")
@@ -70,7 +78,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = arg(
         None, "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
               f"default max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs)")
-    preemption_mode: str = arg("auto", "how a preempted request gives its blocks back", choices=PREEMPTION_MODES)
+    preemption_mode: str = arg("auto", "how a preempted request gives its blocks back ('auto': the cheaper "
+                                       "of swap and recompute by a measured cost model)", choices=PREEMPTION_MODES)
+    preemption_cost_profile: str | None = arg(None, "the measured swap/recompute costs 'auto' uses: a profile of "
+                                                    "streamkv/core/preemption_costs.json (default: its default)")
     max_prefill_step_ratio: float = arg(
         0.0, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
              "times a decode-only step (fitted online; 0 = no cap, the whole token budget)")

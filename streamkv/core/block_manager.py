@@ -4,6 +4,8 @@ Every decoding algorithm is expressed with the same few calls: ``allocate`` maps
 (reusing cached prefix blocks), ``ensure_slots`` grows a table one block at a time and copies
 a shared last block before it is written (copy-on-write), ``fork`` shares a table, ``free``
 drops one, and ``swap_out`` / ``swap_in`` move a whole group between device and CPU pools.
+Reserved prefixes (core/reserved_prefix.py) are pinned blocks that ``allocate`` maps first,
+with the prefix cache on or off.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import enum
 from collections.abc import Iterable
 
 from streamkv.core.block_pool import BlockPool, block_key
+from streamkv.core.reserved_prefix import ReservedPrefixes
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -39,6 +42,7 @@ class BlockManager:
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_device_blocks)
+        self.reserved = ReservedPrefixes(self.device, block_size)
         self.tables: dict[int, list[int]] = {}  # device tables
         self.cpu_tables: dict[int, list[int]] = {}  # tables of swapped-out sequences
         # Content keys of each sequence's full blocks, in order (prefix caching).
@@ -52,17 +56,23 @@ class BlockManager:
         self.prefix_cache_hits = 0  # tokens found
 
     # -- prompt allocation --------------------------------------------------------------
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks covering a prefix of ``seq``; never the block of its last token,
-        which must be computed to produce logits."""
-        if not self.enable_prefix_caching:
+    def _prefix_hits(self, seq: Sequence, claim: bool = False) -> list[int]:
+        """Blocks already computed for a prefix of ``seq``: a reserved prefix's pinned blocks,
+        then cached blocks; never the block of its last token, which must be computed to
+        produce logits. ``claim``: ``seq`` is being allocated (see ReservedPrefixes.match)."""
+        if getattr(seq, "skip_prefix_cache", False):  # it needs every prompt token computed
             return []
-        hits: list[int] = []
-        key = None
         tokens = seq.all_token_ids
-        for i in range((len(tokens) - 1) // self.block_size):
+        limit = (len(tokens) - 1) // self.block_size
+        hits = self.reserved.match(seq.seq_id, tokens, limit, claim) if self.reserved.prefixes else []
+        if not self.enable_prefix_caching:
+            return hits
+        key = None
+        for i in range(limit):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             key = block_key(key, chunk)
+            if i < len(hits):
+                continue  # a reserved block: the chain of keys goes on past it
             block = self.device.lookup(key, chunk)
             if block is None:
                 break
@@ -94,7 +104,7 @@ class BlockManager:
         """Map ``seq``'s tokens to blocks; returns how many tokens were prefix-cache hits."""
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
-        hits = self._prefix_hits(seq)
+        hits = self._prefix_hits(seq, claim=True)
         for block in hits:
             self.device.incref(block)
         table = list(hits)
@@ -201,7 +211,10 @@ class BlockManager:
         return copies
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Register ``seq``'s newly completed full blocks in the prefix cache."""
+        """Register ``seq``'s newly completed full blocks in the prefix cache (and pin a
+        reserved prefix that ``seq`` computes)."""
+        if self.reserved.computing:
+            self.reserved.computed(seq.seq_id, self.tables[seq.seq_id], seq.num_computed_tokens)
         if not self.enable_prefix_caching:
             return
         keys = self._keys[seq.seq_id]
@@ -224,6 +237,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         self._filling.pop(seq.seq_id, None)
+        self.reserved.forget(seq.seq_id)
         table = self.tables.pop(seq.seq_id, None)
         if table is not None:
             for block in table:
@@ -285,8 +299,12 @@ class BlockManager:
     def num_logical_blocks(self) -> int:
         return sum(len(t) for t in self.tables.values())
 
+    def num_pinned_blocks(self) -> int:
+        return self.reserved.num_pinned_blocks()
+
     def check_no_leaks(self) -> None:
+        """Raise unless no table is left and the only references are reserved-prefix pins."""
         if self.tables or self.cpu_tables:
             raise AssertionError(f"tables left: {list(self.tables)} {list(self.cpu_tables)}")
-        self.device.check_whole()
+        self.device.check_whole(self.reserved.pins())
         self.cpu.check_whole()

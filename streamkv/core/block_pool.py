@@ -5,6 +5,8 @@ Pure Python (no torch): the pool only hands out block ids; the tensors live in w
 A full block may be registered under a content key that chains its parent's key with its
 token ids through SHA-256. Registered blocks whose ref count drops to zero are not freed:
 they wait in an LRU list and are reused on a hit or evicted when the pool needs space.
+A reserved prefix's blocks (core/reserved_prefix.py) keep a reference of their own, so they
+never reach that list: pinned.
 """
 
 from __future__ import annotations
@@ -107,10 +109,12 @@ class BlockPool:
             self._free.append(block)
         self._evictable.clear()
 
-    def check_whole(self) -> None:
-        """Raise unless every block is unreferenced and reachable (free or evictable)."""
-        leaked = [b for b, rc in enumerate(self.ref_counts) if rc != 0]
+    def check_whole(self, pins: dict[int, int] | None = None) -> None:
+        """Raise unless every block is unreferenced and reachable (free or evictable), but
+        for ``pins`` (block -> references held by reserved prefixes)."""
+        pins = pins or {}
+        leaked = [b for b, rc in enumerate(self.ref_counts) if rc != pins.get(b, 0)]
         if leaked:
             raise AssertionError(f"blocks still referenced: {leaked[:16]}...")
-        if len(set(self._free)) + len(self._evictable) != self.num_blocks:
+        if len(set(self._free)) + len(self._evictable) + len(pins) != self.num_blocks:
             raise AssertionError("free list is not whole")

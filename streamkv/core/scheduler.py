@@ -15,10 +15,10 @@ When a running group cannot get its slots, the newest group not yet scheduled th
 preempted whole (or the group itself, when none is left); nothing new is admitted in a step
 that preempted.
 
-Preemption of a group with several sequences (parallel samples, beams). ``auto`` swaps it:
-a block shared inside the group moves once and stays shared. When it recomputes (``recompute``
-mode, or ``auto`` with no CPU room), the group comes back through ``allocate_group``: the
-prefix its sequences share is mapped and recomputed once, by its first sequence, while the
+Preemption of a group with several sequences (parallel samples, beams). ``auto`` picks swap
+or recompute for any group by a cost model measured per device (core/preemption.py). Swapped,
+a block shared inside the group moves once and stays shared. Recomputed, the group comes back
+through ``allocate_group``: the prefix its sequences share is mapped and recomputed once, by its first sequence, while the
 others wait a step; then every sequence computes its own tail. The group's cost at
 re-admission therefore counts shared blocks once, as it did while it ran (issue 11: costing
 each sequence separately left such groups waiting forever).
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from streamkv.config import SchedulerConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
+from streamkv.core.preemption import auto_mode, load_costs
 from streamkv.core.step_budget import StepCostModel
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -105,6 +106,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        # preemption_mode=auto: swap or recompute by measured cost (core/preemption.py).
+        self.preemption_costs = load_costs(config.preemption_cost_profile)
         # The engine reports each step's time here; it caps prompt chunks beside decodes.
         self.step_cost = StepCostModel(config.max_prefill_step_ratio)
 
@@ -285,7 +288,7 @@ class Scheduler:
             return
         mode = self.config.preemption_mode
         if mode == "auto":
-            mode = "recompute" if len(seqs) == 1 or not self.bm.can_swap_out(group) else "swap"
+            mode = auto_mode(self.preemption_costs, self.bm, group, seqs)
         out.num_preempted += 1
         self.num_preemptions += 1
         group.num_preemptions += 1

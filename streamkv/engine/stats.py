@@ -187,6 +187,8 @@ class EngineStats:
             "kv_utilization": self._util_sum / self._util_steps if self._util_steps else 0.0,
             "num_cow_copies": bm.num_cow_copies,
             "num_shared_blocks": bm.num_shared_blocks(),
+            # Reserved prefixes' blocks, never evicted (core/reserved_prefix.py).
+            "num_pinned_kv_blocks": bm.num_pinned_blocks() if isinstance(bm, BlockManager) else 0,
             "sharing_savings": self._saving_sum / self._saving_steps if self._saving_steps else 0.0,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,

@@ -44,12 +44,21 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
+class _AppendTuple(argparse.Action):
+    """A repeatable flag of a tuple field: each use adds an item (the default stays a tuple)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest), values))
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for name, (_, f, kind) in engine_fields().items():
         flags = [f"--{name.replace('_', '-')}", *f.metadata.get("flag", ())]
         kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help"), "dest": name}
-        if kind is bool:
+        if f.metadata.get("repeatable"):
+            kwargs.update(action=_AppendTuple, type=str, metavar=f.metadata.get("metavar"))
+        elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = kind

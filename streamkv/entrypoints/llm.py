@@ -1,24 +1,117 @@
-"""The offline API, with vLLM's names: ``LLM(...).generate(prompts, sampling_params)``."""
+"""The offline API, with vLLM's names: ``LLM(...).generate(prompts, sampling_params)``;
+and the engine-level side of reserved prefixes (``build_engine``, ``register_prefix``), which
+the server shares."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
 
-from streamkv.engine.llm_engine import LLMEngine
+from streamkv.config import EngineConfig
+from streamkv.core.block_manager import BlockManager
+from streamkv.core.reserved_prefix import ReservedPrefix, ReservedPrefixError, ReservedPrefixes
+from streamkv.engine.llm_engine import InvalidParameter, LLMEngine, check_request
 from streamkv.entrypoints.args import engine_config
+from streamkv.executor.base import Executor
 from streamkv.sampling_params import BeamSearchParams, SamplingParams
 from streamkv.sequence import RequestOutput
 
-__all__ = ["LLM", "engine_config"]
+__all__ = ["LLM", "build_engine", "engine_config", "register_prefix", "reserved_prefixes"]
+# The request that computes a reserved prefix: its prompt is the prefix, one token sampled.
+PREFIX_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def reserved_prefixes(engine: LLMEngine) -> ReservedPrefixes:
+    """The engine's reserved-prefix registry (call on the engine's thread)."""
+    bm = engine.block_manager
+    if not isinstance(bm, BlockManager):
+        raise ReservedPrefixError("reserved prefixes need the paged KV cache (kv_allocation='paged')")
+    return bm.reserved
+
+
+def register_prefix(engine: LLMEngine, token_ids: list[int]) -> ReservedPrefix:
+    """A reserved prefix on ``engine``, pending until a request computes it (call on the
+    engine's thread). Raises ReservedPrefixError (a ValueError)."""
+    registry = reserved_prefixes(engine)
+    try:
+        check_request(list(token_ids), PREFIX_PARAMS, engine.limits)
+    except InvalidParameter as e:
+        raise ReservedPrefixError(f"the prefix cannot run as a request: {e}") from None
+    return registry.add(token_ids)
+
+
+def compute_prefixes(engine: LLMEngine, prefixes: list[ReservedPrefix]) -> None:
+    """Run each pending prefix as a one-token request, to completion (the engine must be
+    idle: this steps it until nothing is left). Pinned when computed."""
+    pending = [p for p in prefixes if not p.ready]
+    for p in pending:
+        engine.add_request(f"reserved-prefix:{p.prefix_id}", None, PREFIX_PARAMS, list(p.token_ids))
+    while engine.has_unfinished_requests():
+        engine.step(finished_only=True)
+    failed = [p for p in pending if not p.ready]
+    for p in failed:
+        reserved_prefixes(engine).remove(p.prefix_id)
+    if failed:
+        raise ReservedPrefixError(f"reserved prefix(es) {[p.prefix_id for p in failed]} could not be computed "
+                                  "(the KV pool cannot hold them)")
+
+
+def read_prefix_files(paths: Seq[str], tokenizer) -> list[list[int]]:
+    """Token ids of each ``--reserved-prefix`` file (UTF-8 text, tokenized as a prompt's start)."""
+    out = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the reserved prefix file {path!r}: {e}") from None
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: a reserved prefix file cannot be tokenized")
+        out.append(tokenizer.encode(text))
+    return out
+
+
+def build_engine(config: EngineConfig, executor: Executor | None = None) -> LLMEngine:
+    """An engine with ``config.cache.reserved_prefix``'s files registered and computed."""
+    engine = LLMEngine(config, executor)
+    try:
+        token_lists = read_prefix_files(config.cache.reserved_prefix, engine.tokenizer)
+        compute_prefixes(engine, [register_prefix(engine, ids) for ids in token_lists])
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         """``kwargs`` are the engine arguments: the config dataclasses' field names
         (entrypoints/args.py; the same as the command's flags)."""
-        self.engine = LLMEngine(engine_config(model, **kwargs))
+        self.engine = build_engine(engine_config(model, **kwargs))
         self._ids = itertools.count()
+
+    # -- reserved prefixes (paper §4.4) -----------------------------------------------------
+    def register_prefix(self, prefix: str | Seq[int]) -> str:
+        """Compute ``prefix`` (text, tokenized as a prompt's start, or token ids) once and pin
+        its whole blocks; every later prompt that starts with it maps them read-only. Returns
+        its id. Text prompts share it only where they tokenize to the same leading tokens:
+        pass token ids, or end the text at a natural boundary (a newline)."""
+        if isinstance(prefix, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            prefix = self.engine.tokenizer.encode(prefix)
+        record = register_prefix(self.engine, list(prefix))
+        compute_prefixes(self.engine, [record])
+        return record.prefix_id
+
+    def unregister_prefix(self, prefix_id: str) -> None:
+        """Drop the pins; blocks go back to the pool once no request maps them."""
+        reserved_prefixes(self.engine).remove(prefix_id)
+
+    def reserved_prefixes(self) -> list[dict]:
+        """Each prefix's id, tokens, shared blocks, status and uses."""
+        registry = reserved_prefixes(self.engine)
+        return [registry.describe(p) for p in registry.prefixes.values()]
 
     def shutdown(self) -> None:
         """Stop the worker processes (if any) now, rather than at interpreter exit."""

@@ -44,6 +44,8 @@ class _EngineCollector:
                           _used(s["num_kv_blocks"], s["num_free_kv_blocks"]))
         yield self._gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = full).",
                           _used(s["num_swap_blocks"], s["num_free_swap_blocks"]))
+        yield self._gauge("pinned_kv_blocks", "Device KV blocks pinned by reserved prefixes (never evicted).",
+                          s.get("num_pinned_kv_blocks", 0))
         for name, key, doc in (
             ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
             ("prompt_tokens", "num_prompt_tokens", "Prompt tokens computed (prefill, recompute)."),

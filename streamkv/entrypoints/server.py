@@ -37,6 +37,7 @@ from streamkv.entrypoints.openai_serving import (
     engine_error,
     render_chat,
 )
+from streamkv.entrypoints.prefixes import PrefixAdmin
 from streamkv.entrypoints.security import (
     AuthFailures,
     Guard,
@@ -204,6 +205,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/detokenize", api(detokenize), methods=["POST"]),
         WebSocketRoute("/v1/chat/ws", chat_ws),
         Route("/v1/kv/stream", api(KVView(engine).stream, body=False)),  # the live KV-cache view
+        *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (entrypoints/prefixes.py)
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
@@ -302,7 +304,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from streamkv.engine.llm_engine import LLMEngine
     from streamkv.engine.recovery import RestartBudget
     from streamkv.entrypoints.cli import check_server_limit_args, engine_kwargs
     from streamkv.entrypoints.connections import (
@@ -310,7 +311,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         GuardedH11Protocol,
         QuietDenialWebSocket,
     )
-    from streamkv.entrypoints.llm import engine_config
+    from streamkv.entrypoints.llm import build_engine, engine_config
     from streamkv.entrypoints.shutdown import DrainingServer
 
     for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
@@ -324,7 +325,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.device, args.distributed_executor_backend
     )
     config = engine_config(args.model, **kwargs)
-    engine = AsyncEngine(lambda: LLMEngine(config), restarts=RestartBudget(limit=args.max_worker_restarts))
+    engine = AsyncEngine(lambda: build_engine(config), restarts=RestartBudget(limit=args.max_worker_restarts))
     origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
     hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
     failed: list[bool] = []
