@@ -22,6 +22,7 @@ import hmac
 import logging
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -73,27 +74,38 @@ class Placement:
 
 
 class RemoteRank:
-    """Stands in for the Popen of a rank that runs on another host: it is neither signalled
-    nor reaped from here (its launcher does both); a closed connection is its death."""
+    """Stands in for the Popen of a rank that runs on another host. It is never signalled from
+    here (its launcher kills and reaps it); it has exited once its connection reads EOF."""
 
-    def __init__(self, rank: int, host: str, launcher_pid: int) -> None:
-        self.rank, self.host, self.launcher_pid = rank, host, launcher_pid
+    def __init__(self, rank: int, host: str, launcher_pid: int, conn: Connection) -> None:
+        self.rank, self.host, self.launcher_pid, self._conn = rank, host, launcher_pid, conn
         self.pid = None
-        self.returncode = None
+        self.returncode: int | None = None
 
     def describe(self) -> str:
         return f"worker rank {self.rank} (on {self.host}, launcher pid {self.launcher_pid})"
 
-    def poll(self) -> None:
-        return None
+    def poll(self) -> int | None:
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        return 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.describe(), timeout)
+            try:
+                if self._conn.poll(left):
+                    self._conn.recv_bytes()  # a late reply: not awaited any more
+            except (EOFError, OSError):
+                self.returncode = 0
+        return self.returncode
 
     def terminate(self) -> None:
-        pass
+        """Nothing to do from here: the engine's Shutdown or closed connections end it."""
 
-    kill = terminate
+    def kill(self) -> None:
+        self.returncode = -9  # given up on; its launcher kills it once its heartbeat closes
 
 
 class RankListener:
@@ -134,7 +146,7 @@ class RankListener:
                 continue
             msg, conn = joined
             if msg.channel == "control":
-                control[msg.rank] = (conn, RemoteRank(msg.rank, msg.host, msg.launcher_pid))
+                control[msg.rank] = (conn, RemoteRank(msg.rank, msg.host, msg.launcher_pid, conn))
             else:
                 beats[msg.rank] = socket.socket(fileno=os.dup(conn.fileno()))
                 conn.close()

@@ -158,7 +158,7 @@ def _supervise(procs: list[tuple[subprocess.Popen, socket.socket]]) -> list[int]
 
 
 # -- the command ---------------------------------------------------------------------------
-def add_worker_parser(sub) -> None:
+def add_worker_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="serve tensor-parallel ranks of an engine on another host")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
                    help="the engine host's address (default $MASTER_ADDR)")
@@ -171,6 +171,7 @@ def add_worker_parser(sub) -> None:
                    help="seconds to wait for the engine, at start and after each restart, before exiting")
     p.add_argument("--once", action="store_true", help="exit when the ranks exit instead of joining again")
     p.set_defaults(func=cmd_worker)
+    return p
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +49,7 @@ from streamkv.config import EngineConfig
 from streamkv.executor import ipc
 from streamkv.executor.base import Executor
 from streamkv.executor.cluster import JoinTimeout, Placement, RankListener, RemoteRank
+from streamkv.executor.stopping import stop_ranks
 from streamkv.executor.supervisor import HEARTBEAT_ENV, Supervisor
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
@@ -97,7 +97,7 @@ class MultiprocExecutor(Executor):
         # Set up before the first process starts, so that even a failure halfway through
         # starting them leaves nothing behind; it also runs at interpreter exit.
         self._supervisor = Supervisor()  # heartbeats: a frozen rank is killed, so it fails like a dead one
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._tmpdir, self._supervisor,
+        self._finalizer = weakref.finalize(self, stop_ranks, self._procs, self._conns, self._tmpdir, self._supervisor,
                                            self._resources)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         local = self.tp if self.placement is None else self.placement.local_ranks
@@ -315,33 +315,3 @@ class MultiprocExecutor(Executor):
         self._finalizer()
         raise WorkerError(message)
 
-
-def _stop(procs: list, conns: list[Connection], tmpdir: str, supervisor: Supervisor, resources: list) -> None:
-    """Ask every rank to exit, then terminate and kill what is left, and reap them all (a
-    remote rank's launcher does that for its own)."""
-    bye = ipc.encode(ipc.Shutdown())
-    for conn in conns:
-        try:
-            conn.send_bytes(bye)
-        except OSError:
-            pass
-    supervisor.stop()  # after the Shutdown: a launcher kills a rank whose heartbeat closes
-    for resource in resources:
-        if isinstance(resource, RankListener):
-            resource.close()
-    resources.clear()  # the TCPStore stops with its last reference
-    deadline = time.monotonic() + 5.0
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:  # e.g. stuck in a collective whose peer died
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for conn in conns:
-        conn.close()
-    shutil.rmtree(tmpdir, ignore_errors=True)

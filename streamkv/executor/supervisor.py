@@ -94,10 +94,16 @@ class Supervisor:
         """Why the watcher killed a worker (frozen); None if it killed none."""
         return self._killed
 
-    def stop(self) -> None:
+    def stop(self, close: bool = True) -> None:
+        """Stop watching; ``close=False`` keeps the heartbeat sockets open for ``close()``
+        (a remote rank's launcher kills the rank when its heartbeat connection closes)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+        if close:
+            self.close()
+
+    def close(self) -> None:
         for sock in self._socks:
             sock.close()
 
