@@ -1,5 +1,6 @@
-"""/v1/completions and /v1/chat/completions: validated requests in, engine streams out,
-OpenAI responses back — whole, or as SSE chunks (one choice per chunk, ``data: [DONE]`` last).
+"""/v1/completions, /v1/chat/completions, /tokenize, /detokenize: validated requests in,
+engine streams out, OpenAI responses back — whole, or as SSE chunks (one choice per chunk,
+``data: [DONE]`` last). The chat responses (tool calls included) are built in chat_serving.py.
 
 A request with several prompts (completions) or n > 1 samples interleaves its choices in
 one stream; choice ``index`` = prompt_index * n + sample_index, and every choice ends with
@@ -11,36 +12,28 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from streamkv.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineNotReadyError,
-    EngineRecoveringError,
-    EngineStoppingError,
-    QueueFullError,
-    RequestAbortedError,
-    RequestStream,
-)
-from streamkv.engine.recovery import EngineRestartedError
-from streamkv.engine.tokenizer_lanes import TokenizerBusyError
-from streamkv.entrypoints.openai_protocol import (
-    APIError,
-    ChatRequest,
-    StreamOptions,
-    parse_chat,
-    parse_completion,
+from streamkv.engine.async_engine import AsyncEngine, RequestStream
+from streamkv.entrypoints.chat_serving import ChatOutput, ChatResponder
+from streamkv.entrypoints.chat_template import chat_size, render_chat
+from streamkv.entrypoints.engine_errors import ENGINE_ERRORS, engine_error, request_failed
+from streamkv.entrypoints.openai_protocol import APIError, validate
+from streamkv.entrypoints.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
 )
 from streamkv.entrypoints.streaming import (
     DONE,
     ChoiceState,
-    EventStream,
     LogprobFormatter,
     deltas,
     sse_event,
@@ -49,6 +42,8 @@ from streamkv.entrypoints.streaming import (
 )
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput
+
+__all__ = ["ENGINE_ERRORS", "OpenAIServing", "engine_error", "request_failed"]
 
 
 class OpenAIServing:
@@ -64,10 +59,11 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
 
     async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                    prompt_param: str = "prompt") -> tuple[list[RequestStream], asyncio.Event]:
+                    renamed: dict[str, str] | None = None) -> tuple[list[RequestStream], asyncio.Event]:
         """Submit the prompts. The engine's admission (core/admission.py) refuses what could
-        never run with an InvalidParameter, reported as a 400 naming the parameter
-        (``prompt_param`` for the prompt itself: "messages" for a chat)."""
+        never run with an InvalidParameter, reported as a 400 naming the parameter as the
+        request spelled it (``renamed``: "prompt" is "messages" for a chat, the engine's
+        "structured_outputs" the field that asked for the constraint)."""
         notify, now = asyncio.Event(), time.monotonic()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         # No await from the queue check to the last submit: a burst cannot all pass the check.
@@ -88,7 +84,7 @@ class OpenAIServing:
                     self.engine.abort(r.request_id)
             if isinstance(errors[0], ValueError):  # the engine refused it (InvalidParameter names the field)
                 param = getattr(errors[0], "param", None)
-                raise APIError(str(errors[0]), param=prompt_param if param == "prompt" else param,
+                raise APIError(str(errors[0]), param=(renamed or {}).get(param, param),
                                code=getattr(errors[0], "code", None)) from None
             raise errors[0]
         return results, notify
@@ -126,38 +122,37 @@ class OpenAIServing:
 
     def sse(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> EventSourceResponse:
         # The background task aborts even if the client left before the stream started.
-        return EventStream(chunks, ping=self.sse_keepalive,
-                                   background=BackgroundTask(self.abort_all, streams))
+        return EventSourceResponse(chunks, ping=self.sse_keepalive, background=BackgroundTask(self.abort_all, streams))
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, request: Request, body: dict) -> Response:
-        req = parse_completion(body)
+        req = validate(CompletionRequest, body)
+        params = req.params()
         self.check_model(req.model)
         self.engine.check_alive()
         tok = self.engine.tokenizer
-        texts = [p for p in req.prompts if isinstance(p, str)]
+        texts = [p for p in req.prompt if isinstance(p, str)]
         if texts and tok is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
         encoded = iter(await self.engine.run_tokenizer(
             lambda tok: [tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts],
             sum(map(len, texts))) if texts else [])
-        prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
+        prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompt]
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else "" for p in req.prompts]
+            echo = [p if isinstance(p, str) else "" for p in req.prompt]
             if tok is not None:
-                id_prompts = [p for p in req.prompts if not isinstance(p, str)]
+                id_prompts = [p for p in req.prompt if not isinstance(p, str)]
                 decoded = await self.engine.run_tokenizer(lambda tok: [tok.decode(p) for p in id_prompts],
                                                           sum(map(len, id_prompts)))
                 it = iter(decoded)
-                echo = [p if isinstance(p, str) else next(it) for p in req.prompts]
+                echo = [p if isinstance(p, str) else next(it) for p in req.prompt]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams, notify = await self.start(rid, prompts, req.params)
-        n, want_lp = req.params.n, req.params.logprobs is not None
+        streams, notify = await self.start(rid, prompts, params, _renamed(req))
         num_prompt = sum(len(p) for p in prompts)
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        if req.stream.stream:
-            return self.sse(self._completion_stream(head, streams, notify, n, echo, want_lp, req.stream, num_prompt), streams)
+        if req.stream:
+            return self.sse(self._completion_stream(head, streams, notify, req, params, echo, num_prompt), streams)
         final = await self.collect(request, streams, notify)
         if final is None:
             return Response(status_code=499)
@@ -165,46 +160,58 @@ class OpenAIServing:
         for i, out in enumerate(final):
             for c in out.outputs:
                 num_out += len(c.token_ids)
-                lp = self.logprobs.completion_logprobs(ChoiceState(0), c.token_ids, c.logprobs) if want_lp else None
-                choices.append({"index": i * n + c.index, "text": (echo[i] if echo else "") + c.text,
-                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * params.n + c.index, "text": (echo[i] if echo else "") + c.text,
+                          "logprobs": self._completion_lps(ChoiceState(0), req, out, c.token_ids, c.logprobs, True),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**head, "choices": choices, "usage": _usage(num_prompt, num_out)})
 
-    def _completion_stream(self, head, streams, notify, n, echo, want_lp, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
+    def _completion_lps(self, st: ChoiceState, req: CompletionRequest, out: RequestOutput, token_ids, lps,
+                        first: bool) -> dict | None:
+        if req.logprobs is None:
+            return None
+        if req.echo and first:
+            return self.logprobs.echoed_logprobs(st, out, req.logprobs, token_ids, lps)
+        return self.logprobs.completion_logprobs(st, token_ids, lps)
+
+    def _completion_stream(self, head, streams, notify, req: CompletionRequest, params: SamplingParams, echo,
+                           num_prompt) -> AsyncIterator[bytes]:
+        n, want_lp = params.n, req.logprobs is not None
         states = [ChoiceState(k) for k in range(len(streams) * n)]
 
-        def choices(i: int, out) -> Iterator[dict]:
+        def choices(i: int, out: RequestOutput) -> Iterator[dict]:
             for d in deltas(states, i, n, out):
                 if not d.text and d.finish_reason is None and not want_lp:
                     continue
-                text = d.text
-                if echo and not d.choice.started:
-                    text = echo[i] + text
-                d.choice.started = True
-                yield {"index": d.choice.index, "text": text,
-                       "logprobs": self.logprobs.completion_logprobs(d.choice, d.token_ids, d.logprobs) if want_lp else None,
+                first, d.choice.started = not d.choice.started, True
+                yield {"index": d.choice.index, "text": (echo[i] if echo and first else "") + d.text,
+                       "logprobs": self._completion_lps(d.choice, req, out, d.token_ids, d.logprobs, first),
                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
-        return self._stream(head, streams, notify, states, opts, num_prompt, choices)
+        return self._stream(head, streams, notify, states, req, num_prompt, choices)
 
-    async def _stream(self, head, streams, notify, states, opts: StreamOptions, num_prompt,
-                      choices: Callable[[int, object], Iterator[dict]], opening: Iterable[dict] = ()) -> AsyncIterator[bytes]:
+    async def _stream(self, head, streams, notify, states, req: SamplingRequest, num_prompt,
+                      choices: Callable[[int, RequestOutput], Iterator[dict]], opening: list[dict] | None = None) -> AsyncIterator[bytes]:
         """SSE framing shared by completions and chat: the ``opening`` chunks, then one chunk
-        per choice that ``choices(request index, output)`` makes of each engine output; an
-        error event if a request fails; the usage chunk when the client asked for it; the
-        requests aborted however the stream ends; ``[DONE]`` last."""
+        per choice that ``choices(request index, output)`` makes of each engine output (all
+        of one output sent at once); an error event if a request fails; the usage chunk when
+        the client asked for it; the requests aborted however the stream ends; ``[DONE]``."""
         try:
-            for choice in opening:
-                yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
+            if opening:
+                yield b"".join(sse_event(_with_usage({**head, "choices": [c]}, req, num_prompt, states)) for c in opening)
             async for i, out in watch(streams, notify):
                 if out.error:
                     yield sse_event(request_failed(out.error).body())
                     break
-                for choice in choices(i, out):
-                    yield sse_event(_with_usage({**head, "choices": [choice]}, opts, num_prompt, states))
+                events = [sse_event(_with_usage({**head, "choices": [c]}, req, num_prompt, states))
+                          for c in choices(i, out)]
+                if events:
+                    yield b"".join(events)
             else:
-                if opts.include_usage:
+                if req.include_usage:
                     yield sse_event({**head, "choices": [], "usage": _usage(num_prompt, _num_out(states))})
         except ENGINE_ERRORS as e:
             yield sse_event(engine_error(e).body())
@@ -213,65 +220,75 @@ class OpenAIServing:
         yield DONE
 
     # -- /v1/chat/completions -------------------------------------------------------------
-    async def chat_prompt(self, req: ChatRequest) -> list[int]:
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         self.check_model(req.model)
         self.engine.check_alive()
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
-        ids = await self.engine.run_tokenizer(
-            lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens),
-            chat_size(req.messages))
-        return ids
+        tools = req.tools if req.tool_mode() != "none" else None
+        return await self.engine.run_tokenizer(
+            lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens, tools),
+            chat_size(req.messages, tools))
 
     async def chat(self, request: Request, body: dict) -> Response:
-        req = parse_chat(body)
+        req = validate(ChatCompletionRequest, body)
+        params = req.params()
         ids = await self.chat_prompt(req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams, notify = await self.start(rid, [ids], req.params, prompt_param="messages")
+        streams, notify = await self.start(rid, [ids], params,
+                                           {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)})
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-        top = req.params.logprobs if req.logprobs else None
-        if req.stream.stream:
+        responder = ChatResponder(req, self.logprobs, params.logprobs if req.logprobs else None)
+        if req.stream:
             head["object"] = "chat.completion.chunk"
-            return self.sse(self._chat_stream(head, streams, notify, req.params.n, top, req.stream, len(ids)), streams)
+            states = [ChoiceState(k) for k in range(params.n)]
+            return self.sse(self._stream(head, streams, notify, states, req, len(ids), responder.stream_choices(states),
+                                         responder.opening(states)), streams)
         final = await self.collect(request, streams, notify)
         if final is None:
             return Response(status_code=499)
-        choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self.logprobs.chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for c in final[0].outputs
-        ]
-        num_out = sum(len(c.token_ids) for c in final[0].outputs)
-        return JSONResponse({**head, "choices": choices, "usage": _usage(len(ids), num_out)})
+        out: ChatOutput = responder.whole(final[0])
+        body = {**head, "choices": out.choices, "usage": _usage(len(ids), out.num_tokens)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.logprobs.prompt_logprobs(final[0].prompt_logprobs)
+        return JSONResponse(body)
 
-    def _chat_stream(self, head, streams, notify, n, top, opts: StreamOptions, num_prompt) -> AsyncIterator[bytes]:
-        states = [ChoiceState(k) for k in range(n)]
-        opening = [{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                   for st in states]
+    # -- /tokenize, /detokenize -----------------------------------------------------------
+    async def tokenize(self, request: Request, body: dict) -> Response:
+        req = validate(TokenizeRequest, body)
+        self.check_model(req.model)
+        if req.messages is None and req.prompt is None:
+            raise APIError("'prompt' is required (or 'messages')", param="prompt")
+        self.engine.check_alive()
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer")
+        if req.messages is not None:
+            ids = await self.engine.run_tokenizer(
+                lambda t: render_chat(t, req.messages, req.add_generation_prompt, bool(req.add_special_tokens)),
+                chat_size(req.messages))
+        else:
+            ids = await self.engine.run_tokenizer(
+                lambda t: t.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False), len(req.prompt))
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids})
 
-        def choices(_: int, out) -> Iterator[dict]:
-            for d in deltas(states, 0, n, out):
-                if not d.text and d.finish_reason is None and top is None:
-                    continue
-                choice = {"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
-                          "logprobs": self.logprobs.chat_logprobs(d.token_ids, d.logprobs, top) if top is not None else None,
-                          "finish_reason": d.finish_reason}
-                if d.finish_reason is not None:
-                    choice["stop_reason"] = d.stop_reason
-                yield choice
+    async def detokenize(self, request: Request, body: dict) -> Response:
+        req = validate(DetokenizeRequest, body)
+        self.check_model(req.model)
+        self.engine.check_alive()
+        vocab = self.engine.info.vocab_size
+        if not all(0 <= t < vocab for t in req.tokens):
+            raise APIError(f"'tokens' must be token ids in [0, {vocab})", param="tokens")
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer")
+        text = await self.engine.run_tokenizer(lambda t: t.decode(req.tokens), len(req.tokens))
+        return JSONResponse({"prompt": text})
 
-        return self._stream(head, streams, notify, states, opts, num_prompt, choices, opening)
 
-
-def render_chat(tok, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
-    """Runs on the tokenizer thread: a long conversation never blocks the event loop."""
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja2 errors, templates that raise on bad role order, ...
-        raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-    return tok.encode(text, add_special_tokens=add_special_tokens)
+def _renamed(req: SamplingRequest) -> dict[str, str]:
+    """The engine's ``structured_outputs`` refusals, under the field the request used."""
+    source = req.constraint_source()
+    return {"structured_outputs": source} if source else {}
 
 
 def _usage(num_prompt: int, num_out: int) -> dict:
@@ -282,41 +299,7 @@ def _num_out(states: list[ChoiceState]) -> int:
     return sum(st.num_tokens for st in states)
 
 
-def _with_usage(chunk: dict, opts: StreamOptions, num_prompt: int, states: list[ChoiceState]) -> dict:
-    if opts.include_usage:
-        chunk["usage"] = _usage(num_prompt, _num_out(states)) if opts.continuous_usage else None
+def _with_usage(chunk: dict, req: SamplingRequest, num_prompt: int, states: list[ChoiceState]) -> dict:
+    if req.include_usage:
+        chunk["usage"] = _usage(num_prompt, _num_out(states)) if req.continuous_usage else None
     return chunk
-
-
-def chat_size(messages: list[dict]) -> int:
-    """Characters a chat template will see, for picking the tokenizer lane."""
-    return sum(len(m.get("content") or "") + 16 for m in messages)
-
-
-# Every way the engine can refuse or drop a request, mapped once (engine_error) so that
-# HTTP, SSE and the WebSocket report the same status and ``code`` for the same failure.
-ENGINE_ERRORS = (EngineDeadError, EngineNotReadyError, EngineRecoveringError, EngineRestartedError,
-                 EngineStoppingError, QueueFullError, RequestAbortedError, TokenizerBusyError)
-
-
-def engine_error(e: BaseException) -> APIError:
-    if isinstance(e, QueueFullError):
-        return APIError("the server's request queue is full; retry later", 429, "rate_limit_error",
-                        code="queue_full", headers={"retry-after": "1"})
-    if isinstance(e, TokenizerBusyError):
-        return APIError(str(e), 429, "rate_limit_error", code="tokenizer_busy", headers={"retry-after": "1"})
-    if isinstance(e, EngineRecoveringError):
-        return APIError(str(e), 503, "service_unavailable_error", code="engine_recovering", headers={"retry-after": "5"})
-    code = {EngineDeadError: "engine_dead", EngineNotReadyError: "engine_loading",
-            EngineRestartedError: "engine_restarted", EngineStoppingError: "server_shutting_down",
-            RequestAbortedError: "request_aborted"}[type(e)]
-    message = "the request was aborted" if isinstance(e, RequestAbortedError) else str(e)
-    return APIError(message, 503, "service_unavailable_error", code=code)
-
-
-def request_failed(error: str) -> APIError:
-    """A request the engine took but could not finish (the KV cache is too small for it, or
-    its step failed): the other requests go on."""
-    return APIError(f"the engine could not finish the request: {error}", 503, "service_unavailable_error",
-                    code="engine_error")
-

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
@@ -29,14 +29,9 @@ from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
 from streamkv.entrypoints.kv_view import KVView
 from streamkv.entrypoints.metrics import ServerMetrics
-from streamkv.entrypoints.openai_protocol import APIError, Fields, parse_json_body, parse_messages
-from streamkv.entrypoints.openai_serving import (
-    ENGINE_ERRORS,
-    OpenAIServing,
-    chat_size,
-    engine_error,
-    render_chat,
-)
+from streamkv.entrypoints.openai_protocol import APIError, parse_json_body
+from streamkv.entrypoints.openai_serving import ENGINE_ERRORS, OpenAIServing, engine_error
+from streamkv.entrypoints.openapi import docs_page, openapi_document
 from streamkv.entrypoints.prefixes import PrefixAdmin
 from streamkv.entrypoints.security import (
     AuthFailures,
@@ -133,38 +128,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def tokenize(request: Request, body: dict) -> Response:
-        f = Fields(body)
-        serving.check_model(f.get("model", "str"))
-        add_special = f.get("add_special_tokens", "bool")
-        add_gen = f.get("add_generation_prompt", "bool", True)
-        messages = parse_messages(f) if "messages" in body else None
-        prompt = f.get("prompt", "str", required=messages is None)
-        f.finish()
-        engine.check_alive()
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError("this model has no tokenizer")
-        if messages is not None:
-            ids = await engine.run_tokenizer(lambda t: render_chat(t, messages, add_gen, bool(add_special)),
-                                             chat_size(messages))
-        else:
-            ids = await engine.run_tokenizer(lambda t: t.encode(prompt, add_special_tokens=add_special is not False),
-                                             len(prompt))
-        return JSONResponse({"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids})
+    document = openapi_document(config.model_name)  # built once: the models do not change
 
-    async def detokenize(request: Request, body: dict) -> Response:
-        f = Fields(body)
-        serving.check_model(f.get("model", "str"))
-        tokens = f.get("tokens", "list", required=True)
-        f.finish()
-        engine.check_alive()
-        vocab = engine.info.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
-            raise APIError(f"'tokens' must be token ids in [0, {vocab})", param="tokens")
-        if engine.tokenizer is None:
-            raise APIError("this model has no tokenizer")
-        return JSONResponse({"prompt": await engine.run_tokenizer(lambda t: t.decode(tokens), len(tokens))})
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
+    async def docs(request: Request) -> Response:
+        # Self-contained (inline style, no script), so its policy allows nothing else.
+        return HTMLResponse(docs_page(document), headers={
+            "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'", "x-content-type-options": "nosniff"})
 
     async def index(request: Request) -> Response:
         page = config.web_dir / "index.html" if config.web_dir else None
@@ -201,8 +173,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/v1/models", api(models, body=False)),
         Route("/v1/completions", api(serving.completions), methods=["POST"]),
         Route("/v1/chat/completions", api(serving.chat), methods=["POST"]),
-        Route("/tokenize", api(tokenize), methods=["POST"]),
-        Route("/detokenize", api(detokenize), methods=["POST"]),
+        Route("/tokenize", api(serving.tokenize), methods=["POST"]),
+        Route("/detokenize", api(serving.detokenize), methods=["POST"]),
+        Route("/openapi.json", openapi),
+        Route("/docs", docs),
         WebSocketRoute("/v1/chat/ws", chat_ws),
         Route("/v1/kv/stream", api(KVView(engine).stream, body=False)),  # the live KV-cache view
         *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (entrypoints/prefixes.py)

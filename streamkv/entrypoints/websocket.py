@@ -15,7 +15,8 @@ import uuid
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamkv.entrypoints.openai_protocol import APIError, parse_chat, parse_json_body
+from streamkv.entrypoints.openai_protocol import APIError, parse_json_body, validate
+from streamkv.entrypoints.openai_requests import ChatCompletionRequest
 from streamkv.entrypoints.openai_serving import (
     ENGINE_ERRORS,
     OpenAIServing,
@@ -28,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 SUBPROTOCOL = "streamkv"
 _CHAT_KEYS = {"type", "id", "messages", "params"}
-_PARAMS_NOT_ALLOWED = ("messages", "stream", "stream_options", "n", "best_of", "use_beam_search")
+# The socket streams one sample's text: no sample counts, no tool calls, no prompt logprobs.
+_PARAMS_NOT_ALLOWED = ("messages", "stream", "stream_options", "n", "best_of", "use_beam_search",
+                       "tools", "tool_choice", "prompt_logprobs")
 
 
 class ChatSocket:
@@ -99,10 +102,11 @@ class ChatSocket:
             bad = next((k for k in _PARAMS_NOT_ALLOWED if k in params), None)
             if bad is not None:
                 raise APIError(f"'params.{bad}' is not available on the WebSocket", param=f"params.{bad}")
-            req = parse_chat({**params, "messages": messages, "stream": True})
+            req = validate(ChatCompletionRequest, {**params, "messages": messages, "stream": True})
+            sampling = req.params()
             ids = await self.serving.chat_prompt(req)
             num_prompt = len(ids)
-            streams, _ = await self.serving.start(f"ws-{uuid.uuid4().hex}", [ids], req.params)
+            streams, _ = await self.serving.start(f"ws-{uuid.uuid4().hex}", [ids], sampling)
             sent = 0
             async for out in streams[0]:
                 last = out

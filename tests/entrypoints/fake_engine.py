@@ -32,8 +32,12 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, step_delay: float = 0.002, num_blocks: int = 64, max_model_len: int = 256) -> None:
+    def __init__(self, step_delay: float = 0.002, num_blocks: int = 64, max_model_len: int = 256,
+                 script: str | None = None) -> None:
         self.step_delay = step_delay
+        # With a script, every sample writes its text (one character a step), then stops:
+        # a model output on demand (a tool call, say).
+        self.script = script
         self.tokenizer = FakeTokenizer()
         self.executor = SimpleNamespace(hf_config={"vocab_size": 1000})
         self.config = SimpleNamespace(
@@ -84,17 +88,22 @@ class FakeEngine:
                 raise RuntimeError("simulated device failure")
             p: SamplingParams = r["params"]
             for sample in r["out"]:
-                sample.append(97 + (len(sample) + len(r["ids"])) % 26)
-            done = len(r["out"][0]) >= (p.max_tokens or 8)
+                if self.script is None:
+                    sample.append(97 + (len(sample) + len(r["ids"])) % 26)
+                elif len(sample) < len(self.script):
+                    sample.append(ord(self.script[len(sample)]))
+            stopped = self.script is not None and len(r["out"][0]) >= len(self.script)
+            done = stopped or len(r["out"][0]) >= (p.max_tokens or 8)
             outs = [
                 CompletionOutput(
                     index=i, text="".join(chr(t) for t in toks), token_ids=list(toks), cumulative_logprob=-1.0,
                     logprobs=[{t: Logprob(-0.5, 1), 98: Logprob(-1.5, 2)} for t in toks] if p.logprobs is not None else None,
-                    finish_reason="length" if done else None,
+                    finish_reason=("stop" if stopped else "length") if done else None,
                 )
                 for i, toks in enumerate(r["out"])
             ]
-            outputs.append(RequestOutput(rid, None, r["ids"], outs, finished=done))
+            outputs.append(RequestOutput(rid, None, r["ids"], outs, finished=done,
+                                         prompt_logprobs=fake_prompt_logprobs(r["ids"]) if p.prompt_logprobs is not None else None))
             if done:
                 del self.requests[rid]
         return outputs
@@ -109,3 +118,8 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def fake_prompt_logprobs(ids: list[int]) -> list:
+    """Prompt token i scores -i/100 (rank 1), beside token 999 at -5; the first scores nothing."""
+    return [None] + [{t: Logprob(-i / 100, 1), 999: Logprob(-5.0, 2)} for i, t in enumerate(ids) if i > 0]

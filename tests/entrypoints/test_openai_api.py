@@ -134,7 +134,7 @@ BAD_COMPLETIONS = [
     (dict(prompt="hi", n=2, best_of=3, stream=True), openai.BadRequestError, "best_of"),
     (dict(prompt="hi", stream=True, extra_body={"use_beam_search": True, "best_of": 2}), openai.BadRequestError, "use_beam_search"),
     (dict(prompt="hi", extra_body={"top_k": 0}), openai.BadRequestError, "top_k"),
-    (dict(prompt="hi", extra_body={"frobnicate": 1}), openai.BadRequestError, "frobnicate"),
+    (dict(prompt="hi", suffix="!"), openai.BadRequestError, "suffix"),  # known, would change the output
     (dict(prompt="hi", extra_body={"max_tokens": "ten"}), openai.BadRequestError, "max_tokens"),
     # Token ids past the vocabulary would index the logits: refused, the server lives on.
     (dict(prompt="hi", extra_body={"stop_token_ids": [10**6], "min_tokens": 2}), openai.BadRequestError, "stop_token_ids"),
@@ -179,7 +179,8 @@ def test_bad_chat_requests_and_unknown_model(client):
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), openai.BadRequestError),
         (dict(messages=CHAT, top_logprobs=5), openai.BadRequestError),
         (dict(messages=CHAT, logprobs=True, top_logprobs=99), openai.BadRequestError),
-        (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), openai.BadRequestError),
+        (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}],
+              tool_choice={"type": "function", "function": {"name": "g"}}), openai.BadRequestError),
         (dict(messages=[{"role": "user", "content": TOO_LONG}]), openai.BadRequestError),
         (dict(messages=CHAT, model="gpt-9"), openai.NotFoundError),
     ]
@@ -187,6 +188,14 @@ def test_bad_chat_requests_and_unknown_model(client):
         with pytest.raises(error):
             client.chat.completions.create(**{"model": MODEL, "max_tokens": 4, **kwargs})
         assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_unknown_fields_are_ignored_and_logged_once(server, client):
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                  extra_body={"frobnicate_once": 1, "metadata": {"run": "t"}, "store": False})
+    assert r.usage.completion_tokens == 2
+    lines = [line for line in server.log().splitlines() if "frobnicate_once" in line]
+    assert len(lines) == 1 and lines[0].endswith("ignored unknown request fields: frobnicate_once"), lines
 
 
 def test_raw_bad_bodies(server):
@@ -247,7 +256,7 @@ def test_disconnect_storm_frees_everything(server):
     asyncio.run(main())
     server.wait_idle(timeout=15)
     m = server.metrics()
-    assert m['streamkv:request_success_total{finished_reason="abort",model_name="SmolLM2-135M-Instruct"}'] >= 50
+    assert m['vllm:request_success_total{engine="0",finished_reason="abort",model_name="SmolLM2-135M-Instruct"}'] >= 50
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Fresh", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     server.wait_idle(timeout=10)

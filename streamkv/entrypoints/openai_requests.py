@@ -1,0 +1,286 @@
+"""One request model per endpoint (completions, chat completions, tokenize, detokenize),
+with OpenAI's field names and vLLM's extras; each generation request builds its
+``SamplingParams``.
+
+Ranges of sampling fields are ``SamplingParams``' own checks (an ``InvalidParameter`` naming
+the field); whether a request can ever run is the engine's admission (core/admission.py).
+Fields that change nothing in the output are accepted and listed under "inert" (docs/api.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+
+from streamkv.entrypoints.chat_messages import ChatMessage, NamedToolChoice, Tool, ToolChoice
+from streamkv.entrypoints.openai_protocol import APIError, Int, OpenAIModel, Unsupported
+from streamkv.entrypoints.structured_request import StructuredFields, structured_outputs
+from streamkv.entrypoints.tool_calls import forced_tool_schema
+from streamkv.sampling_params import InvalidParameter, SamplingParams
+
+MAX_SAMPLES = 16  # cap on n, best_of and prompts per request
+MAX_STOP = 32  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024  # per stop string: the engine holds back up to this many characters per step
+MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
+
+Samples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
+# Logprob counts: the engine caps them (--max-logprobs, checked when the request is added).
+TopK = Annotated[int, Field(ge=0)]
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM: usage on every chunk")
+
+
+class SamplingRequest(StructuredFields):
+    """The fields both generation endpoints share."""
+
+    model: str | None = Field(None, description="the served model's id; another name is a 404")
+    n: Samples = 1
+    best_of: Samples | None = Field(None, description="samples drawn, the n most likely returned")
+    temperature: float | None = Field(None, description="default 1 (0 with use_beam_search)")
+    top_p: float = 1.0
+    top_k: Int = -1
+    min_p: float = 0.0
+    seed: Int | None = None
+    stop: Any = Field(None, description=f"a string or at most {MAX_STOP} strings")
+    stop_token_ids: list[Int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: Int = 0
+    use_beam_search: bool = Field(False, description="beam search, best_of beams")
+    length_penalty: float = 1.0
+    early_stopping: Any = Field(False, description='true, false or "never" (beam search)')
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Any = Field(None, description='{"token id": bias in [-100, 100]}')
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    prompt_logprobs: TopK | None = Field(None, description="vLLM: logprobs of the prompt tokens (top k)")
+    # Inert: OpenAI fields that do not change the output.
+    user: str | None = Field(None, description="inert: an end-user id")
+    metadata: dict[str, str] | None = Field(None, description="inert")
+    store: bool | None = Field(None, description="inert: nothing is stored")
+    service_tier: str | None = Field(None, description="inert")
+    prompt_cache_key: str | None = Field(None, description="inert: prefix caching is automatic")
+    safety_identifier: str | None = Field(None, description="inert")
+    # vLLM extras this engine does not implement.
+    truncate_prompt_tokens: Unsupported = None
+    priority: Unsupported = None
+    allowed_token_ids: Unsupported = None
+    bad_words: Unsupported = None
+    logits_processors: Unsupported = None
+    return_tokens_as_token_ids: Unsupported = None
+
+    @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
+    @classmethod
+    def _stop(cls, v: Any) -> str | list[str]:
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or an array of strings")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"may hold at most {MAX_STOP} strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"strings may be at most {MAX_STOP_CHARS} characters long")
+        return v
+
+    @field_validator("early_stopping", mode="plain", json_schema_input_type=bool | str)
+    @classmethod
+    def _early(cls, v: Any) -> bool | str:
+        if v not in (True, False, "never") or isinstance(v, int) and not isinstance(v, bool):
+            raise ValueError('must be true, false or "never"')
+        return v
+
+    @field_validator("logit_bias", mode="plain", json_schema_input_type=dict[str, float] | None)
+    @classmethod
+    def _logit_bias(cls, v: Any) -> dict[int, Any] | None:
+        """OpenAI's form: keys are token ids as decimal strings (SamplingParams checks values)."""
+        if not isinstance(v, dict):
+            raise ValueError("must be an object")
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"may hold at most {MAX_LOGIT_BIAS} tokens")
+        for key in v:
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
+                raise ValueError(f"keys must be token ids, got {key[:40]!r}")
+        return {int(k): b for k, b in v.items()} or None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        constraint: tuple[dict[str, Any] | None, str | None]) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise APIError("'stream_options' is only allowed with stream=true", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError("'prompt_logprobs' is not available with stream=true", param="prompt_logprobs")
+        fields, source = constraint
+        beam = self.use_beam_search
+        try:
+            params = SamplingParams(
+                n=self.n, best_of=self.best_of, max_tokens=max_tokens, logprobs=logprobs,
+                stop=self.stop, stop_token_ids=self.stop_token_ids,
+                # Beam search is deterministic: it defaults to (and needs) temperature 0.
+                temperature=self.temperature if self.temperature is not None else 0.0 if beam else 1.0,
+                top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens, use_beam_search=beam, length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
+                structured_outputs=structured_outputs(fields, source), prompt_logprobs=prompt_logprobs,
+            )
+        except InvalidParameter as e:
+            param = source if e.param == "structured_outputs" and source else e.param
+            raise APIError(str(e), param=param) from None
+        if self.stream and params.use_beam_search:
+            raise APIError("'use_beam_search' cannot be combined with stream=true", param="use_beam_search")
+        if self.stream and params.best_of > params.n:
+            raise APIError("'best_of' must equal n with stream=true (the best samples are only known at the end)",
+                           param="best_of")
+        return params
+
+    def constraint_source(self) -> str | None:
+        """The field that states the output constraint, if any."""
+        return self.structured()[1]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: list[str | list[int]] = Field(
+        description=f"a string, strings, token ids, or token-id lists (at most {MAX_SAMPLES} prompts)")
+    max_tokens: Int = 16
+    echo: bool = Field(False, description="prepend the prompt (with logprobs: the prompt's too)")
+    logprobs: TopK | None = Field(None, description="top-k logprobs per token (+ the chosen one)")
+    add_special_tokens: bool = True
+    suffix: Unsupported = None
+
+    @field_validator("prompt", mode="plain", json_schema_input_type=str | list[str] | list[int] | list[list[int]])
+    @classmethod
+    def _prompts(cls, v: Any) -> list[str | list[int]]:
+        if isinstance(v, str) or (_is_ids(v) and v):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a string, an array of strings or token ids, and not empty")
+        for p in v:
+            if not (isinstance(p, str) or _is_ids(p)):
+                raise ValueError("must be a string, an array of strings, or an array of token-id arrays")
+            if not p:
+                raise ValueError("must not be empty")
+        if len(v) > MAX_SAMPLES:
+            raise ValueError(f"may hold at most {MAX_SAMPLES} prompts")
+        return v
+
+    def params(self) -> SamplingParams:
+        # OpenAI's legacy echo + logprobs: the prompt's tokens are scored too.
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        prompt_lps = max((k for k in (echoed, self.prompt_logprobs) if k is not None), default=None)
+        return self.sampling_params(self.max_tokens, self.logprobs, prompt_lps, self.structured())
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions (and the WebSocket's ``params`` with its ``messages``)."""
+
+    messages: list[ChatMessage]
+    max_tokens: Int | None = Field(None, description="default: the rest of the context")
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: TopK | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description='default "auto" with tools, else "none"')
+    parallel_tool_calls: bool = Field(True, description="false: at most one tool call")
+    reasoning_effort: str | None = Field(None, description="inert: the model does not reason")
+    prediction: dict[str, Any] | None = Field(None, description="inert: predicted outputs change latency only")
+    modalities: list[str] | None = Field(None, description='only ["text"]')
+    audio: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    web_search_options: Unsupported = None
+    chat_template: Unsupported = None
+    chat_template_kwargs: Unsupported = None
+    documents: Unsupported = None
+    continue_final_message: Unsupported = None
+    echo: Unsupported = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str]) -> list[str]:
+        if v != ["text"]:
+            raise ValueError('may only be ["text"]')
+        return v
+
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return choice
+
+    def named_tool(self) -> Tool | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next((t for t in self.tools or () if t.function.name == self.tool_choice.function.name), None)
+
+    def constraint_source(self) -> str | None:
+        return "tool_choice" if self.tool_mode() in ("required", "named") else super().constraint_source()
+
+    def params(self) -> SamplingParams:
+        top = self.top_logprobs
+        if top is not None and not self.logprobs:
+            raise APIError("'top_logprobs' needs logprobs=true", param="top_logprobs")
+        max_tokens, legacy = self.max_completion_tokens, self.max_tokens
+        if max_tokens is not None and legacy is not None and max_tokens != legacy:
+            raise APIError("'max_tokens' conflicts with max_completion_tokens", param="max_tokens")
+        constraint = self.structured()
+        mode = self.tool_mode()
+        if mode != "none" and not self.tools:
+            raise APIError("'tool_choice' needs tools", param="tool_choice")
+        if mode == "named" and self.named_tool() is None:
+            raise APIError(f"'tool_choice' names {self.tool_choice.function.name!r}, which is not in tools",
+                           param="tool_choice")
+        if mode in ("required", "named"):
+            if constraint[0] is not None:
+                raise APIError(f"a forced tool_choice cannot be combined with '{constraint[1]}'", param="tool_choice")
+            schema = forced_tool_schema(self.tools, self.named_tool(), self.parallel_tool_calls)
+            constraint = ({"json": schema}, "tool_choice")
+        return self.sampling_params(max_tokens if max_tokens is not None else legacy,
+                                    (top or 0) if self.logprobs else None, self.prompt_logprobs, constraint)
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages")
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[Int]
