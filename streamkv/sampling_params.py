@@ -73,12 +73,12 @@ class StructuredOutputs:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """A hashable, canonical form: the compile cache's key (the same schema written with
-        its keys in another order compiles once)."""
+        """A hashable form, the compile cache's key; also the text the grammar engine
+        compiles. A schema's key order is kept: it is the order of the output's fields."""
         kind = self.kind
         if kind == "json":
             schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return kind, _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return kind, _json.dumps(schema, separators=(",", ":"))
         if kind == "json_object":
             return kind, ""
         if kind == "choice":

@@ -12,11 +12,13 @@ from streamkv.config import EngineConfig
 from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
 from streamkv.core.contiguous import create_block_manager
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamState
 from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
+from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor, create_executor
 from streamkv.messages import StepFailed, StepOutput
 from streamkv.model_info import ModelInfo
@@ -79,6 +81,7 @@ class LLMEngine:
             usable_blocks=bm.device.num_blocks - bm.watermark_blocks, max_num_seqs=config.scheduler.max_num_seqs,
         )
         self.eos_token_ids = info.eos_token_ids
+        self.structured = StructuredOutputManager(self.tokenizer, info.vocab_size, self.eos_token_ids)
         self.step_builder = StepBuilder(bm.tables, self.eos_token_ids)  # what the workers hold
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self._seq_ids = itertools.count()
@@ -108,8 +111,12 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         check_request(prompt_token_ids, params, self.limits)
+        params.check_max_logprobs(self.config.model.max_logprobs)
+        self.structured.admit(params)  # compiles (cached) or refuses the grammar
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
+        seq.grammar = self.structured.new_grammar(params)
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
+        prompt_logprobs.prepare(group, seq, params)
         if params.use_beam_search:
             group.beam_state = BeamState()
         if arrival_time is not None:

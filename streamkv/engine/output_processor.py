@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from streamkv.core.block_manager import BlockManager
 from streamkv.core.scheduler import SchedulerOutput
+from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
 from streamkv.messages import SampleResult, StepOutput
@@ -49,6 +50,8 @@ class OutputProcessor:
     ) -> list[RequestOutput]:
         mark = self.bm.mark_computed
         results = result.results
+        if result.prompt_logprobs:
+            prompt_logprobs.record(sched.scheduled, result.prompt_logprobs)
         touched: dict[str, SequenceGroup] = {}
         beams: dict[str, list] = {}
         now = time.monotonic()
@@ -118,6 +121,10 @@ class OutputProcessor:
         old_len = len(seq.output_text)
         if self.detokenizer is not None:
             self.detokenizer.update(seq, params.skip_special_tokens)
+        grammar = seq.grammar
+        if grammar is not None and grammar.accept(token):  # structured outputs: it is complete
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
@@ -177,6 +184,7 @@ class OutputProcessor:
             finished,
             group.error,
             metrics,
+            group.prompt_logprobs,
         )
 
 

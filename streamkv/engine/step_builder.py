@@ -73,13 +73,17 @@ class StepBuilder:
                 p = group.sampling_params
                 if not seq.output_token_ids and len(group.seqs) == 1 and not p.use_beam_search:
                     item.num_samples = p.best_of
+                if seq.grammar is not None:  # structured outputs: the tokens it may sample
+                    item.token_mask = seq.grammar.mask_bytes()
             known.next_start = start + n
             step.seqs.append(item)
         return step
 
     def _new_seq(self, group: SequenceGroup, seq: Sequence) -> NewSeq:
         params = self._seq_params(group)
-        history = seq.prompt_token_ids + seq.output_token_ids if params.has_penalties else None
+        # Penalties count the whole history; prompt logprobs score the prompt with it.
+        wants = params.has_penalties or params.prompt_logprobs is not None
+        history = seq.prompt_token_ids + seq.output_token_ids if wants else None
         return NewSeq(seq.seq_id, params, len(seq.prompt_token_ids), seq.sample_index, history)
 
     def _seq_params(self, group: SequenceGroup) -> SeqParams:
@@ -93,7 +97,7 @@ class StepBuilder:
             num_candidates=beams_to_keep(p.best_of, len(ending_tokens(p, self.eos_token_ids))) if p.use_beam_search else 0,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-            min_tokens=p.min_tokens, banned_token_ids=banned,
+            min_tokens=p.min_tokens, banned_token_ids=banned, prompt_logprobs=p.prompt_logprobs,
         )
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from streamkv.layers.penalties import TokenCounts, apply_penalties
+from streamkv.layers.token_mask import apply_token_masks
 from streamkv.messages import SampleResult
 
 _M32 = 0xFFFF_FFFF
@@ -60,6 +61,7 @@ class SampleRequest:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     counts: TokenCounts | None = None  # where the sequence's token counts live (penalties)
     counts_row: int = -1
+    token_mask: bytes | None = None  # structured outputs: the allowed tokens (layers/token_mask.py)
 
     @property
     def has_penalties(self) -> bool:
@@ -276,7 +278,8 @@ def _min_p(probs: torch.Tensor, part: list[tuple], params: torch.Tensor) -> torc
 
 
 def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
-    """Penalties, then logit bias, then bans, in place, each one batched over its rows."""
+    """Penalties, then logit bias, then bans, then structured outputs' token masks, in
+    place, each one batched over its rows."""
     penalised = [i for i, r in enumerate(reqs) if r.has_penalties]
     if penalised:
         stores = {id(reqs[i].counts): reqs[i].counts for i in penalised}
@@ -298,3 +301,4 @@ def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
     if banned:
         rows, ids = zip(*banned)
         logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = -math.inf
+    apply_token_masks(logits, [r.token_mask for r in reqs])

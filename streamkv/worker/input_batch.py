@@ -15,6 +15,7 @@ import torch
 from streamkv.layers.penalties import TokenCounts
 from streamkv.layers.sampler import SampleRequest
 from streamkv.messages import PENDING_TOKEN, NewSeq, StepInput
+from streamkv.worker.prompt_logprobs import PromptScoring, plan_scoring
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class SeqInput:
     # Its one input token is the one the previous step sampled for it (PENDING_TOKEN on the
     # wire): the model runner fills it in on the device, and counts it for penalties there.
     pending: bool = False
+    scoring: PromptScoring | None = None  # prompt tokens to score (worker/prompt_logprobs.py)
 
 
 @dataclass(slots=True)
@@ -39,6 +41,8 @@ class _SeqState:
     banned: list[int] | None
     block_table: list[int]
     num_counted: int  # tokens of its history in its token-count row (penalties only)
+    prompt: list[int] | None = None  # with prompt logprobs only: the tokens they score
+    prompt_k: int = 0  # ... and the top logprobs each one returns
 
 
 class ProtocolError(RuntimeError):
@@ -92,7 +96,10 @@ class InputBatch:
                 req.num_samples = s.num_samples
                 req.output_pos = pos = s.start_pos + len(s.token_ids) - state.prompt_len
                 req.banned_token_ids = state.banned if pos < state.min_tokens else None
+                req.token_mask = s.token_mask
             out.append(SeqInput(s.seq_id, s.token_ids, s.start_pos, table, sample, pending))
+            if state.prompt is not None:
+                out[-1].scoring = plan_scoring(state.prompt, state.prompt_k, s.start_pos, len(s.token_ids))
         if count_rows:
             self.counts.add(count_rows, count_tokens)
         return out
@@ -115,7 +122,11 @@ class InputBatch:
             req.counts = self.counts
             req.counts_row = self.counts.allocate(history[: new.prompt_len], history[new.prompt_len :])
             counted = len(history)
-        self.seqs[new.seq_id] = _SeqState(req, new.prompt_len, p.min_tokens, p.banned_token_ids, [], counted)
+        self.seqs[new.seq_id] = state = _SeqState(req, new.prompt_len, p.min_tokens, p.banned_token_ids, [], counted)
+        if p.prompt_logprobs is not None:
+            if new.history is None:
+                raise ProtocolError(f"sequence {new.seq_id} asks for prompt logprobs but came without its prompt")
+            state.prompt, state.prompt_k = new.history[: new.prompt_len], p.prompt_logprobs
 
     def _free(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id, None)

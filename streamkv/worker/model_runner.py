@@ -22,6 +22,7 @@ from streamkv.messages import StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamkv.worker.input_batch import ProtocolError, SeqInput
 from streamkv.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
+from streamkv.worker.prompt_logprobs import score_prompts
 
 
 class ModelRunner:
@@ -168,6 +169,9 @@ class ModelRunner:
         if not seqs:
             return StepResult([], None)
         hidden, ordered = self.forward(seqs, kv_caches, use_graphs)
+        scored = {}  # prompt logprobs: every prompt row of the sequences that asked
+        if any(s.scoring is not None for s in ordered):
+            scored = score_prompts(self.model, hidden, ordered, self.samples)
         # Only the last row of each sampling sequence needs logits.
         rows, reqs, ids = [], [], []
         end = 0
@@ -178,7 +182,7 @@ class ModelRunner:
                 reqs.append(s.sample)
                 ids.append(s.seq_id)
         if not rows:
-            return StepResult([], None)
+            return StepResult([], None, scored)
         if rows[-1] == len(rows) - 1:  # rows ascend, so these are rows 0..k-1: no gather
             hidden = hidden[: len(rows)]
         else:
@@ -195,19 +199,22 @@ class ModelRunner:
                 last_rows[seq_id] = k
             k += r.num_samples
         self._last_tokens, self._last_rows = batch.tokens, last_rows
-        return StepResult(ids, batch)
+        return StepResult(ids, batch, scored)
 
 
 class StepResult:
     """A launched step's samples: ``result()`` waits for them (and only for them)."""
 
-    __slots__ = ("_ids", "_batch")
+    __slots__ = ("_ids", "_batch", "_prompt_logprobs")
 
-    def __init__(self, seq_ids: list[int], batch: SampledBatch | None) -> None:
+    def __init__(self, seq_ids: list[int], batch: SampledBatch | None, prompt_logprobs: dict | None = None) -> None:
         self._ids, self._batch = seq_ids, batch
+        self._prompt_logprobs = prompt_logprobs
 
     def result(self) -> StepOutput:
         out = StepOutput()
         if self._batch is not None:
             out.results = dict(zip(self._ids, self._batch.results()))
+        if self._prompt_logprobs:
+            out.prompt_logprobs = self._prompt_logprobs
         return out

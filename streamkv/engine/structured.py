@@ -1,0 +1,173 @@
+"""Structured outputs on the engine side: compile a request's StructuredOutputs once, keep a
+grammar matcher per sequence, and hand each step the token mask of every structured row.
+
+The grammar engine is xgrammar (docs/architecture.md, "Structured outputs": on SmolLM2's
+49,152-token vocabulary it fills a mask and accepts a token in ~5 us, llguidance in ~36 us).
+Life of a structured sequence:
+
+- ``admit`` (LLMEngine.add_request) compiles the spec, cached by its canonical form, so a
+  schema or pattern the grammar engine refuses is an InvalidParameter before the request
+  queues; ``new_grammar`` gives the prompt's sequence its matcher.
+- The matcher always holds the mask of the *next* token: it is filled when the matcher is
+  made and after each accepted token, on the host, while the outputs are processed. The
+  step builder sends it as ``SeqStep.token_mask``; the sampler bans every token outside it.
+- ``SequenceGrammar.accept`` (OutputProcessor.check_stop) advances the matcher with each
+  sampled token. When the grammar is complete and only a stop token could follow, the
+  sequence ends with finish_reason "stop" at once, rather than spend a step sampling EOS.
+- n > 1: a fork (Sequence.fork) forks the matcher, a deep copy of its parse state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from streamkv.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept (LRU): a server sees the same few schemas over and over.
+COMPILE_CACHE_SIZE = 256
+
+
+class SequenceGrammar:
+    """One sequence's matcher and the mask of its next token."""
+
+    __slots__ = ("matcher", "mask", "stop_words", "_stop_free")
+
+    def __init__(self, matcher: Any, mask: np.ndarray, stop_words: np.ndarray) -> None:
+        self.matcher = matcher
+        self.mask = mask  # int32 [1, words]
+        self.stop_words = stop_words  # the mask's words with every stop token's bit cleared
+        self._stop_free = np.empty_like(mask)
+
+    def fill(self) -> None:
+        self.matcher.fill_next_token_bitmask(self.mask)
+
+    def mask_bytes(self) -> bytes:
+        return self.mask.tobytes()
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; True when the sequence must end here: the grammar is done
+        (a stop token accepted, or nothing but one may follow), or the token broke it."""
+        m = self.matcher
+        if not m.accept_token(token):
+            # Only a bug can get here (the sampler bans every token outside the mask), or a
+            # row whose every allowed token was also banned (stop_token_ids): end the output
+            # where it stands instead of feeding the grammar more.
+            logger.warning("structured output: token %d is outside its grammar; ending the sequence", token)
+            return True
+        if m.is_terminated():
+            return True
+        self.fill()
+        if m.is_completed():
+            np.bitwise_and(self.mask, self.stop_words, out=self._stop_free)
+            if not self._stop_free.any():
+                return True
+        return False
+
+    def fork(self) -> SequenceGrammar:
+        return SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words)
+
+
+class StructuredOutputManager:
+    """Compiles specs for one tokenizer and makes matchers. xgrammar and its tokenizer
+    table are set up on the first structured request, so engines that never see one never
+    pay for them."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width: the mask covers every row entry
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._compiler: Any = None
+        self._stop_words: np.ndarray | None = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    def admit(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (cached); InvalidParameter if it cannot be."""
+        if params.structured_outputs is not None:
+            self._compiled(params.structured_outputs)
+
+    def new_grammar(self, params: SamplingParams) -> SequenceGrammar | None:
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self._compiled(spec))
+        grammar = SequenceGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size).numpy(), self._stop_words)
+        grammar.fill()
+        return grammar
+
+    def _compiled(self, spec: StructuredOutputs) -> Any:
+        key = spec.key()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        compiled = self._compile(*key)
+        self._cache[key] = compiled
+        if len(self._cache) > COMPILE_CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, text: str) -> Any:
+        compiler = self._setup()
+        try:
+            if kind == "json":
+                # Whitespace as json.dumps writes it (", " and ": "): free whitespace lets a
+                # small model pad an object with newlines until max_tokens.
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                return compiler.compile_regex("|".join(_regex_literal(c) for c in json.loads(text)))
+            return compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            # xgrammar reports a bad schema, pattern or grammar as one of these, with the
+            # position of the problem in its message.
+            why = _LOG_PREFIX.sub("", str(e)).strip()
+            raise InvalidParameter(
+                "structured_outputs", f"structured_outputs: the {kind} cannot be compiled: {why}"
+            ) from None
+
+    def _setup(self) -> Any:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise InvalidParameter(
+                    "structured_outputs", "structured_outputs needs the model's tokenizer, and this model has none."
+                )
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
+            # One compile thread: the engine's thread compiles on admission, on a shared host.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            stop = np.full((1, -(-self.vocab_size // 32)), -1, dtype=np.int32)
+            for t in self.eos_token_ids:
+                stop[0, t // 32] &= _clear_bit(t)
+            self._stop_words = stop
+        return self._compiler
+
+
+def _clear_bit(token: int) -> np.int32:
+    """An int32 word with every bit set except ``token``'s."""
+    return np.array(~(1 << (token % 32)) & 0xFFFF_FFFF, dtype=np.uint32).view(np.int32)
+
+
+# xgrammar's messages start with "[time] path/file.cc:line: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+_REGEX_SPECIAL = set(r"\.^$|?*+()[]{}/")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex matching exactly it (xgrammar's regex dialect is ECMAScript's)."""
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)

@@ -1,0 +1,156 @@
+"""Structured outputs (engine/structured.py, layers/token_mask.py): every output follows its
+grammar and validates against its schema; other rows of the batch are untouched; bad specs
+are refused with InvalidParameter before they queue."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from streamkv.layers.token_mask import apply_token_masks
+from streamkv.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
+
+SCHEMAS = {
+    "required fields": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+    },
+    "array": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": {"type": "string", "maxLength": 24}},
+                     "required": ["id", "email"]},
+            "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+        },
+        "required": ["user", "scores"],
+    },
+}
+PROMPT = "Reply with JSON only. A user record:"
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm):
+    return make_llm(block_size=16, num_kv_blocks=1024, num_swap_blocks=0)
+
+
+def _greedy(structured=None, max_tokens=96, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=structured, **kw)
+
+
+def test_json_schema_outputs_parse_and_validate(llm):
+    names = list(SCHEMAS)
+    outs = llm.generate([PROMPT] * len(names), [_greedy({"json": SCHEMAS[n]}) for n in names])
+    for name, out in zip(names, outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (name, c.text)
+        jsonschema.validate(json.loads(c.text), SCHEMAS[name])
+    # The schema's key order is the output's.
+    assert list(json.loads(outs[0].outputs[0].text)) == ["name", "age"]
+
+
+def test_json_object_regex_and_choice(llm):
+    choices = ["yes", "no", "maybe (later)"]
+    specs = [{"json_object": True}, {"regex": r"[0-9]{3}-[0-9]{4}"}, {"choice": choices},
+             {"grammar": 'root ::= "ab" digit digit? "z"\ndigit ::= [0-9]'}]
+    prompts = ['Return a JSON object with the key "answer" set to yes.\n', "A phone number:", "Will it rain?", "Code:"]
+    outs = llm.generate(prompts, [_greedy(s, 32) for s in specs])
+    texts = [o.outputs[0].text for o in outs]
+    assert isinstance(json.loads(texts[0]), dict)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", texts[1]), texts[1]
+    assert texts[2] in choices
+    assert re.fullmatch(r"ab[0-9]{1,2}z", texts[3]), texts[3]
+    # A finished grammar ends the output at once ("stop"), without sampling EOS.
+    eos = llm.engine.eos_token_ids
+    for o in outs[1:]:
+        assert o.outputs[0].finish_reason == "stop" and not eos & set(o.outputs[0].token_ids)
+
+
+def test_unconstrained_rows_keep_their_greedy_tokens(llm):
+    plain = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    alone = llm.generate(plain, _greedy(max_tokens=20))
+    mixed_params = [_greedy(max_tokens=20)] * 3 + [_greedy({"json": SCHEMAS["nested"]}), _greedy({"regex": "[a-z]{5}"})]
+    mixed = llm.generate(plain + [PROMPT, "A word:"], mixed_params)
+    for a, m in zip(alone, mixed[:3]):
+        assert a.outputs[0].token_ids == m.outputs[0].token_ids
+    jsonschema.validate(json.loads(mixed[3].outputs[0].text), SCHEMAS["nested"])
+    assert re.fullmatch("[a-z]{5}", mixed[4].outputs[0].text)
+
+
+def test_parallel_samples_each_follow_the_schema(llm):
+    schema = SCHEMAS["required fields"]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=64, structured_outputs={"json": schema})
+    out = llm.generate([PROMPT], params)[0]
+    texts = [c.text for c in out.outputs]
+    assert len(texts) == 3
+    for t in texts:
+        jsonschema.validate(json.loads(t), schema)
+    assert len(set(texts)) > 1  # forks sample on their own: each matcher is its own copy
+
+
+def test_bad_specs_are_refused_by_name(llm):
+    engine = llm.engine
+    for spec in ({"json": {"type": "objectx"}}, {"regex": "(("}, {"grammar": "root ::= missing"}):
+        with pytest.raises(InvalidParameter) as e:
+            engine.add_request("bad", PROMPT, _greedy(spec))
+        assert e.value.param == "structured_outputs" and "cannot be compiled" in str(e.value)
+    assert "bad" not in engine.groups and not engine.has_unfinished_requests()
+    for spec in ({}, {"json": "{not json"}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"jsonx": {}}):
+        with pytest.raises(InvalidParameter) as e:
+            SamplingParams(structured_outputs=spec)
+        assert e.value.param == "structured_outputs"
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, structured_outputs={"regex": "a+"})
+    assert e.value.param == "structured_outputs"
+
+
+def test_schemas_compile_once(llm):
+    manager = llm.engine.structured
+    a = StructuredOutputs(json=SCHEMAS["enum"])
+    b = StructuredOutputs(json=json.dumps(SCHEMAS["enum"]))  # the same schema as JSON text
+    assert a.key() == b.key()
+    assert manager._compiled(a) is manager._compiled(b)
+
+
+def test_forked_matchers_are_independent(llm):
+    manager = llm.engine.structured
+    tok = llm.get_tokenizer()
+    g = manager.new_grammar(_greedy({"choice": ["red", "blue"]}))
+    child = g.fork()
+    assert child.mask_bytes() == g.mask_bytes()
+    red, blue = tok.encode("red", add_special_tokens=False), tok.encode("blue", add_special_tokens=False)
+    assert [g.accept(t) for t in red][-1] is True
+    assert not child.matcher.is_terminated()
+    assert [child.accept(t) for t in blue][-1] is True
+
+
+def test_token_masks_ban_outside_tokens_and_leave_other_rows():
+    vocab = 100
+    rng = np.random.default_rng(0)
+    allowed = rng.random((2, vocab)) < 0.2
+    words = np.packbits(allowed, axis=1, bitorder="little")
+    words = np.pad(words, ((0, 0), (0, (-words.shape[1]) % 4))).view("<i4")
+    for dtype in (torch.float32, torch.float64):  # the numpy path and the torch path
+        logits = torch.randn(4, vocab, dtype=dtype)
+        before = logits.clone()
+        apply_token_masks(logits, [None, words[0].tobytes(), None, words[1].tobytes()])
+        assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+        for row, a in ((1, allowed[0]), (3, allowed[1])):
+            assert (torch.isfinite(logits[row]).numpy() == a).all()
+            assert torch.equal(logits[row][torch.from_numpy(a)], before[row][torch.from_numpy(a)])
