@@ -8,10 +8,16 @@ before so that the stream continues with neither duplicated nor missing text.
 
 What cannot resume: parallel samples (n > 1, best_of > n) and beam search, whose
 sequences are chosen among each other; they end with an error. Greedy requests continue
-with the text a fault-free run gives. Known gaps: a stop string that straddles the
-restart point (begun before it, completed after) is not found, and text generated up to
-the restart is decoded once, in the context of the last 6 prompt tokens as the
-detokenizer does.
+with the text a fault-free run gives.
+
+Stop strings: one wholly before the restart point ended the request before it; one wholly
+after is found by the resumed request itself. One that straddles the point (begun before,
+completed after) is seen by neither, so ``splice`` looks for it in the joined text, and
+holds back, as the detokenizer does, the end of the text that could still begin one (the
+text before the restart included: its held-back tail was never streamed). When it finds
+one, the spliced output is finished while the resumed request is not: the caller aborts
+that request (``ends_early``). Known gap: text generated up to the restart is decoded once,
+in the context of the last 6 prompt tokens as the detokenizer does.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from streamkv.engine.detokenizer import find_stop, holdback
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import CompletionOutput, Logprob, RequestOutput
 
@@ -41,6 +48,8 @@ class ResumeBase:
     text: str
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float
+    stops: list[str] = dataclasses.field(default_factory=list)  # the request's stop strings
+    include_stop: bool = False  # include_stop_str_in_output
 
 
 def resumable(params: SamplingParams) -> bool:
@@ -66,20 +75,39 @@ def resume_request(prompt_token_ids: list[int], params: SamplingParams, last: Re
         head = tokenizer.decode(context, skip_special_tokens=skip)
         text = tokenizer.decode(context + list(c.token_ids), skip_special_tokens=skip)[len(head):]
     base = ResumeBase(last.prompt, prompt_token_ids, list(c.token_ids), text,
-                      list(c.logprobs) if c.logprobs is not None else None, c.cumulative_logprob)
+                      list(c.logprobs) if c.logprobs is not None else None, c.cumulative_logprob,
+                      list(params.stop or []), params.include_stop_str_in_output)
     return prompt_token_ids + list(c.token_ids), dataclasses.replace(params, **changes), base
 
 
 def splice(base: ResumeBase, out: RequestOutput) -> RequestOutput:
     """``out`` of the resumed request, as the original request would have reported it."""
-    outputs = []
+    outputs, finished = [], out.finished
     for c in out.outputs:
         logprobs = base.logprobs + c.logprobs if base.logprobs is not None and c.logprobs is not None else c.logprobs
+        text, finish_reason, stop_reason = base.text + c.text, c.finish_reason, c.stop_reason
+        if base.stops:
+            # A straddling stop completes within the first len(stop) - 1 new characters, before
+            # any stop the resumed request found after them (its text is cut there).
+            hit = find_stop(text, base.stops, len(base.text))
+            if hit is not None and hit[0] < len(base.text):  # it straddles the restart point
+                i, stop = hit
+                text = text[: i + len(stop) if base.include_stop else i]
+                finish_reason, stop_reason, finished = "stop", stop, True
+            elif c.finish_reason is None:
+                text = text[: len(text) - holdback(text, base.stops)]
         outputs.append(CompletionOutput(
-            c.index, base.text + c.text, base.token_ids + c.token_ids,
-            base.cumulative_logprob + c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason,
+            c.index, text, base.token_ids + c.token_ids,
+            base.cumulative_logprob + c.cumulative_logprob, logprobs, finish_reason, stop_reason,
         ))
-    return dataclasses.replace(out, prompt=base.prompt, prompt_token_ids=base.prompt_token_ids, outputs=outputs)
+    return dataclasses.replace(out, prompt=base.prompt, prompt_token_ids=base.prompt_token_ids, outputs=outputs,
+                               finished=finished)
+
+
+def ends_early(engine_out: RequestOutput, spliced: RequestOutput) -> bool:
+    """A stop string straddling the restart ended the request that the engine still runs:
+    the caller aborts it there."""
+    return spliced.finished and not engine_out.finished
 
 
 @dataclass(slots=True)

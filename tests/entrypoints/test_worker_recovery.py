@@ -1,7 +1,8 @@
 """Issue 13, cases 1 and 2, on a real server with the model in a worker process (mp): a worker
 killed (SIGKILL) or frozen (SIGSTOP) mid-stream is detected, /health turns 503, the worker is
 restarted and the stream continues with the text a fault-free run gives: no error event, no
-text lost or repeated."""
+text lost or repeated. And, without a server, a stop string that straddles the restart point
+is found in the spliced stream (engine/recovery.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import time
 import httpx
 import pytest
 
+from streamkv.engine.recovery import ends_early, resume_request, splice
+from streamkv.sampling_params import SamplingParams
+from streamkv.sequence import CompletionOutput, RequestOutput
 from tests.entrypoints.conftest import run_server
-
-pytestmark = pytest.mark.slow
 
 BODY = {"prompt": "The history of the sea:", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
 
@@ -73,6 +75,7 @@ def stream_with_fault(server, fault: signal.Signals) -> tuple[str, list[dict], l
     return "".join(c["choices"][0]["text"] for c in chunks), chunks, health, stall
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
 def test_worker_fault_mid_stream_is_recovered_with_the_same_text(server, fault):
     expected = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=300).json()["choices"][0]["text"]
@@ -86,3 +89,60 @@ def test_worker_fault_mid_stream_is_recovered_with_the_same_text(server, fault):
     # starting a worker and loading the model again, and recomputing the prompt.
     assert stall < 120
     assert httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=300).json()["choices"][0]["text"] == expected
+
+
+# -- stop strings across the restart point (engine/recovery.py, no server) -----------------
+class CharTokenizer:
+    """One character per token id (ord), enough for the splice's decoding."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+PROMPT_IDS = [ord(c) for c in "Q: "]
+
+
+def output(text: str, shown: str | None = None, finish: str | None = None, stop=None) -> RequestOutput:
+    """A request's cumulative output: ``text``'s tokens, ``shown`` its (held-back) text."""
+    c = CompletionOutput(0, text if shown is None else shown, [ord(ch) for ch in text], 0.0, None, finish, stop)
+    return RequestOutput("r", None, PROMPT_IDS, [c], finish is not None)
+
+
+def resumed(before: str, params: SamplingParams, shown: str):
+    ids, new_params, base = resume_request(PROMPT_IDS, params, output(before, shown), CharTokenizer())
+    assert ids == PROMPT_IDS + [ord(ch) for ch in before] and new_params.max_tokens == params.max_tokens - len(before)
+    return base
+
+
+def test_a_stop_string_straddling_the_restart_ends_the_spliced_stream():
+    params = SamplingParams(max_tokens=40, stop=["END"])
+    # Before the fault the engine had made "the EN" and shown "the " (EN could begin END).
+    base = resumed("the EN", params, shown="the ")
+    assert base.text == "the EN"  # the whole text, its held-back tail included
+    # The resumed request sees only what comes after: no stop of its own yet.
+    first = splice(base, output(""))
+    assert first.outputs[0].text == "the " and not first.finished  # still held back
+    hit = splice(base, output("D", shown="D"))
+    c = hit.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason, hit.finished) == ("the ", "stop", "END", True)
+    assert c.token_ids == [ord(ch) for ch in "the END"]
+    assert ends_early(output("D"), hit)  # the caller aborts the resumed request
+    with_stop = resumed("the EN", SamplingParams(max_tokens=40, stop=["END"], include_stop_str_in_output=True),
+                        shown="the ")
+    assert splice(with_stop, output("D")).outputs[0].text == "the END"
+
+
+def test_stops_that_do_not_straddle_are_left_to_the_engines():
+    params = SamplingParams(max_tokens=40, stop=["END", "xyz"])
+    base = resumed("the E", params, shown="the ")
+    # "E" turned out not to begin END: released; a new tail that could begin one is held.
+    out = splice(base, output("Nx", shown="Nx"))  # "the ENx": neither stop, but "x" may begin "xyz"
+    assert out.outputs[0].text == "the EN" and not out.finished
+    # The resumed request found a stop wholly after the restart point itself.
+    out = splice(base, output("ach xyz", shown="ach ", finish="stop", stop="xyz"))
+    c = out.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason, out.finished) == ("the Each ", "stop", "xyz", True)
+    assert not ends_early(output("ach xyz", finish="stop", stop="xyz"), out)
+    # No stop strings: the text is joined as it is.
+    plain = resumed("the EN", SamplingParams(max_tokens=40), shown="the EN")
+    assert splice(plain, output("D")).outputs[0].text == "the END"
