@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sim-base-ms", type=float, default=20.0, help="simulated step: fixed ms")
     e.add_argument("--sim-token-ms", type=float, default=0.08, help="simulated step: ms per computed token")
     e.add_argument("--sim-kv-us", type=float, default=0.55, help="simulated step: us per context token read")
+    e.add_argument("--sim-swap-block-us", type=float, default=10.0,
+                   help="simulated swap: us per block moved (each way; one transfer per block)")
+    e.add_argument("--sim-swap-token-us", type=float, default=32.8,
+                   help="simulated swap: us per token slot moved (each way; 800 KiB at ~25 GB/s)")
+    e.add_argument("--reserve-shared-prefix", action="store_true",
+                   help="register the prefix common to every prompt as a reserved prefix before the run "
+                        "(computed once, pinned; the shared-prefix workload, Fig 16)")
     add_engine_args(p)
     if not any("--kv-allocation" in act.option_strings for act in p._actions):
         e.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="paged",
@@ -107,23 +114,36 @@ def load_requests(path: str) -> list[BenchRequest]:
 
 
 def make_engine(args: argparse.Namespace):
-    from streamkv.engine.llm_engine import LLMEngine
     from streamkv.entrypoints.cli import engine_kwargs
-    from streamkv.entrypoints.llm import engine_config
+    from streamkv.entrypoints.llm import build_engine, engine_config
 
     config = engine_config(args.model, **engine_kwargs(args))
     config.cache.kv_allocation = args.kv_allocation
     if not args.simulate:
-        return LLMEngine(config), None
+        return build_engine(config), None
     from load_tests.sim import SimulatedExecutor, StepCost, VirtualClock
 
     if args.num_kv_blocks is None:
         raise SystemExit("error: --simulate needs --num-kv-blocks (there is no device to size the pool from)")
     clock = VirtualClock()
-    cost = StepCost(args.sim_base_ms, args.sim_token_ms, args.sim_kv_us)
+    cost = StepCost(args.sim_base_ms, args.sim_token_ms, args.sim_kv_us, args.sim_swap_block_us,
+                    args.sim_swap_token_us, args.block_size)
     executor = SimulatedExecutor(args.model, args.num_kv_blocks, args.num_swap_blocks or 0, cost, clock,
                                  args.workload_seed)
-    return LLMEngine(config, executor), clock
+    return build_engine(config, executor), clock
+
+
+def reserve_common_prefix(engine, requests: list[BenchRequest]) -> dict:
+    """Register the token prefix every prompt shares as a reserved prefix (computed now)."""
+    from streamkv.entrypoints.llm import compute_prefixes, register_prefix
+
+    first = requests[0].prompt_ids
+    n = min(len(r.prompt_ids) for r in requests)
+    for r in requests[1:]:
+        n = next((i for i in range(n) if r.prompt_ids[i] != first[i]), n)
+    prefix = register_prefix(engine, first[:n])
+    compute_prefixes(engine, [prefix])
+    return {"tokens": n, "blocks": prefix.num_blocks}
 
 
 def run_point(args, requests, rate: float, target) -> dict:
@@ -216,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(requests)} {args.workload} requests to {args.save_workload}")
         return 0
     target = make_engine(args) if args.backend == "offline" else tokenizer
+    if args.reserve_shared_prefix:
+        if args.backend != "offline":
+            raise SystemExit("error: --reserve-shared-prefix registers on the offline engine: a server takes "
+                             "POST /v1/prefixes")
+        args.reserved_prefix_info = reserve_common_prefix(target[0], requests)
     if args.label is None:
         args.label = args.kv_allocation if args.backend == "offline" else (scrape(args.url) or {}).get("kv_allocation") or "server"
     result = {"label": args.label, "backend": args.backend + (" (simulated model)" if args.simulate else ""), "workload": args.workload,

@@ -30,7 +30,12 @@ def snapshot_from_metrics(text: str) -> dict | None:
             "samples": samples, "batched_sum": value("batched_requests_sum_total") or 0.0,
             "batched_steps": value("batched_steps_total") or 0.0,
             "kv_allocation": alloc.group(1) if alloc else None,
-            "preemptions": value("num_preemptions_total") or 0.0}
+            "preemptions": _vllm_counter(text, "num_preemptions_total")}
+
+
+def _vllm_counter(text: str, name: str) -> float:
+    m = re.search(rf"^vllm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def window(before: dict | None, after: dict | None) -> dict | None:

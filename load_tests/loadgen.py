@@ -157,12 +157,12 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
     deadline, m = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics", timeout=10).text
-        m = {g: float(v) for g, v in re.findall(r"^streamkv:(\w+)\{[^}]*\} (\S+)$", text, re.M)}
+        m = {g: float(v) for g, v in re.findall(r"^vllm:(\w+)\{[^}]*\} (\S+)$", text, re.M)}
         if all(m.get(k, 1) == 0 for k in ("num_requests_running", "num_requests_waiting",
-                                          "num_requests_swapped", "gpu_cache_usage_perc")):
-            return {"idle": True, **{k: m[k] for k in ("gpu_cache_usage_perc", "num_requests_running")}}
+                                          "num_requests_swapped", "kv_cache_usage_perc")):
+            return {"idle": True, **{k: m[k] for k in ("kv_cache_usage_perc", "num_requests_running")}}
         time.sleep(0.2)
-    return {"idle": False, **{k: m.get(k) for k in ("gpu_cache_usage_perc", "num_requests_running", "num_requests_waiting")}}
+    return {"idle": False, **{k: m.get(k) for k in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")}}
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ names, defaults and ``help``; ``choices`` and ``flag`` (extra spellings) shape t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -20,6 +21,7 @@ EXECUTOR_BACKENDS = ("inprocess", "mp")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Every power of two from 1 to 256 (the paper's Fig 18b sweep; docs/kernels.md "Block sizes").
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 
 
 def arg(default: Any, help: str, **meta: Any) -> Any:
@@ -32,7 +34,10 @@ class CacheConfig:
     block_size: int = arg(16, "tokens per KV block", choices=BLOCK_SIZES)
     num_kv_blocks: int | None = arg(None, "KV pool size in blocks (default: sized from memory, "
                                           "gpu_memory_utilization on a GPU, cpu_kv_cache_space on a CPU)")
-    swap_space: float = arg(4.0, "GiB of CPU swap space")
+    # None: 4 GiB on a GPU, none on a CPU, where a CPU "swap" pool would only duplicate the
+    # KV pool in the same RAM (swapping exists to leave the GPU's memory).
+    swap_space: float | None = arg(None, "GiB of CPU swap space (default: 4 on a GPU, 0 when the model runs "
+                                         "on the CPU)")
     num_swap_blocks: int | None = arg(None, "CPU swap pool size in blocks (default: from swap_space)")
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of prompt prefixes seen before")
     gpu_memory_utilization: float = arg(0.9, "fraction of GPU memory the engine may use")
@@ -61,10 +66,16 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}.")
-        if self.swap_space < 0:
+        if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
+
+    def swap_space_gib(self, device_type: str) -> float:
+        """GiB of CPU swap pool for a model on ``device_type`` ("cuda" or "cpu")."""
+        if self.swap_space is not None:
+            return self.swap_space
+        return DEFAULT_GPU_SWAP_SPACE_GIB if device_type == "cuda" else 0.0
 
 
 # Provisional: the default step token budget of chunked prefill, until a measured sweep on
@@ -117,6 +128,7 @@ class SchedulerConfig:
 class ModelConfig:
     # The commands take the model as their own --model argument.
     model: str | None = field(default=None, metadata={"cli": False})  # None = the embedded default
+    tokenizer: str | None = arg(None, "local tokenizer directory (default: the model's own)")
     dtype: str = arg("auto", "auto, float32, float16 or bfloat16")
     device: str = arg("auto", "auto, cpu or cuda[:N]")
     load_format: str = arg("auto", "where weights come from", choices=LOAD_FORMATS)
@@ -148,6 +160,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
+            raise ValueError(f"tokenizer must be a local directory, got {self.tokenizer!r} (streamkv never downloads).")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:

@@ -40,6 +40,7 @@ from streamkv.engine.request_stream import (
     RequestAbortedError,
     RequestStream,
 )
+from streamkv.engine.serving_logs import StatsLogger, log_request
 from streamkv.engine.tokenizer_lanes import TokenizerLanes
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput
@@ -66,8 +67,13 @@ class _Add:
 
 class AsyncEngine:
     def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.25,
-                 restarts: RestartBudget | None = None) -> None:
+                 restarts: RestartBudget | None = None, log_stats_interval: float | None = None,
+                 log_requests: bool = False) -> None:
         self._build = build
+        # The operator's log (engine/serving_logs.py): a stats line every log_stats_interval
+        # seconds (None: none), one line per request with log_requests.
+        self._stats_logger = StatsLogger(log_stats_interval) if log_stats_interval is not None else None
+        self._log_requests = log_requests
         # Worker processes that die are restarted (a new engine from ``build``) and the
         # running requests resume by recompute (engine/recovery.py), within this budget.
         self._restarts = restarts or RestartBudget()
@@ -207,6 +213,8 @@ class AsyncEngine:
         self._adds[request_id] = add = _Add(request_id, prompt, params, prompt_token_ids, arrival, accepted)
         self._commands.append(add)
         self._wakeup.set()
+        if self._log_requests:
+            log_request(request_id, prompt_token_ids, params, prompt)
         return stream, accepted
 
     async def wait_accepted(self, stream: RequestStream, accepted: asyncio.Future) -> RequestStream:
@@ -281,7 +289,7 @@ class AsyncEngine:
         self._ready.set()
         if not self._ready_or_dead.done():
             self._ready_or_dead.set_result(None)
-        logger.info("engine ready: %s", self.info)
+        logger.debug("engine ready: %s", self.info)  # the server logs its own "ready:" line
 
     def _on_recovering(self, why: str) -> None:
         self._recovering = why
@@ -364,6 +372,7 @@ class AsyncEngine:
             self._apply_commands(engine)
             if not engine.has_unfinished_requests():
                 self.stats = engine.stats()
+                self._log_stats(time.monotonic())
                 self._wakeup.wait(_IDLE_PROBE_S)
                 # Idle, a worker can die or freeze too: /health should say so at once,
                 # not when the next request's step fails.
@@ -379,6 +388,11 @@ class AsyncEngine:
             now = time.monotonic()
             if now - last_stats >= self._stats_interval:
                 self.stats, last_stats = engine.stats(), now
+                self._log_stats(now)
+
+    def _log_stats(self, now: float) -> None:
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log(self.stats, now)
 
     def _restart(self, old: LLMEngine, error: BaseException) -> LLMEngine | None:
         """A new engine (new worker processes, KV pools built again) in place of ``old``;

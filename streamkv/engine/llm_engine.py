@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from pathlib import Path
 
 from streamkv.config import EngineConfig
 from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
@@ -51,7 +52,7 @@ class LLMEngine:
         # to re-read. Tensor-parallel sizes are checked here from config numbers, before any
         # worker process starts.
         model_dir = model_info.model_dir if model_info is not None else resolve_model_dir(config.model.model)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir)
         self.model_info = info = model_info or resolve_model_info(config.model, model_dir, self.tokenizer)
         info.verify_tensor_parallel(config.model.tensor_parallel_size)
         # The engine's own copy carries the served context length; the caller's config is

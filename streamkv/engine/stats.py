@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from streamkv.core.block_manager import BlockManager
 from streamkv.core.contiguous import ContiguousBlockManager, final_len
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.engine.request_metrics import RequestMetrics
 from streamkv.sequence import SequenceGroup
 
 # 256 sequences of 1k tokens are 16k table entries: a few ms of Python, against a decode step
@@ -95,8 +96,12 @@ class EngineStats:
         self._saving_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # vLLM's per-step and per-request histograms (queue / prefill / decode times, ...).
+        self.request_metrics = RequestMetrics(self.max_model_len)
 
-    def record_step(self, sched: SchedulerOutput) -> None:
+    def record_step(self, sched: SchedulerOutput, started: float | None = None) -> None:
+        """``started``: when the step began (time.monotonic()), the requests' first-scheduled
+        time; None takes the time of this call."""
         self.steps += 1
         # A one-token step of a sequence that already has output is a decode (generation)
         # token; everything else (prompts, chunks, recomputation) is prompt work.
@@ -116,6 +121,7 @@ class EngineStats:
             self.batched_steps += 1
         self.num_generation_tokens += generated
         self.num_prompt_tokens += prompt
+        self.request_metrics.record_step(sched, prompt + generated, started)
         used = self.bm.device.num_used
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, used)
         if not self.bm.tables or (self.steps - 1) % MEMORY_SAMPLE_EVERY:
@@ -205,4 +211,5 @@ class EngineStats:
             "avg_batched_requests": self.batched_requests_sum / self.batched_steps if self.batched_steps else 0.0,
             "batched_requests_sum": self.batched_requests_sum,
             "batched_steps": self.batched_steps,
+            "histograms": self.request_metrics.snapshot(),
         }

@@ -44,32 +44,40 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
-class _AppendTuple(argparse.Action):
-    """A repeatable flag of a tuple field: each use adds an item (the default stays a tuple)."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, (*getattr(namespace, self.dest), values))
+# Each section's group in ``--help`` (vLLM groups its flags by config class the same way).
+GROUP_TITLES = {"model": "model config", "cache": "cache config (KV blocks, swap, prefix cache)",
+                "scheduler": "scheduler config (batching, preemption)"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    for name, (_, f, kind) in engine_fields().items():
+    groups = {section: parser.add_argument_group(GROUP_TITLES[section]) for section in SECTIONS}
+    for name, (section, f, kind) in engine_fields().items():
         flags = [f"--{name.replace('_', '-')}", *f.metadata.get("flag", ())]
         kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help"), "dest": name}
+        if "metavar" in f.metadata:
+            kwargs["metavar"] = f.metadata["metavar"]
         if f.metadata.get("repeatable"):
-            kwargs.update(action=_AppendTuple, type=str, metavar=f.metadata.get("metavar"))
+            # argparse appends to the default itself: start from None, engine_kwargs gives
+            # the field's default back when the flag is absent.
+            kwargs.update(action="append", default=None, type=str)
         elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = kind
             if "choices" in f.metadata:
                 kwargs["choices"] = list(f.metadata["choices"])
-        group.add_argument(*flags, **kwargs)
+        groups[section].add_argument(*flags, **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments of a namespace parsed with ``add_engine_args``."""
-    return {name: getattr(args, name) for name in engine_fields()}
+    out = {}
+    for name, (_, f, _) in engine_fields().items():
+        value = getattr(args, name)
+        if f.metadata.get("repeatable"):
+            value = f.default if value is None else tuple(value)
+        out[name] = value
+    return out
 
 
 def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:

@@ -5,13 +5,11 @@ server is up; until then /health answers 503.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +42,17 @@ from streamkv.entrypoints.websocket import chat_ws
 
 logger = logging.getLogger(__name__)
 
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+
+def find_web_dir() -> Path | None:
+    """The demo page's folder: shipped in the package as ``streamkv/web`` (pyproject.toml,
+    setup.py), or the repository's ``web/`` when running from a checkout."""
+    for folder in (Path(__file__).resolve().parents[1] / "web", Path(__file__).resolve().parents[2] / "web"):
+        if (folder / "index.html").is_file():
+            return folder
+    return None
+
+
+WEB_DIR = find_web_dir()
 _PAGE_HEADERS = {
     "content-security-policy": "default-src 'self'; connect-src 'self' ws: wss:; frame-ancestors 'none'",
     "x-content-type-options": "nosniff",
@@ -65,6 +73,8 @@ class ServerConfig:
     ws_max_active: int = 8
     web_dir: Path | None = WEB_DIR
     on_load_failure: Callable[[], None] | None = field(default=None, repr=False)
+    # Awaited once the model is loaded (serve logs its "ready:" line there).
+    on_ready: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -131,7 +141,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     document = openapi_document(config.model_name)  # built once: the models do not change
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(document)
+        # Behind a proxy that routes a path prefix here (--root-path), clients call the API
+        # under that prefix (FastAPI says so the same way).
+        root = request.scope.get("root_path", "")
+        return JSONResponse({**document, "servers": [{"url": root}]} if root else document)
 
     async def docs(request: Request) -> Response:
         # Self-contained (inline style, no script), so its policy allows nothing else.
@@ -157,7 +170,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     async def lifespan(app: Starlette):
         engine.start()
         lag = asyncio.create_task(metrics.watch_loop_lag())
-        watch = asyncio.create_task(_watch_load(engine, config.on_load_failure))
+        watch = asyncio.create_task(_watch_load(engine, config.on_load_failure, config.on_ready))
         try:
             yield
         finally:
@@ -194,13 +207,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     return app
 
 
-async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None) -> None:
+async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None,
+                      on_ready: Callable[[], Awaitable[None]] | None = None) -> None:
     try:
         await engine.wait_ready()
     except EngineDeadError:
         if on_failure is not None:
             on_failure()
         return
+    if on_ready is not None:  # /health answers 200 from now on: say so at once
+        await on_ready()
     # Everything alive now (model, tokenizer, app) lives as long as the server. Freezing it
     # keeps the cyclic GC from walking it again on every full collection: unfrozen, those
     # took ~0.1 s each on the engine thread under streaming load (measured on a CPU run).
@@ -214,35 +230,7 @@ async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None
         on_failure()
 
 
-# -- the CLI ----------------------------------------------------------------------------
-def add_serve_parser(sub) -> None:
-    from streamkv.entrypoints.cli import add_engine_args, add_server_limit_args
-
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server",
-                       description="Serve a model over an OpenAI-compatible HTTP API (with SSE "
-                                   "streaming) and a WebSocket chat; see docs/api.md.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="local HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
-    s.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY; none = open)")
-    s.add_argument("--allowed-origins", action="append", default=[],
-                   help="browser origins allowed besides the server's own (comma list, repeatable; '*' = any)")
-    s.add_argument("--max-request-body-bytes", type=int, default=2 * 2**20, help="larger bodies get 413")
-    s.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="larger request heads are refused")
-    s.add_argument("--max-queue-len", type=int, default=None,
-                   help="answer 429 while this many requests wait to start (default: no limit)")
-    s.add_argument("--sse-keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments")
-    s.add_argument("--ws-max-active", type=int, default=8, help="concurrent generations per WebSocket")
-    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
-    add_server_limit_args(s)
-    add_engine_args(p)
-    p.set_defaults(func=cmd_serve)
-
-
+# -- helpers of `streamkv serve` (its flags and command: entrypoints/serve_cli.py) ----------
 def served_name(model: str | None) -> str:
     from streamkv.models.loader import DEFAULT_MODEL_NAME
 
@@ -271,67 +259,3 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import functools
-
-    import uvicorn
-
-    from streamkv.engine.recovery import RestartBudget
-    from streamkv.entrypoints.cli import check_server_limit_args, engine_kwargs
-    from streamkv.entrypoints.connections import (
-        ConnectionLimits,
-        GuardedH11Protocol,
-        QuietDenialWebSocket,
-    )
-    from streamkv.entrypoints.llm import build_engine, engine_config
-    from streamkv.entrypoints.shutdown import DrainingServer
-
-    for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_queue_len is not None and args.max_queue_len < 0:
-        raise SystemExit("--max-queue-len must be >= 0")
-    check_server_limit_args(args)
-    kwargs = engine_kwargs(args)
-    kwargs["distributed_executor_backend"] = serving_backend(
-        args.device, args.distributed_executor_backend
-    )
-    config = engine_config(args.model, **kwargs)
-    engine = AsyncEngine(lambda: build_engine(config), restarts=RestartBudget(limit=args.max_worker_restarts))
-    origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
-    hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
-    failed: list[bool] = []
-    server: uvicorn.Server | None = None
-
-    def on_load_failure() -> None:
-        failed.append(True)
-        server.should_exit = True
-
-    app = build_app(engine, ServerConfig(
-        model_name=args.served_model_name or served_name(args.model), api_key=args.api_key or None,
-        allowed_origins=origins, hosts=hosts, max_body_bytes=args.max_request_body_bytes,
-        max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
-        sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
-    ))
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allowed_hosts:
-        logger.warning("serving on %s: requests must name the server by the IP address they connect to or a loopback name; "
-                       "list its DNS names with --allowed-hosts (others get 421)", args.host)
-    try:
-        import uvloop  # noqa: F401
-
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
-    limits = ConnectionLimits(args.timeout_request_head, args.timeout_request_body, args.limit_concurrency)
-    server = DrainingServer(uvicorn.Config(
-        app, host=args.host, port=args.port, loop=loop, http=functools.partial(GuardedH11Protocol, limits=limits),
-        ws=QuietDenialWebSocket, h11_max_incomplete_event_size=args.max_header_bytes,
-        ws_max_size=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
-        log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
-    ), engine, args.shutdown_timeout)
-    server.run()
-    return 1 if failed else 0

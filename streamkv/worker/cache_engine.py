@@ -12,6 +12,20 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return 2 * num_layers * num_kv_heads * head_dim * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str,
+           pin_memory: bool = False) -> torch.Tensor:
+    """torch.zeros, one [K|V, layer] plane at a time under a progress bar (on a terminal):
+    zeroing a pool of GiBs takes seconds on a CPU, and start-up should not look stuck."""
+    from tqdm import tqdm
+
+    pool = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    planes = pool.view(shape[0] * shape[1], *shape[2:])
+    for plane in tqdm(planes, desc=f"allocating the {what}", unit="layer", disable=None if pool.numel() else True,
+                      leave=False):
+        plane.zero_()
+    return pool
+
+
 class CacheEngine:
     def __init__(
         self,
@@ -28,10 +42,9 @@ class CacheEngine:
         # One allocation per pool, [K|V, layer, block, ...], handed out as per-layer views:
         # the 2 * num_layers planes are evenly strided, so a swap of a run of block ids is a
         # single 2D copy over all layers (docs/kernels.md), not one memcpy per layer.
-        self.device_pool = torch.zeros((2, num_layers, num_device_blocks, *shape), dtype=dtype, device=device)
-        self.cpu_pool = torch.zeros(
-            (2, num_layers, num_cpu_blocks, *shape), dtype=dtype, pin_memory=device.type == "cuda"
-        )
+        self.device_pool = _zeros((2, num_layers, num_device_blocks, *shape), dtype, device, "KV cache")
+        self.cpu_pool = _zeros((2, num_layers, num_cpu_blocks, *shape), dtype, torch.device("cpu"),
+                               "CPU swap pool", pin_memory=device.type == "cuda")
         self.device_cache = [(self.device_pool[0, i], self.device_pool[1, i]) for i in range(num_layers)]
         self.cpu_cache = [(self.cpu_pool[0, i], self.cpu_pool[1, i]) for i in range(num_layers)]
 

@@ -90,7 +90,7 @@ class Worker:
         if cc.num_swap_blocks is not None:
             cpu_blocks = cc.num_swap_blocks
         else:
-            cpu_blocks = int(cc.swap_space * 2**30 // per_block)
+            cpu_blocks = int(cc.swap_space_gib(self.device.type) * 2**30 // per_block)
         # The CPU pool never needs more blocks than the device pool.
         cpu_blocks = min(cpu_blocks, device_blocks)
         params = list(self.model.parameters())

@@ -40,21 +40,22 @@ class Server:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         out = {}
         for line in text.splitlines():
-            m = re.match(r"^(streamkv:\w+)(\{[^}]*\})? (\S+)$", line)
+            m = re.match(r"^((?:vllm|streamkv):\w+)(\{[^}]*\})? (\S+)$", line)
             if m:
                 out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
         return out
 
     def gauge(self, name: str) -> float:
-        return next(v for k, v in self.metrics().items() if k.split("{")[0] == f"streamkv:{name}")
+        """``name`` without its prefix: vLLM's (``vllm:``) or streamkv's own (``streamkv:``)."""
+        return next(v for k, v in self.metrics().items() if k.split("{")[0] in (f"vllm:{name}", f"streamkv:{name}"))
 
     def wait_idle(self, timeout: float = 20.0) -> None:
         """Until no request runs or waits and every KV block is free (no leak)."""
         deadline = time.monotonic() + timeout
         while True:
             m = {k.split("{")[0]: v for k, v in self.metrics().items()}
-            idle = (m["streamkv:num_requests_running"], m["streamkv:num_requests_waiting"],
-                    m["streamkv:num_requests_swapped"], m["streamkv:gpu_cache_usage_perc"])
+            idle = (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
+                    m["vllm:num_requests_swapped"], m["vllm:kv_cache_usage_perc"])
             if idle == (0, 0, 0, 0):
                 return
             if time.monotonic() > deadline:
@@ -63,21 +64,22 @@ class Server:
 
 
 @contextlib.contextmanager
-def run_server(*args: str, startup_timeout: float = 300.0):
+def run_server(*args: str, startup_timeout: float = 300.0, scheme: str = "http"):
+    """``scheme="https"``: the server has --ssl-certfile (a self-signed one: not verified)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="streamkv-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", "WARNING", "serve",
            "--host", "127.0.0.1", "--port", str(port), "--no-access-log", *SMALL_ENGINE, *args]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", port, log.name, proc)
+    server = Server(f"{scheme}://127.0.0.1:{port}", port, log.name, proc)
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
             try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{server.url}/health", timeout=2, verify=False).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

@@ -1,0 +1,195 @@
+"""``streamkv serve``: its flags (grouped as vLLM groups them) and the command that runs the
+app of entrypoints/server.py on uvicorn.
+
+Start-up, as the operator sees it: uvicorn listens at once and ``/health`` answers 503
+while the model loads; one ``ready: URL (model, KV blocks, max context)`` line follows when
+a request can be served (the engine is loaded and the socket is bound), then a stats line
+every few seconds while there is traffic (``--disable-log-stats`` turns it off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from streamkv.engine.serving_logs import DEFAULT_STATS_INTERVAL_S
+from streamkv.entrypoints.args import add_engine_args
+
+logger = logging.getLogger("streamkv.entrypoints.server")
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    from streamkv.entrypoints.cli import HelpFormatter, add_common_args, add_server_limit_args
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server",
+                       formatter_class=HelpFormatter, allow_abbrev=False,
+                       description="Serve a model over an OpenAI-compatible HTTP API (with SSE "
+                                   "streaming) and a WebSocket chat; see docs/api.md.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="local HF directory, .gguf file or shape preset (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on ('0.0.0.0': every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
+    s.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="Jinja chat template (a file or the template itself) instead of the tokenizer's")
+    s.add_argument("--root-path", default="",
+                   help="path prefix when behind a proxy that routes a path to this server (e.g. /llm)")
+    s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
+    s.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY; none = open)")
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--disable-log-stats", action="store_true",
+                    help="no periodic stats line (throughput, queues, KV usage, prefix-cache hit rate)")
+    lg.add_argument("--log-stats-interval", type=float, default=DEFAULT_STATS_INTERVAL_S,
+                    help="seconds between stats lines")
+    lg.add_argument("--enable-log-requests", action="store_true",
+                    help="one INFO line per request: id, prompt length, sampling parameters (the prompt "
+                         "text only at --log-level DEBUG)")
+    lg.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                    help="uvicorn's line per HTTP request")
+    sec = p.add_argument_group("security and limits")
+    sec.add_argument("--allowed-origins", action="append", default=[],
+                     help="browser origins allowed besides the server's own (comma list, repeatable; '*' = any)")
+    sec.add_argument("--max-request-body-bytes", type=int, default=2 * 2**20, help="larger bodies get 413")
+    sec.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="larger request heads are refused")
+    sec.add_argument("--max-queue-len", type=int, default=None,
+                     help="answer 429 while this many requests wait to start (default: no limit)")
+    sec.add_argument("--sse-keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments")
+    sec.add_argument("--ws-max-active", type=int, default=8, help="concurrent generations per WebSocket")
+    add_server_limit_args(sec)
+    add_common_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from streamkv.entrypoints.cli import check_server_limit_args
+
+    for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        raise SystemExit("--max-queue-len must be >= 0")
+    if not args.log_stats_interval > 0:
+        raise SystemExit("--log-stats-interval must be > 0")
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise SystemExit("--ssl-keyfile needs --ssl-certfile")
+    for name in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, name)
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"--{name.replace('_', '-')} {path}: no such file")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise SystemExit("--root-path must start with '/' and not end with one (e.g. /llm)")
+    check_server_limit_args(args)
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import functools
+
+    import uvicorn
+
+    from streamkv.engine.async_engine import AsyncEngine
+    from streamkv.engine.recovery import RestartBudget
+    from streamkv.entrypoints.cli import engine_kwargs, load_chat_template, set_chat_template
+    from streamkv.entrypoints.connections import (
+        ConnectionLimits,
+        GuardedH11Protocol,
+        QuietDenialWebSocket,
+    )
+    from streamkv.entrypoints.llm import build_engine, engine_config
+    from streamkv.entrypoints.security import HostPolicy
+    from streamkv.entrypoints.server import ServerConfig, build_app, served_name, serving_backend
+    from streamkv.entrypoints.shutdown import DrainingServer
+
+    _check_args(args)
+    kwargs = engine_kwargs(args)
+    kwargs["distributed_executor_backend"] = serving_backend(
+        args.device, args.distributed_executor_backend
+    )
+    config = engine_config(args.model, **kwargs)
+    try:
+        config.verify()  # a bad flag fails here, before the server listens
+        template = load_chat_template(args.chat_template) if args.chat_template else None
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+    def build():
+        engine = build_engine(config)
+        if template is not None:
+            set_chat_template(engine.tokenizer, template)  # again after a worker restart
+        return engine
+
+    engine = AsyncEngine(build, restarts=RestartBudget(limit=args.max_worker_restarts),
+                         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                         log_requests=args.enable_log_requests)
+    origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
+    hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
+    failed: list[bool] = []
+    server: uvicorn.Server | None = None
+    model_name = args.served_model_name or served_name(args.model)
+    scheme = "https" if args.ssl_certfile else "http"
+
+    def on_load_failure() -> None:
+        failed.append(True)
+        server.should_exit = True
+
+    async def announce() -> None:
+        while not server.started:  # the engine may be loaded before the socket is bound
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        info = engine.info
+        logger.info("ready: %s://%s:%d%s (model %s, %d KV blocks of %d tokens, max context %d)",
+                    scheme, url_host(args.host), port, args.root_path, model_name, info.num_kv_blocks,
+                    info.block_size, info.max_model_len)
+
+    app = build_app(engine, ServerConfig(
+        model_name=model_name, api_key=args.api_key or None,
+        allowed_origins=origins, hosts=hosts, max_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
+        sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
+        on_ready=announce,
+    ))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allowed_hosts:
+        logger.warning("serving on %s: requests must name the server by the IP address they connect to or a loopback name; "
+                       "list its DNS names with --allowed-hosts (others get 421)", args.host)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    limits = ConnectionLimits(args.timeout_request_head, args.timeout_request_body, args.limit_concurrency)
+    server = DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, loop=loop, http=functools.partial(GuardedH11Protocol, limits=limits),
+        ws=QuietDenialWebSocket, h11_max_incomplete_event_size=args.max_header_bytes,
+        ws_max_size=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
+        log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
+        root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+    ), engine, args.shutdown_timeout)
+    # After uvicorn.Config, which sets up its loggers: its "running on URL" line would come
+    # long before the model can answer; it says so instead.
+    logging.getLogger("uvicorn.error").addFilter(_ListeningNote())
+    server.run()
+    return 1 if failed else 0
+
+
+class _ListeningNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Uvicorn running on "):
+            record.msg = "listening on %s; loading the model (/health answers 503 until the 'ready:' line)"
+            record.args = (message.split()[3],)
+            record.__dict__.pop("color_message", None)
+        return True
