@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shrink every prompt and output by this factor (a small-pool CPU run)")
     w.add_argument("--max-len", type=int, default=2048, help="ShareGPT: prompt + output at most (before scaling)")
     w.add_argument("--prefix-len", type=int, default=341, help="shared-prefix: the prefix's tokens")
-    w.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default: the embedded model)")
+    # --tokenizer (the workload's tokenizer directory, default: the embedded model's) is the
+    # engine flag of the same name, added with the engine flags below.
     w.add_argument("--workload-seed", type=int, default=0, help="seeds the workload sample and the arrivals")
     w.add_argument("--save-workload", default=None, metavar="PATH",
                    help="write the built requests (token ids, output lengths) to PATH and exit")
