@@ -6,6 +6,13 @@ prefix cache on vs off, all in one run (the paper's Figures 14-16). Prints table
 
 Savings is the paper's metric: 1 - physical blocks in use / blocks that would be in use
 without sharing, time-averaged over the steps of the run.
+
+With --simulate (the paper's Fig 15, docs/paper.md) the engine runs on the step-time model
+(load_tests/sim.py) with OPT-13B's shape and its A100 KV pool, on the load harness's full
+ShareGPT and Alpaca-shaped traces (outputs not capped), requests arriving at --request-rate;
+only the savings table is made (throughput is Fig 14's sweep):
+
+    python benchmarks/bench_sharing.py --simulate --num-requests 200 --request-rate 2
 """
 
 from __future__ import annotations
@@ -53,16 +60,26 @@ def run(llm, prompts, params) -> tuple[float, dict, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--num-requests", type=int, default=16, help="per workload (and per mode with --simulate)")
     ap.add_argument("--max-output-len", type=int, default=64)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="default 4096; with --simulate 983 (OPT-13B's KV pool on an A100-40GB, docs/paper.md)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-prefix", action="store_true", help="skip the n / beam sweep")
     ap.add_argument("--json-out", default="bench_results/sharing.json")
+    sim = ap.add_argument_group("--simulate (Fig 15)")
+    sim.add_argument("--simulate", action="store_true", help="the step-time model instead of a model")
+    sim.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals, req/s (virtual clock)")
+    sim.add_argument("--sim-model", default="opt-13b", help="the shape whose config the simulated engine reads")
+    sim.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
+    if args.simulate:
+        args.num_kv_blocks = args.num_kv_blocks or 983
+        return simulate(args)
+    args.num_kv_blocks = args.num_kv_blocks or 4096
 
     from benchmarks.workloads import alpaca_requests, sharegpt_requests
     from streamkv import SamplingParams
@@ -131,6 +148,45 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"args": vars(args), "sharing": rows, "prefix": prefix_rows}, f, indent=2)
+    return 0
+
+
+def simulate(args) -> int:
+    """Fig 15 on the simulated engine: savings per (trace, mode, width), a fresh engine each."""
+    from load_tests.arrivals import arrival_times
+    from load_tests.offline import run_offline
+    from load_tests.sim import SimulatedExecutor, StepCost, VirtualClock
+    from load_tests.workloads import build
+    from streamkv.engine.llm_engine import LLMEngine
+    from streamkv.entrypoints.llm import engine_config
+    from streamkv.models.loader import load_tokenizer, resolve_model_dir
+
+    tok = load_tokenizer(resolve_model_dir(None))
+    rows = []
+    for workload in ("alpaca", "sharegpt"):
+        for kind, width in [("parallel n", w) for w in (2, 4, 6)] + [("beam width", w) for w in (2, 4, 6)]:
+            n, beam = (width, 0) if kind == "parallel n" else (width, width)
+            reqs = build(workload, tok, args.num_requests, args.seed, n, beam)
+            clock = VirtualClock()
+            config = engine_config(args.sim_model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                                   num_swap_blocks=0, max_model_len=2048, enable_prefix_caching=False)
+            executor = SimulatedExecutor(args.sim_model, args.num_kv_blocks, 0, StepCost(block_size=args.block_size),
+                                         clock, args.seed)
+            engine = LLMEngine(config, executor)
+            arrivals = arrival_times(len(reqs), args.request_rate, 1.0, seed=args.seed)
+            records, _ = run_offline(engine, reqs, arrivals, 3600.0, lambda rec: None, clock)
+            stats = engine.stats()
+            row = {"workload": workload, "mode": kind, "width": width, "requests": len(reqs),
+                   "completed": sum(1 for r in records if not r.incomplete and not r.error),
+                   "sharing_savings": stats["sharing_savings"], "avg_batched_requests": stats["avg_batched_requests"],
+                   "preemptions": stats["num_preemptions"]}
+            rows.append(row)
+            engine.shutdown()
+            print(f"{workload:<9}{kind:<12}{width:>3}  savings {row['sharing_savings']:6.1%}  batched "
+                  f"{row['avg_batched_requests']:6.1f}  completed {row['completed']}/{len(reqs)}", flush=True)
+    os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
+    with open(args.json_out, "w") as f:
+        json.dump({"args": vars(args), "simulated": True, "sharing": rows}, f, indent=2)
     return 0
 
 

@@ -38,15 +38,15 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _timed(fn, sync, repeats: int) -> float:
+def _timed(fn, sync, repeats: int, clock=time.perf_counter) -> float:
     fn()
     sync()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e3
 
 
@@ -66,7 +66,7 @@ def measure_swap(args, info, device, dtype, sync) -> list[dict]:
             dev = torch.randperm(2 * most, generator=gen)[:n].tolist()
             cpu = list(range(n)) if args.layout == "contiguous" else torch.randperm(2 * most, generator=gen)[:n].tolist()
             out, back = list(zip(dev, cpu)), list(zip(cpu, dev))
-            ms = _timed(lambda c=cache, o=out, b=back: (c.swap_out(o), c.swap_in(b)), sync, args.repeats)
+            ms = _timed(lambda c=cache, o=out, b=back: (c.swap_out(o), c.swap_in(b)), sync, args.repeats, args.timer)
             rows.append({"block_size": bs, "context_len": ctx, "num_blocks": n, "swap_ms": ms})
             print(f"swap       block {bs:>3}  context {ctx:>5}  blocks {n:>5}  out+in {ms:9.3f} ms", flush=True)
         cache = None  # noqa: F841 - the pools go before the next size's are made
@@ -92,7 +92,7 @@ def measure_recompute(args, sync) -> list[dict]:
         for ctx in args.context_lens:
             prompt = [rng.randrange(4, vocab) for _ in range(ctx)]
             ms = _timed(lambda e=llm, p=prompt, sp=params: e.generate(prompt_token_ids=[p], sampling_params=sp), sync,
-                        args.repeats)
+                        args.repeats, args.timer)
             rows.append({"block_size": bs, "context_len": ctx, "recompute_ms": ms})
             print(f"recompute  block {bs:>3}  context {ctx:>5}  prefill {ms:9.3f} ms", flush=True)
         llm.shutdown()
@@ -142,6 +142,8 @@ def plot(path: str, swaps: list[dict], recomputes: list[dict], title: str) -> No
             ax.axhline(statistics.median(rec), ls="--", lw=1, color=ax.lines[-1].get_color(),
                        label=f"recompute, {ctx} tok")
     ax.set_xscale("log", base=2)
+    sizes = sorted({r["block_size"] for r in swaps})
+    ax.set_xticks(sizes, [str(b) for b in sizes])
     ax.set_yscale("log")
     ax.set_xlabel("block size (tokens)")
     ax.set_ylabel("ms")
@@ -165,12 +167,22 @@ def main() -> int:
     ap.add_argument("--context-lens", type=_ints, default=_ints("256,512,1024,2000"))
     ap.add_argument("--layout", choices=["scattered", "contiguous"], default="scattered")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--clock", choices=["auto", "wall", "cpu"], default="auto",
+                    help="wall time, or this process's CPU time with torch on one thread (auto: cpu on the CPU, "
+                         "where other jobs' load inflates wall time but not CPU time)")
     ap.add_argument("--json-out", default="bench_results/swap_recompute.json")
     ap.add_argument("--plot", default=None, help="write the Fig 19a PNG here")
     ap.add_argument("--write-costs", metavar="PROFILE", default=None,
                     help=f"store the fitted constants as PROFILE in {COSTS_FILE.name} and make it the default")
     ap.add_argument("--costs-file", default=str(COSTS_FILE))
+    ap.add_argument("--replot", metavar="JSON", default=None,
+                    help="only draw --plot from a --json-out file (e.g. one written on a GPU box without matplotlib)")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        plot(args.plot, saved["swap"], saved["recompute"], f"swap vs recompute: {saved['source'].split(', ', 1)[1]}")
+        return 0
     args.recompute_block_sizes = args.recompute_block_sizes or args.block_sizes
 
     import torch
@@ -181,6 +193,11 @@ def main() -> int:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.clock == "auto":
+        args.clock = "cpu" if device.type == "cpu" else "wall"
+    args.timer = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.clock == "cpu":
+        torch.set_num_threads(1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     info = resolve_model_info(ModelConfig(model=args.model, max_model_len=max(args.context_lens) + 1))
     start = time.perf_counter()
@@ -188,7 +205,8 @@ def main() -> int:
     recomputes = measure_recompute(args, sync)
     elapsed = time.perf_counter() - start
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    source = f"bench_swap_recompute.py, {info.model_dir.name} {dtype} on {where}, {args.layout} ids"
+    source = (f"bench_swap_recompute.py, {info.model_dir.name} {dtype} on {where}, {args.layout} ids, "
+              f"{args.clock} time")
     costs = fit(swaps, recomputes)
     model = PreemptionCosts(**costs, source=source)
 
@@ -208,7 +226,7 @@ def main() -> int:
     print(f"measured in {elapsed:.1f} s")
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
-        json.dump({"args": vars(args), "source": source, "seconds": elapsed, "swap": swaps,
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "timer"}, "source": source, "seconds": elapsed, "swap": swaps,
                    "recompute": recomputes, "fit": costs}, f, indent=1)
     if args.plot:
         plot(args.plot, swaps, recomputes, f"swap vs recompute: {info.model_dir.name} on {where}")

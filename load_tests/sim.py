@@ -32,11 +32,18 @@ class StepCost:
     base_ms: float = 20.0
     per_token_ms: float = 0.08
     per_kv_token_us: float = 0.55
+    # Swaps (preemption_mode swap / auto): each block moved costs a transfer's overhead plus
+    # its K/V bytes over PCIe 4.0 (~25 GB/s: 800 KiB per token slot, ~32.8 us), each way.
+    swap_block_us: float = 10.0
+    swap_token_us: float = 32.8
+    block_size: int = 16
 
     def seconds(self, step: StepInput) -> float:
         computed = sum(len(s.token_ids) for s in step.seqs)
         context = sum(s.start_pos + len(s.token_ids) for s in step.seqs)
-        return (self.base_ms + self.per_token_ms * computed) / 1e3 + self.per_kv_token_us * context / 1e6
+        moved = len(step.swap_in) + len(step.swap_out)
+        swap_us = moved * (self.swap_block_us + self.block_size * self.swap_token_us)
+        return (self.base_ms + self.per_token_ms * computed) / 1e3 + (self.per_kv_token_us * context + swap_us) / 1e6
 
 
 class VirtualClock:
@@ -88,7 +95,10 @@ class SimulatedExecutor(Executor):
                 continue
             k = self._candidates.get(s.seq_id, 0)
             if k:
-                cands = [(draw(1000, hi), -1.0 - 0.1 * i) for i in range(k)]
+                # Random, sorted logprobs: beams overtake one another, fork and drop as in a
+                # real search (equal ones would make every beam descend from the first).
+                lps = sorted((-self.rng.expovariate(1.0) for _ in range(k)), reverse=True)
+                cands = [(draw(1000, hi), lp) for lp in lps]
                 results[s.seq_id] = SampleResult([cands[0][0]], [cands[0][1]], candidates=cands)
             else:
                 results[s.seq_id] = SampleResult([draw(1000, hi) for _ in range(s.num_samples)],
