@@ -14,11 +14,9 @@ preempted later keeps it (its recomputation counts as inference time, not queuei
 from __future__ import annotations
 
 import bisect
-import time
 import weakref
 from dataclasses import dataclass, field
 
-from streamkv.core.scheduler import SchedulerOutput
 from streamkv.sequence import SequenceGroup
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards built for vLLM read ours.
@@ -27,7 +25,6 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 TIMES = ("queue_time", "prefill_time", "decode_time", "inference_time")
-_COUNTED = -1.0  # in place of a first-scheduled time: the finished request was counted
 
 
 def one_two_five(limit: int) -> tuple[int, ...]:
@@ -70,28 +67,28 @@ class RequestMetrics:
         self.hists["params_n"] = Buckets(PARAMS_N_BUCKETS)
         # Aborted requests never finish here: a weak key lets them go with their group.
         self._first_scheduled: weakref.WeakKeyDictionary[SequenceGroup, float] = weakref.WeakKeyDictionary()
+        self._counted: weakref.WeakSet[SequenceGroup] = weakref.WeakSet()
 
-    def record_step(self, sched: SchedulerOutput, num_tokens: int, started: float | None) -> None:
+    def iteration(self, num_tokens: int) -> None:
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)
-        now = time.monotonic()
-        last = None
-        for s in sched.scheduled:
-            group = s.group
-            if group is last:  # a group's sequences are scheduled side by side
-                continue
-            last = group
-            first = self._first_scheduled.get(group)
-            if first is None:
-                first = self._first_scheduled[group] = started if started is not None else now
-            elif first == _COUNTED:
-                continue
-            if group.finished:
-                self._finish(group, first, now)
-                self._first_scheduled[group] = _COUNTED
 
-    def _finish(self, group: SequenceGroup, scheduled: float, now: float) -> None:
-        end = group.finished_time or now
+    def scheduled(self, group: SequenceGroup, started: float) -> None:
+        """``group`` ran prompt work in a step that began at ``started`` (its first such
+        step sets its first-scheduled time; recomputation after preemption does not)."""
+        if group not in self._first_scheduled and group not in self._counted:
+            self._first_scheduled[group] = started
+
+    def finished(self, group: SequenceGroup) -> None:
+        """``group`` has finished (its finished_time is set): counted once, however many
+        steps still carry it (a step already in flight when it finished)."""
+        scheduled = self._first_scheduled.pop(group, None)
+        if scheduled is not None:
+            self._counted.add(group)
+            self._finish(group, scheduled)
+
+    def _finish(self, group: SequenceGroup, scheduled: float) -> None:
+        end = group.finished_time
         first_token = group.first_token_time or end
         h, params = self.hists, group.sampling_params
         h["queue_time"].observe(max(scheduled - group.arrival_time, 0.0))

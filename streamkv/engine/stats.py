@@ -24,6 +24,7 @@ requests batched together (the paper's Fig 13).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from streamkv.core.block_manager import BlockManager
@@ -103,8 +104,10 @@ class EngineStats:
         """``started``: when the step began (time.monotonic()), the requests' first-scheduled
         time; None takes the time of this call."""
         self.steps += 1
+        rm, start = self.request_metrics, started if started is not None else time.monotonic()
         # A one-token step of a sequence that already has output is a decode (generation)
-        # token; everything else (prompts, chunks, recomputation) is prompt work.
+        # token; everything else (prompts, chunks, recomputation) is prompt work. The request
+        # metrics ride on this one pass (a step of 256 requests is walked once).
         generated = prompt = requests = 0
         last_group = None
         for s in sched.scheduled:
@@ -113,15 +116,18 @@ class EngineStats:
                 generated += 1
             else:
                 prompt += n
+                rm.scheduled(s.group, start)  # a request's first step is prompt work
             if s.group is not last_group:  # a group's sequences are scheduled side by side
                 requests += 1
                 last_group = s.group
+                if last_group.finished_time is not None:
+                    rm.finished(last_group)
         if requests:
             self.batched_requests_sum += requests
             self.batched_steps += 1
         self.num_generation_tokens += generated
         self.num_prompt_tokens += prompt
-        self.request_metrics.record_step(sched, prompt + generated, started)
+        rm.iteration(prompt + generated)
         used = self.bm.device.num_used
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, used)
         if not self.bm.tables or (self.steps - 1) % MEMORY_SAMPLE_EVERY:

@@ -24,23 +24,23 @@ def test_bucket_bounds_are_inclusive_and_the_last_bucket_is_past_them():
     assert b.counts == [2, 2, 1] and b.total == 14.0
 
 
-def _step(*groups):
-    return SimpleNamespace(scheduled=[SimpleNamespace(group=g) for g in groups for _ in g.seqs])
-
-
 def test_intervals_of_a_request_from_its_engine_times():
     m = RequestMetrics(max_model_len=1024)
     seqs = [Sequence(0, [1, 2, 3]), Sequence(1, [1, 2, 3])]
     group = SequenceGroup("r", seqs, SamplingParams(n=2, max_tokens=4), arrival_time=10.0)
-    m.record_step(_step(group), num_tokens=6, started=10.5)  # first scheduled at 10.5
+    m.scheduled(group, 10.5)  # its first prompt step began at 10.5
+    m.iteration(6)
     group.first_token_time = 11.25
-    m.record_step(_step(group), num_tokens=2, started=11.5)  # a later start changes nothing
+    m.scheduled(group, 11.5)  # recomputed after a preemption: the first time stays
+    m.iteration(2)
     for seq in seqs:
         seq.output_token_ids += [7, 8, 9]
         seq.status = SequenceStatus.FINISHED_LENGTH
     group.finished_time = 13.0
-    m.record_step(_step(group), num_tokens=2, started=12.9)
-    m.record_step(_step(group), num_tokens=0, started=13.1)  # a finished group counts once
+    m.finished(group)
+    m.scheduled(group, 13.1)  # a step already in flight still carries it: counted once
+    m.finished(group)
+    m.iteration(0)
     snap = m.snapshot()
 
     def one(name):
@@ -53,4 +53,23 @@ def test_intervals_of_a_request_from_its_engine_times():
     assert one("inference_time") == pytest.approx(2.5)
     assert (one("prompt_tokens"), one("generation_tokens"), one("params_n"), one("params_max_tokens")) == (3, 6, 2, 4)
     it = snap["iteration_tokens"]
-    assert sum(it["counts"]) == 3 and it["sum"] == 10  # the empty step is no iteration
+    assert sum(it["counts"]) == 2 and it["sum"] == 8  # the empty step is no iteration
+
+
+def test_engine_stats_feed_the_request_metrics_in_one_pass():
+    """A request that starts and finishes in one step (max_tokens=1) is counted."""
+    from streamkv.core.block_manager import BlockManager
+    from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+    from streamkv.engine.stats import EngineStats
+
+    bm = BlockManager(16, num_device_blocks=8, num_cpu_blocks=0)
+    seq = Sequence(0, [1, 2, 3, 4])
+    group = SequenceGroup("r", [seq], SamplingParams(max_tokens=1), arrival_time=1.0)
+    stats = EngineStats(bm, SimpleNamespace(running=[], num_preemptions=0, num_swapped_out_blocks=0,
+                                            num_swapped_in_blocks=0, waiting=(), swapped=()))
+    seq.output_token_ids.append(9)  # what the step's output processing did
+    group.first_token_time = group.finished_time = 3.0
+    stats.record_step(SchedulerOutput(scheduled=[ScheduledSeq(group, seq, 4)]), started=2.0)
+    h = stats.request_metrics.snapshot()
+    assert (h["queue_time"]["sum"], h["prefill_time"]["sum"], h["decode_time"]["sum"]) == (1.0, 1.0, 0.0)
+    assert sum(h["iteration_tokens"]["counts"]) == 1 and h["iteration_tokens"]["sum"] == 4
