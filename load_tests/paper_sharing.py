@@ -51,7 +51,7 @@ def run(argv: list[str], out: str, log: str) -> None:
 
 
 def fig14(args) -> None:
-    rates = args.rates or "4,8,16,32,64,128"
+    rates = args.rates or "8,16,32,64,128"
     for flag, width in [("--n", w) for w in (2, 4, 6)] + [("--beam-width", w) for w in (2, 4, 6)]:
         tag = f"{'n' if flag == '--n' else 'beam'}{width}"
         for system in ("paged", "orca-oracle"):
@@ -62,7 +62,7 @@ def fig14(args) -> None:
 
 
 def fig16(args) -> None:
-    rates = args.rates or "10,20,40,60,80,120"
+    rates = args.rates or "20,40,80,160,240,320"
     for shots, prefix_len in ((1, 80), (5, 341)):
         for system in ("paged", "orca-oracle"):
             extra = ["--reserve-shared-prefix"] if system == "paged" else []

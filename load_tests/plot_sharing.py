@@ -28,7 +28,7 @@ def _load(path: str) -> dict:
 
 
 def _norm(run: dict) -> float:
-    return run["summary"]["normalized_latency"]
+    return run["summary"]["normalized_latency_s"]
 
 
 def _curve(ax, res: dict, **style) -> None:
