@@ -5,6 +5,13 @@ answers 503), ``restarted`` (/health 200 again), ``first_token`` (the next chunk
 resumed stream). The resumed stream's text is checked against a fault-free run.
 
     python benchmarks/bench_recovery.py --json-out /tmp/recovery.json
+
+On one GPU with a shape preset's dummy weights (a preset has no tokenizer: the server gets a
+copy of its config.json with a synthetic one, "t0".."tN" one word per id, so that the
+resumed text can still be compared):
+
+    python benchmarks/bench_recovery.py --model llama3-8b --device cuda --dtype bfloat16 \
+        --num-kv-blocks 4096 --max-num-seqs 8 --faults SIGKILL,SIGSTOP --json-out /tmp/recovery_gpu.json
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 import httpx
 
 BODY = {"prompt": "The history of the sea:", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+SYNTHETIC_PROMPT = " ".join(f"t{i}" for i in range(100, 132))
 
 
 def free_port() -> int:
@@ -41,7 +49,27 @@ def worker_pids(pid: int) -> list[int]:
     return out
 
 
-def one_fault(url: str, server_pid: int, fault: signal.Signals, expected: str) -> dict:
+def synthetic_model_dir(preset: str) -> str:
+    """A directory with ``preset``'s config.json (weights: dummy) and a word-level tokenizer
+    of its vocabulary size, so that text can be compared."""
+    import tempfile
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from streamkv.models.loader import load_config, resolve_model_dir
+
+    config = load_config(resolve_model_dir(preset))
+    out = tempfile.mkdtemp(prefix=f"streamkv-{preset}-synthetic-")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(out)
+    return out
+
+
+def one_fault(url: str, server_pid: int, fault: signal.Signals, expected: str, body: dict) -> dict:
     marks: dict[str, float] = {}
     stop = threading.Event()
 
@@ -60,7 +88,7 @@ def one_fault(url: str, server_pid: int, fault: signal.Signals, expected: str) -
 
     poller = threading.Thread(target=poll, daemon=True)
     chunks, t_fault = [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True}, timeout=600) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -68,7 +96,7 @@ def one_fault(url: str, server_pid: int, fault: signal.Signals, expected: str) -
             if t_fault is not None and "first_token" not in marks:
                 marks["first_token"] = time.monotonic()
             if len(chunks) == 5:
-                (pid,) = worker_pids(server_pid)
+                pid = worker_pids(server_pid)[-1]  # at TP > 1: the last rank
                 os.kill(pid, fault)
                 t_fault = time.monotonic()
                 poller.start()
@@ -83,12 +111,34 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", default="SIGKILL,SIGSTOP,SIGKILL,SIGSTOP")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--model", default=None, help="a model the server takes; a shape preset (e.g. llama3-8b) "
+                                                 "gets dummy weights and a synthetic tokenizer (see above)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-kv-blocks", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="fewer decode graphs to capture on a GPU")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     args = p.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", "WARNING", "serve", "--port", str(port),
-           "--device", "cpu", "--num-kv-blocks", "256", "--num-swap-blocks", "64", "--max-model-len", "1024",
+    body = BODY
+    model_args: list[str] = []
+    if args.model is not None:
+        from streamkv.models.loader import presets
+
+        if args.model in presets():
+            model_args = [synthetic_model_dir(args.model), "--load-format", "dummy"]
+            body = {**BODY, "prompt": SYNTHETIC_PROMPT}
+        else:
+            model_args = [args.model]
+    cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", "WARNING", "serve", *model_args,
+           "--port", str(port), "--device", args.device, "--dtype", args.dtype,
+           "--num-kv-blocks", str(args.num_kv_blocks), "--num-swap-blocks", "64", "--max-model-len", "1024",
+           "--tensor-parallel-size", str(args.tensor_parallel_size),
            "--distributed-executor-backend", "mp", "--no-access-log", "--max-worker-restarts", "10"]
+    if args.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    start = time.monotonic()
     proc = subprocess.Popen(cmd)
     try:
         while True:
@@ -100,8 +150,9 @@ def main() -> int:
             if proc.poll() is not None:
                 raise SystemExit("the server exited")
             time.sleep(0.5)
-        expected = httpx.post(f"{url}/v1/completions", json=BODY, timeout=600).json()["choices"][0]["text"]
-        rows = [one_fault(url, proc.pid, signal.Signals[name], expected) for name in args.faults.split(",")]
+        started_s = time.monotonic() - start
+        expected = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"][0]["text"]
+        rows = [one_fault(url, proc.pid, signal.Signals[name], expected, body) for name in args.faults.split(",")]
     finally:
         proc.terminate()
         proc.wait(60)
@@ -109,7 +160,8 @@ def main() -> int:
     for r in rows:
         print(f"{r['fault']:8} {r.get('detected', float('nan')):11.2f} {r.get('restarted', float('nan')):12.2f} "
               f"{r.get('first_token', float('nan')):14.2f} {r['same_text']}")
-    result = {"load_average": os.getloadavg(), "rows": rows}
+    print(f"server start (model load, cache, graphs): {started_s:.1f} s")
+    result = {"args": vars(args), "server_start_s": round(started_s, 2), "load_average": os.getloadavg(), "rows": rows}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)
