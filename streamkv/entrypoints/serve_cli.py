@@ -151,6 +151,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.info("ready: %s://%s:%d%s (model %s, %d KV blocks of %d tokens, max context %d)",
                     scheme, url_host(args.host), port, args.root_path, model_name, info.num_kv_blocks,
                     info.block_size, info.max_model_len)
+        if config.scheduler.preemption_mode == "swap" and info.num_swap_blocks == 0:
+            logger.warning("--preemption-mode swap with no CPU swap blocks (none by default on a CPU): a "
+                           "request preempted will fail; set --swap-space or --num-swap-blocks")
 
     app = build_app(engine, ServerConfig(
         model_name=model_name, api_key=args.api_key or None,

@@ -27,7 +27,7 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
     # No --num-swap-blocks: the CPU default (no swap pool) is under test too.
     cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512", "--log-level", "INFO",
-           "--no-access-log", "--log-stats-interval", "0.3"]
+           "--no-access-log", "--log-stats-interval", "0.3", "--preemption-mode", "swap"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     url, statuses = f"http://127.0.0.1:{port}", []
@@ -72,6 +72,7 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
         assert "Uvicorn running on" not in out and f"listening on http://127.0.0.1:{port}" in out
         assert out.index("listening on") < out.index("ready: ")
         assert "0 CPU swap blocks" in out  # no CPU->CPU swap pool by default on a CPU
+        assert "--preemption-mode swap with no CPU swap blocks" in out  # and swap mode is told so
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert 'num_cpu_blocks="0"' in metrics
         deadline = time.monotonic() + 10
