@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # a wheel build: ~10 s of CPU
 
 
 @pytest.fixture(scope="module")
