@@ -35,7 +35,7 @@ def forced_tool_schema(tools: list[Tool], named: Tool | None, parallel: bool) ->
         {"type": "object",
          "properties": {"name": {"type": "string", "enum": [t.function.name]},
                         "arguments": t.function.parameters or _ANY_OBJECT},
-         "required": ["name", "arguments"]}
+         "required": ["name", "arguments"], "additionalProperties": False}
         for t in tools
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
