@@ -108,6 +108,21 @@ class RemoteRank:
         self.returncode = -9  # given up on; its launcher kills it once its heartbeat closes
 
 
+def rendezvous(placement: Placement | None, tmpdir: str, tp: int, resources: list) -> str:
+    """torch.distributed's meeting point for one executor: a file on one host, else a
+    TCPStore hosted here (kept in ``resources`` with, when ranks live elsewhere, the
+    listener they join through, first)."""
+    if placement is None:
+        return f"file://{tmpdir}/rendezvous"
+    import torch.distributed as dist
+
+    if placement.local_ranks < tp:
+        resources.append(RankListener(placement))
+    store = dist.TCPStore(placement.master_addr, 0, None, True, wait_for_workers=False)
+    resources.append(store)
+    return f"tcp://{placement.master_addr}:{store.port}"
+
+
 class RankListener:
     """The engine's listener for remote ranks, for one executor (one generation)."""
 

@@ -32,25 +32,21 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 
 import msgspec
 import torch
 
-import streamkv
 from streamkv.config import EngineConfig
 from streamkv.executor import ipc
 from streamkv.executor.base import Executor
-from streamkv.executor.cluster import JoinTimeout, Placement, RankListener, RemoteRank
-from streamkv.executor.stopping import stop_ranks
-from streamkv.executor.supervisor import HEARTBEAT_ENV, Supervisor
+from streamkv.executor.cluster import JoinTimeout, Placement, RemoteRank, rendezvous
+from streamkv.executor.local_ranks import spawn_rank, stop_ranks
+from streamkv.executor.supervisor import Supervisor
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
 from streamkv.models.loader import resolve_model_info
@@ -63,12 +59,15 @@ class WorkerError(RuntimeError):
     """A worker process failed or died; the executor serves nothing more."""
 
 
-def verify_tensor_parallel(hf_config: dict, tp: int, device: torch.device) -> None:
+def verify_tensor_parallel(hf_config: dict, tp: int, device: torch.device, local_ranks: int | None = None) -> None:
     """Refuse, before any process starts, a tensor-parallel size the model cannot split
-    (from config numbers, without building the model here) or the GPUs cannot hold."""
+    (from config numbers, without building the model here) or this host's GPUs cannot hold
+    (its ``local_ranks``, default all: the other hosts' launchers check their own)."""
     check_tensor_parallel(hf_config, tp)
-    if device.type == "cuda" and tp > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs, but {torch.cuda.device_count()} are visible")
+    local = tp if local_ranks is None else local_ranks
+    if device.type == "cuda" and local > torch.cuda.device_count():
+        raise ValueError(f"{local} worker rank(s) on this host need {local} GPUs, but "
+                         f"{torch.cuda.device_count()} are visible (tensor_parallel_size {tp})")
 
 
 class MultiprocExecutor(Executor):
@@ -86,7 +85,8 @@ class MultiprocExecutor(Executor):
         self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        verify_tensor_parallel(self.hf_config, self.tp, self.device)
+        local = self.tp if self.placement is None else self.placement.local_ranks
+        verify_tensor_parallel(self.hf_config, self.tp, self.device, local)
         self._decoder = ipc.engine_decoder()
         self._dead: str | None = None
         self._steps, self._roundtrip_s, self._worker_s = 0, 0.0, 0.0
@@ -100,13 +100,15 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, stop_ranks, self._procs, self._conns, self._tmpdir, self._supervisor,
                                            self._resources)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        local = self.tp if self.placement is None else self.placement.local_ranks
         try:
-            init_method = self._rendezvous(local)
+            init_method = rendezvous(self.placement, self._tmpdir, self.tp, self._resources)
             setup = (dataclasses.asdict(config), self.model_info.to_dict(), backend, init_method,
                      logging.getLogger().getEffectiveLevel())
             for rank in range(local):
-                self._start(rank, setup)
+                proc, conn = spawn_rank(self._supervisor)
+                self._procs.append(proc)
+                self._conns.append(conn)
+                self._send_setup(rank, conn, setup)
             if local < self.tp:
                 self._attach_remote(list(range(local, self.tp)), setup)
             self._gather(ipc.Ready, load_timeout)
@@ -116,23 +118,9 @@ class MultiprocExecutor(Executor):
             raise
         logger.info("%d worker process(es) ready (pids %s, %s)", self.tp, self.pids, backend)
 
-    def _rendezvous(self, local: int) -> str:
-        """torch.distributed's meeting point: a file on one host, else a TCPStore hosted here
-        (and, with ranks elsewhere, the listener they join through)."""
-        if self.placement is None:
-            return f"file://{self._tmpdir}/rendezvous"
-        import torch.distributed as dist
-
-        addr = self.placement.master_addr
-        if local < self.tp:
-            self._resources.append(RankListener(self.placement))
-        store = dist.TCPStore(addr, 0, None, True, wait_for_workers=False)
-        self._resources.append(store)
-        return f"tcp://{addr}:{store.port}"
-
     def _attach_remote(self, ranks: list[int], setup: tuple) -> None:
         try:
-            joined = self._resources[0].accept(ranks, self.tp)
+            joined = self._resources[0].accept(ranks, self.tp)  # the listener (cluster.rendezvous)
         except JoinTimeout as e:
             raise WorkerError(str(e)) from None
         for rank in ranks:
@@ -141,27 +129,6 @@ class MultiprocExecutor(Executor):
             self._procs.append(handle)
             self._conns.append(conn)
             self._send_setup(rank, conn, setup)
-
-    def _start(self, rank: int, setup: tuple) -> None:
-        ours, theirs = socket.socketpair()
-        beat = self._supervisor.add_rank()
-        env = dict(os.environ)
-        env[HEARTBEAT_ENV] = str(beat.fileno())
-        # The ranks import the same streamkv as this process, installed or not.
-        root = str(Path(streamkv.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "streamkv.executor.rank", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(), beat.fileno()), env=env,
-            )
-        finally:
-            theirs.close()
-            beat.close()
-        conn = Connection(ours.detach())
-        self._procs.append(proc)
-        self._conns.append(conn)
-        self._send_setup(rank, conn, setup)
 
     def _send_setup(self, rank: int, conn: Connection, setup: tuple) -> None:
         config_data, info_data, backend, init_method, log_level = setup
