@@ -1,10 +1,20 @@
 """The engine's own CPU time per step, without a model: scheduling, block tables, StepInput,
-output processing, detokenization, stats. A stand-in executor answers every sample at once
-with a random token, so the figure is what a GPU step pays on top of the model.
+output processing, detokenization, stats. A stand-in executor answers every sample with a
+random token, so the figure is what a GPU step pays on top of the model.
 
-    python benchmarks/bench_engine_overhead.py --num-seqs 256 --output-len 256
+    python benchmarks/bench_engine_overhead.py --num-seqs 256 --output-len 256 --out overhead.json
 
-Prints ms per step and the top of a cProfile listing (--profile), writes JSON with --out.
+Two executors, each run with async scheduling off and on (SchedulerConfig.async_scheduling):
+
+- ``instant``: the step is answered inside submit. Wall and engine-thread CPU time per step
+  are the engine's host cost (async on adds its bookkeeping; nothing can overlap).
+- ``gpu``: submit hands the step to another thread that holds it for --gpu-ms (a stand-in
+  for the device, releasing the GIL like a CUDA stream does) before it answers; result()
+  waits for it. Synchronous, a step costs host + GPU; overlapped, ideally max(host, GPU).
+  "hidden" is the share of the host time that the overlap took off the step's wall time:
+  (host + gpu - wall) / host.
+
+Prints a table; --profile prints the top of a cProfile listing of one instant run.
 """
 
 from __future__ import annotations
@@ -16,26 +26,32 @@ import os
 import pstats
 import random
 import sys
+import threading
 import time
+from concurrent.futures import Future
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from streamkv import SamplingParams  # noqa: E402
 from streamkv.engine.llm_engine import LLMEngine  # noqa: E402
 from streamkv.entrypoints.llm import engine_config  # noqa: E402
-from streamkv.executor.base import Executor  # noqa: E402
-from streamkv.messages import SampleResult, StepInput, StepOutput  # noqa: E402
+from streamkv.executor.base import Executor, StepHandle  # noqa: E402
+from streamkv.messages import PENDING_TOKEN, SampleResult, StepInput, StepOutput  # noqa: E402
 from streamkv.models.loader import load_config, resolve_model_dir  # noqa: E402
 
 
 class InstantExecutor(Executor):
-    """The embedded model's tokenizer and config, no model: every sample is a random token."""
+    """The embedded model's tokenizer and config, no model: every sample is a random token.
+    Like a worker, it checks that a pending input token is one it sampled the step before."""
+
+    resolves_pending_tokens = True
 
     def __init__(self, num_blocks: int, seed: int) -> None:
         self.model_dir = resolve_model_dir(None)
         self.hf_config = load_config(self.model_dir)
         self.num_blocks = num_blocks
         self.rng = random.Random(seed)
+        self.last: set[int] = set()
 
     def num_available_blocks(self) -> tuple[int, int]:
         return self.num_blocks, 0
@@ -44,37 +60,88 @@ class InstantExecutor(Executor):
         pass
 
     def execute(self, step: StepInput) -> StepOutput:
+        for s in step.seqs:
+            if s.token_ids[0] == PENDING_TOKEN and s.seq_id not in self.last:
+                raise RuntimeError(f"sequence {s.seq_id}'s pending token was not sampled the step before")
         draw = self.rng.randrange
-        return StepOutput(
-            {s.seq_id: SampleResult([draw(1000, 20000)], [-1.0]) for s in step.seqs if s.sample}
-        )
+        out = StepOutput({s.seq_id: SampleResult([draw(1000, 20000)], [-1.0]) for s in step.seqs if s.sample})
+        self.last = set(out.results)
+        return out
 
 
-def run(args) -> dict:
-    blocks = args.num_seqs * -(-(args.max_prompt_len + args.output_len) // 16) + 16
+class SlowDeviceExecutor(InstantExecutor):
+    """Each step is held ``gpu_s`` on a thread of its own, in submission order."""
+
+    def __init__(self, num_blocks: int, seed: int, gpu_s: float) -> None:
+        super().__init__(num_blocks, seed)
+        self.gpu_s = gpu_s
+        self._free_at = 0.0  # when the "device" finishes the last step handed to it
+        self._lock = threading.Lock()
+
+    def submit(self, step: StepInput) -> StepHandle:
+        out = self.execute(step)  # cheap; the time the device takes is simulated below
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = done = start + self.gpu_s
+        fut: Future = Future()
+
+        def run() -> None:
+            time.sleep(max(done - time.perf_counter(), 0.0))
+            fut.set_result(out)
+
+        threading.Thread(target=run, daemon=True).start()
+        return _FutureStep(fut)
+
+
+class _FutureStep:
+    def __init__(self, fut: Future) -> None:
+        self.fut = fut
+
+    def result(self) -> StepOutput:
+        return self.fut.result()
+
+
+def _engine(args, executor: Executor, async_scheduling: bool) -> LLMEngine:
+    blocks = executor.num_blocks
     cfg = engine_config(None, device="cpu", max_num_seqs=args.num_seqs, num_kv_blocks=blocks,
-                        num_swap_blocks=0, enable_prefix_caching=False)
-    engine = LLMEngine(cfg, InstantExecutor(blocks, args.seed))
+                        num_swap_blocks=0, enable_prefix_caching=False, async_scheduling=async_scheduling)
+    engine = LLMEngine(cfg, executor)
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for i in range(args.num_seqs):
         ids = [rng.randrange(1000, 20000) for _ in range(rng.randrange(args.max_prompt_len // 8, args.max_prompt_len))]
         engine.add_request(str(i), None, params, prompt_token_ids=ids)
-    prof = cProfile.Profile() if args.profile else None
-    steps, t = 0, time.perf_counter()
+    return engine
+
+
+def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
+    blocks = args.num_seqs * -(-(args.max_prompt_len + args.output_len) // 16) + 16
+    gpu_s = args.gpu_ms / 1e3
+    executor = InstantExecutor(blocks, args.seed) if mode == "instant" else SlowDeviceExecutor(blocks, args.seed, gpu_s)
+    engine = _engine(args, executor, async_scheduling)
+    prof = cProfile.Profile() if profile else None
+    steps, wall, cpu = 0, time.perf_counter(), time.thread_time()
     if prof:
         prof.enable()
-    while engine.groups:
+    while engine.has_unfinished_requests():
         engine.step(finished_only=args.finished_only)
         steps += 1
     if prof:
         prof.disable()
-    seconds = time.perf_counter() - t
-    if prof:
         pstats.Stats(prof).sort_stats(args.sort).print_stats(25)
-    return {"num_seqs": args.num_seqs, "output_len": args.output_len, "steps": steps,
-            "finished_only": args.finished_only,
-            "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "profiled": bool(prof)}
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    host_ms = cpu / steps * 1e3
+    wall_ms = wall / steps * 1e3
+    gpu_ms = args.gpu_ms if mode == "gpu" else 0.0
+    result = {
+        "mode": mode, "async_scheduling": engine.async_scheduling, "steps": steps,
+        "overlapped_steps": engine.overlapped_steps, "wall_ms_per_step": wall_ms,
+        "engine_cpu_ms_per_step": host_ms, "gpu_ms": gpu_ms, "profiled": profile,
+    }
+    if mode == "gpu":
+        result["ideal_ms_per_step"] = max(host_ms, gpu_ms)
+        result["hidden"] = (host_ms + gpu_ms - wall_ms) / host_ms if host_ms else 0.0
+    return result
 
 
 def main() -> int:
@@ -82,19 +149,31 @@ def main() -> int:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-prompt-len", type=int, default=1000)
+    ap.add_argument("--gpu-ms", type=float, default=10.0, help="the stand-in device's time per step (gpu mode)")
+    ap.add_argument("--modes", default="instant,gpu", help="comma-separated: instant, gpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile one extra instant run (async off)")
     ap.add_argument("--finished-only", action="store_true",
                     help="outputs for finished requests only, as offline LLM.generate asks")
     ap.add_argument("--sort", default="cumulative", help="cProfile sort key (cumulative, tottime)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    result = run(args)
-    print(f"{result['steps']} steps, {result['num_seqs']} sequences x {result['output_len']} tokens: "
-          f"{result['ms_per_step']:.2f} ms per step{' (profiled)' if result['profiled'] else ''}")
+    rows = [run(args, mode, a) for mode in args.modes.split(",") for a in (False, True)]
+    if args.profile:
+        run(args, "instant", False, profile=True)
+    print(f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
+          f"{', finished-only outputs' if args.finished_only else ''}")
+    print(f"{'executor':<9} {'async':<6} {'steps':>6} {'overlapped':>10} {'wall ms':>8} {'engine CPU ms':>13} "
+          f"{'GPU ms':>7} {'max(host,GPU)':>13} {'hidden':>7}")
+    for r in rows:
+        ideal = f"{r['ideal_ms_per_step']:.2f}" if "ideal_ms_per_step" in r else "-"
+        hidden = f"{r['hidden']:.0%}" if "hidden" in r else "-"
+        print(f"{r['mode']:<9} {'on' if r['async_scheduling'] else 'off':<6} {r['steps']:>6} {r['overlapped_steps']:>10} "
+              f"{r['wall_ms_per_step']:>8.2f} {r['engine_cpu_ms_per_step']:>13.2f} {r['gpu_ms']:>7.1f} {ideal:>13} "
+              f"{hidden:>7}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"args": vars(args), "runs": rows}, f, indent=2)
     return 0
 
 

@@ -96,6 +96,8 @@ class SchedulerConfig:
     max_prefill_step_ratio: float = arg(
         0.0, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
              "times a decode-only step (fitted online; 0 = no cap, the whole token budget)")
+    async_scheduling: bool = arg(True, "schedule and submit the next step while the device runs this one, and "
+                                       "process its outputs while the next runs (engine/step_pipeline.py)")
     # The served context length, ModelInfo.max_model_len: the engine's own copy of the config
     # carries it (set by replace(), never by mutation); ModelConfig.max_model_len is the request.
     max_model_len: int = field(default=2048, metadata={"cli": False})

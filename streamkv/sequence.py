@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamkv.messages import PENDING_TOKEN
 from streamkv.sampling_params import SamplingParams
 
 
@@ -85,6 +86,22 @@ class Sequence:
         self.cumulative_logprob += logprob
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    # Async scheduling: while the step that samples a sequence's next token runs, that token
+    # is a placeholder at the end of its outputs, so the next step can be planned with it
+    # (its length, slot and block; the worker fills in the token). It is replaced before
+    # anything reads the outputs (engine/output_processor.py).
+    @property
+    def has_pending(self) -> bool:
+        out = self.output_token_ids
+        return bool(out) and out[-1] == PENDING_TOKEN
+
+    def add_pending(self) -> None:
+        self.output_token_ids.append(PENDING_TOKEN)
+
+    def drop_pending(self) -> None:
+        if self.has_pending:
+            self.output_token_ids.pop()
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0

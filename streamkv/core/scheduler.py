@@ -86,7 +86,10 @@ def demands(group: SequenceGroup, seqs: list[Sequence], budget: int) -> list[tup
     share = budget // len(seqs)
     if share == 0:
         return None
-    return [(s, min(s.num_uncomputed_tokens, share)) for s in seqs]
+    # A sequence with nothing to compute sits the step out (async scheduling: its next token
+    # ends it by length, so the engine gave it no pending token).
+    want = [(s, min(s.num_uncomputed_tokens, share)) for s in seqs]
+    return [w for w in want if w[1] > 0] or None
 
 
 def _decoding(group: SequenceGroup) -> bool:
@@ -108,6 +111,9 @@ class Scheduler:
         self.num_swapped_in_blocks = 0
         # preemption_mode=auto: swap or recompute by measured cost (core/preemption.py).
         self.preemption_costs = load_costs(config.preemption_cost_profile)
+        # Groups preempted by the last schedule(). With async scheduling one of them may still
+        # get a token from the step in flight, and finish by it while waiting or swapped.
+        self._preempted: list[SequenceGroup] = []
         # The engine reports each step's time here; it caps prompt chunks beside decodes.
         self.step_cost = StepCostModel(config.max_prefill_step_ratio)
 
@@ -145,10 +151,18 @@ class Scheduler:
             if not group.finished:
                 still.append(group)
         self.running = still
+        for group in self._preempted:
+            if group.finished:
+                queue = self.waiting if group in self.waiting else self.swapped
+                if group in queue:
+                    queue.remove(group)
+                    self.finish_group(group, SequenceStatus.FINISHED_STOPPED)
+        self._preempted = []
 
     # -- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._preempted = []
         budget, num_seqs = self._schedule_running(out)
         if out.num_preempted == 0:
             budget, num_seqs = self._resume_swapped(out, budget, num_seqs)
@@ -156,8 +170,18 @@ class Scheduler:
             self._admit_waiting(out, budget, num_seqs)
         self.running.sort(key=lambda g: g.arrival_time)
         if not (out.scheduled or out.swap_in or out.failed or out.num_preempted) and self.has_unfinished():
-            self._no_progress(out)
+            if not self._awaiting_step():
+                self._no_progress(out)
         return out
+
+    def _awaiting_step(self) -> bool:
+        """Async scheduling: a running sequence waits for the token that the step in flight
+        samples for it (a placeholder, or nothing to compute before it comes), so that step's
+        outputs will change what can run: an empty step now is no stall."""
+        return any(
+            s.num_uncomputed_tokens == 0 or s.has_pending
+            for g in self.running for s in g.seqs if s.status is SequenceStatus.RUNNING
+        )
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
         num_seqs = 0
@@ -167,7 +191,10 @@ class Scheduler:
             (decodes if _decoding(group) else prefills).append(group)
         budget = self.config.token_budget
         if self.step_cost.enabled and decodes:
-            budget = self.step_cost.budget(sum(len(g.live_seqs(SequenceStatus.RUNNING)) for g in decodes), budget)
+            # Rows that decode this step: not one that waits for the step in flight to end it
+            # (async scheduling: its last token is being sampled, it has nothing to compute).
+            rows = sum(1 for g in decodes for s in g.live_seqs(SequenceStatus.RUNNING) if s.num_uncomputed_tokens)
+            budget = self.step_cost.budget(rows, budget)
         queue = decodes + prefills
         self.running = []
         i = 0
@@ -290,6 +317,7 @@ class Scheduler:
         if mode == "auto":
             mode = auto_mode(self.preemption_costs, self.bm, group, seqs)
         out.num_preempted += 1
+        self._preempted.append(group)
         self.num_preemptions += 1
         group.num_preemptions += 1
         if mode == "recompute":

@@ -19,6 +19,7 @@ from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
+from streamkv.engine.step_pipeline import InFlight, overlappable
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor, create_executor
 from streamkv.messages import StepFailed, StepOutput
@@ -92,6 +93,10 @@ class LLMEngine:
         )
         self.stats_ = EngineStats(bm, self.scheduler, info.max_model_len)
         self.groups: dict[str, SequenceGroup] = {}
+        # Async scheduling needs workers that fill pending input tokens on the device.
+        self.async_scheduling = config.scheduler.async_scheduling and executor.resolves_pending_tokens
+        self._inflight: InFlight | None = None
+        self.overlapped_steps = 0  # steps whose successor was submitted before their outputs were read
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
 
     # -- requests -----------------------------------------------------------------------
@@ -131,7 +136,8 @@ class LLMEngine:
         return self.outputs.make_output(group) if group is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A step in flight counts: its outputs are still to be processed (async scheduling).
+        return self.scheduler.has_unfinished() or (self._inflight is not None and self._inflight.live)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -155,25 +161,73 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """One iteration. Returns an output for every request the step touched, or with
-        ``finished_only`` for those that finished (what offline generation keeps: it skips
-        building a snapshot of every running request on every step)."""
+        """One iteration: the outputs of one step, for every request it touched (with
+        ``finished_only``, for those that finished: offline generation skips building a
+        snapshot of every running request on every step). With async scheduling the next
+        step is scheduled and submitted before this one's outputs are processed, and stays
+        in flight when this returns (engine/step_pipeline.py)."""
+        current, self._inflight = self._inflight, None
+        if current is not None and not current.live:  # all it ran has ended: its outputs are void
+            self._complete(current, finished_only)
+            current = None
+        current = current or self._launch()
+        if current.overlaps:
+            self.overlapped_steps += 1
+            self.outputs.advance(current.sched, pending=True)
+            current.advanced = True
+            following = self._launch()
+            if following.handle is None:  # refused, or nothing to run: no need to wait a step
+                return self._complete(current, finished_only) + self._complete(following, finished_only)
+            self._inflight = following
+        return self._complete(current, finished_only)
+
+    def _launch(self) -> InFlight:
+        """Schedule a step and hand it to the executor."""
+        started = time.monotonic()  # the requests' first-scheduled time (engine/request_metrics.py)
         sched = self.scheduler.schedule()
+        # Only a step that computes something can change what the next one finds.
+        step = InFlight(sched, started, overlaps=self.async_scheduling and bool(sched.scheduled) and overlappable(sched))
+        if not sched.is_empty:
+            step.submitted = time.perf_counter()
+            try:
+                step.handle = self.executor.submit(self.step_builder.build(sched))
+            except StepFailed as e:
+                step.error, step.overlaps = e, False
+        return step
+
+    def _complete(self, step: InFlight, finished_only: bool) -> list[RequestOutput]:
+        """Wait for a step's samples and apply them."""
+        sched = step.sched
         try:
-            result = self.executor.execute(self.step_builder.build(sched)) if not sched.is_empty else StepOutput()
+            if step.error is not None:
+                raise step.error
+            result = step.handle.result() if step.handle is not None else StepOutput()
         except StepFailed as e:
             return self._fail_step(sched, e)
-        outputs = self.outputs.process(sched, result, finished_only)
-        self.stats_.record_step(sched)
+        if step.handle is not None and self.scheduler.step_cost.enabled and sched.scheduled:
+            timed = getattr(step.handle, "device_seconds", None)  # optional (executor/base.py)
+            self._observe_step_time(sched, timed() if timed is not None else time.perf_counter() - step.submitted)
+        outputs = self.outputs.process(sched, result, finished_only, advanced=step.advanced)
+        self.stats_.record_step(sched, step.started)
         for out in outputs:
             if out.finished:
                 self.groups.pop(out.request_id, None)
         return outputs
 
+    def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Feeds the scheduler's step-cost fit (core/step_budget.py): decode rows, prompt
+        tokens and the step's time on the device."""
+        decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+        self.scheduler.step_cost.observe(decodes, sched.num_batched_tokens - decodes, seconds)
+
     def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[RequestOutput]:
         """The worker could not run this step: its requests end with the error (their blocks
         freed); requests outside the step, and later steps, go on."""
-        failed = {s.group.request_id: s.group for s in sched.scheduled}
+        # A group that ended before (async scheduling: while this step was planned) was
+        # answered already.
+        failed = {s.group.request_id: s.group for s in sched.scheduled if not s.group.finished}
+        for s in sched.scheduled:
+            s.seq.drop_pending()
         logger.error("a step failed; ending its %d request(s): %s", len(failed), error)
         for request_id, group in failed.items():
             self.scheduler.abort(request_id)

@@ -45,10 +45,36 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.beams = BeamContext(self.add_token, block_manager.fork, new_seq_id, eos_token_ids, max_model_len)
 
-    def process(
-        self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False
-    ) -> list[RequestOutput]:
+    def advance(self, sched: SchedulerOutput, pending: bool = False) -> None:
+        """Count a step's tokens as computed and register its full blocks in the prefix cache
+        (each holds known tokens only). With async scheduling this runs as soon as the step
+        is handed off, and ``pending`` gives each sequence it samples a placeholder for that
+        token (Sequence.add_pending), so the next step is planned while this one runs; a
+        sequence whose next token ends it by length gets none, so it is not scheduled again."""
         mark = self.bm.mark_computed
+        for s in sched.scheduled:
+            seq = s.seq
+            if seq.status.finished:  # ended while the step ran (abort): its blocks are gone
+                continue
+            sample = pending and s.do_sample
+            seq.num_computed_tokens += s.num_new_tokens
+            mark(seq)
+            if sample and not self._ends_by_length(s.group, seq):
+                seq.add_pending()
+
+    def _ends_by_length(self, group: SequenceGroup, seq: Sequence) -> bool:
+        """Whether the token being sampled for ``seq`` ends it, whatever it is (check_stop)."""
+        max_tokens = group.sampling_params.max_tokens
+        return (max_tokens is not None and len(seq.output_token_ids) + 1 >= max_tokens) or (
+            len(seq) + 1 >= self.max_model_len
+        )
+
+    def process(
+        self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False, advanced: bool = False
+    ) -> list[RequestOutput]:
+        """Apply a step's samples. ``advanced``: ``advance`` already ran for this step."""
+        if not advanced:
+            self.advance(sched)
         results = result.results
         if result.prompt_logprobs:
             prompt_logprobs.record(sched.scheduled, result.prompt_logprobs)
@@ -57,11 +83,14 @@ class OutputProcessor:
         now = time.monotonic()
         for s in sched.scheduled:
             seq, group = s.seq, s.group
-            seq.num_computed_tokens += s.num_new_tokens
-            mark(seq)
+            seq.drop_pending()  # the sample below takes its place
+            if seq.status.finished:
+                # Aborted, or ended by the step before while this one ran (async scheduling):
+                # this step's work for it is discarded, and its request was answered already.
+                continue
             touched[group.request_id] = group
             res = results.get(seq.seq_id)
-            if res is None or seq.status.finished:
+            if res is None:
                 continue
             if group.first_token_time is None:
                 group.first_token_time = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import time
 from typing import ClassVar, Protocol
 
 from streamkv.config import EngineConfig
@@ -13,17 +14,24 @@ from streamkv.model_info import ModelInfo
 class StepHandle(Protocol):
     def result(self) -> StepOutput: ...
 
+    # Optional: the step's own time on the device, once its result is in (the engine's
+    # step-cost fit; without it the engine times hand-off to result).
+    # def device_seconds(self) -> float: ...
+
 
 class DoneStep:
-    """The handle of a step that already ran."""
+    """The handle of a step that already ran, in ``seconds``."""
 
-    __slots__ = ("output",)
+    __slots__ = ("output", "seconds")
 
-    def __init__(self, output: StepOutput) -> None:
-        self.output = output
+    def __init__(self, output: StepOutput, seconds: float) -> None:
+        self.output, self.seconds = output, seconds
 
     def result(self) -> StepOutput:
         return self.output
+
+    def device_seconds(self) -> float:
+        return self.seconds
 
 
 class Executor(abc.ABC):
@@ -47,7 +55,9 @@ class Executor(abc.ABC):
         """Hand a step over and return at once if the executor can; ``result()`` of the
         handle returns (or raises) what ``execute`` would. Steps run in submission order.
         The default runs the step here, synchronously."""
-        return DoneStep(self.execute(step))
+        start = time.perf_counter()
+        output = self.execute(step)
+        return DoneStep(output, time.perf_counter() - start)
 
     def shutdown(self) -> None:  # noqa: B027 - executors without resources need nothing
         """Release workers and their memory."""

@@ -162,7 +162,7 @@ class Sampler:
         # One draw per output sample: (row, request, sample index).
         draws = [(i, r, r.sample_index + j) for i, r in enumerate(reqs) for j in range(r.num_samples)]
         expanded = len(draws) != len(reqs)
-        src = torch.tensor([d[0] for d in draws], device=dev) if expanded else None
+        src = _on(dev, [d[0] for d in draws]) if expanded else None
         if all(r.temperature > 0 for r in reqs):
             chosen = torch.empty(len(draws), dtype=torch.long, device=dev)
         else:
@@ -177,7 +177,7 @@ class Sampler:
             if len(part) == len(draws):
                 chosen = fn(logits, part)
             elif part:
-                chosen[torch.tensor([p[0] for p in part], device=dev)] = fn(logits, part)
+                chosen[_on(dev, [p[0] for p in part])] = fn(logits, part)
         # One fused log-softmax over every row: torch's logsumexp is several kernels and
         # passes (amax, sub, exp, sum), measured ~1.8x the time of log_softmax on the CPU.
         logprobs = torch.log_softmax(logits, -1)
@@ -187,7 +187,7 @@ class Sampler:
         top = None
         if asks:
             k = min(max(max(reqs[i].logprobs or 0, reqs[i].num_candidates) for i in asks), vocab)
-            top = logprobs[torch.tensor(asks, device=dev)].topk(k, dim=-1)
+            top = logprobs[_on(dev, asks)].topk(k, dim=-1)
         return SampledBatch(list(reqs), chosen, chosen_lp, asks, top)
 
     # -- the two sampling paths; ``part`` holds (draw, row, request, sample index) ------------
@@ -248,23 +248,33 @@ class Sampler:
         seeded = [j for j, p in enumerate(part) if p[2].seed is not None]
         if not seeded:
             return torch.empty(shape, device=dev).exponential_(generator=self.generator)
-        keys = stream_keys(
+        keys = _on(dev, stream_keys(
             [part[j][2].seed for j in seeded], [part[j][3] for j in seeded],
             [part[j][2].output_pos for j in seeded], round_,
-        ).to(dev)
+        ))
         if len(seeded) == len(part):
             return hashed_exponentials(keys, token_ids)
         q = torch.empty(shape, device=dev).exponential_(generator=self.generator)
-        sel = torch.tensor(seeded, device=dev)
+        sel = _on(dev, seeded)
         q[sel] = hashed_exponentials(keys, token_ids[sel] if token_ids.dim() == 2 else token_ids)
         return q
+
+
+def _on(device: torch.device, data) -> torch.Tensor:
+    """``data`` (a list of ints or a CPU tensor) on ``device``. On CUDA through pinned memory,
+    without blocking: a copy from pageable memory waits for everything queued on the stream,
+    so it would make a step's launch wait for the step before it (async scheduling)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _draw_params(part: list[tuple], device: torch.device, vocab: int) -> torch.Tensor:
     """Per draw (row, temperature, top_p, min_p, top_k clamped to the vocabulary), float32
     on the device in one copy (row ids and k stay exact below 2**24)."""
     rows = [(p[1], p[2].temperature, p[2].top_p, p[2].min_p, min(p[2].top_k, vocab)) for p in part]
-    return torch.tensor(rows, dtype=torch.float32).to(device)
+    return _on(device, torch.tensor(rows, dtype=torch.float32))
 
 
 def _every_row(part: list[tuple], logits: torch.Tensor) -> bool:
@@ -295,10 +305,10 @@ def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
     if biased:
         dev = logits.device
         rows, ids, vals = zip(*biased)
-        index = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
-        logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        index = (_on(dev, rows), _on(dev, ids))
+        logits.index_put_(index, _on(dev, torch.tensor(vals, dtype=logits.dtype)), accumulate=True)
     banned = [(i, t) for i, r in enumerate(reqs) if r.banned_token_ids for t in r.banned_token_ids]
     if banned:
         rows, ids = zip(*banned)
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = -math.inf
+        logits[_on(logits.device, rows), _on(logits.device, ids)] = -math.inf
     apply_token_masks(logits, [r.token_mask for r in reqs])

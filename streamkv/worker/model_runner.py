@@ -165,10 +165,13 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True) -> StepResult:
         """Run the step without waiting for the device; ``result()`` of the return waits."""
-        self._last_tokens, self._last_rows = None, {}
+        try:
+            hidden, ordered = self.forward(seqs, kv_caches, use_graphs) if seqs else (None, [])
+        finally:
+            # Pending tokens come from the step just before: never from an older one.
+            self._last_tokens, self._last_rows = None, {}
         if not seqs:
             return StepResult([], None)
-        hidden, ordered = self.forward(seqs, kv_caches, use_graphs)
         scored = {}  # prompt logprobs: every prompt row of the sequences that asked
         if any(s.scoring is not None for s in ordered):
             scored = score_prompts(self.model, hidden, ordered, self.samples)

@@ -4,6 +4,7 @@ about memory: swaps, copies and slots all come from the scheduler."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -127,14 +128,17 @@ class Worker:
         # The state first and outside the failure path below: a step that does not fit it is
         # an engine bug (ProtocolError), not a failed step.
         seqs = self.input_batch.apply(step)
+        timer = _StepTimer(self.device)
         # Order matters: blocks swapped out this step may be reused by copies and new slots.
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
         self.cache.copy(step.copies)
         try:
-            return LaunchedStep(self, self.runner.launch(seqs, self.cache.device_cache))
+            result = self.runner.launch(seqs, self.cache.device_cache)
         except Exception as e:
             raise self.step_failed(e) from e
+        timer.stop()
+        return LaunchedStep(self, result, timer)
 
     def step_failed(self, e: Exception) -> StepFailed:
         if self.device.type == "cuda":
@@ -148,13 +152,44 @@ class Worker:
 class LaunchedStep:
     """A step on its way through the device (Executor.submit's handle for this worker)."""
 
-    __slots__ = ("_worker", "_result")
+    __slots__ = ("_worker", "_result", "_timer")
 
-    def __init__(self, worker: Worker, result: StepResult) -> None:
-        self._worker, self._result = worker, result
+    def __init__(self, worker: Worker, result: StepResult, timer: _StepTimer) -> None:
+        self._worker, self._result, self._timer = worker, result, timer
 
     def result(self) -> StepOutput:
         try:
             return self._result.result()
         except Exception as e:
             raise self._worker.step_failed(e) from e
+
+    def device_seconds(self) -> float:
+        """How long the device worked on this step (after ``result()``)."""
+        return self._timer.seconds()
+
+
+class _StepTimer:
+    """A step's time on the device: CUDA events around its work (the start event runs when
+    the step before is done, so a pipelined step is timed alone); on a CPU, where a step
+    runs inside ``launch``, the wall time of that."""
+
+    __slots__ = ("_start", "_end", "_wall")
+
+    def __init__(self, device: torch.device) -> None:
+        self._start = self._end = None
+        if device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        self._wall = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._start is not None:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        self._wall = time.perf_counter() - self._wall
+
+    def seconds(self) -> float:
+        if self._end is None:
+            return self._wall
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
