@@ -29,6 +29,7 @@ def spawn_rank(supervisor: Supervisor) -> tuple[subprocess.Popen, Connection]:
     ours, theirs = socket.socketpair()
     beat = supervisor.add_rank()
     env = dict(os.environ)
+    env.pop("LOCAL_RANK", None)  # an engine started by torchrun: rank r here is GPU r
     env[HEARTBEAT_ENV] = str(beat.fileno())
     # The ranks import the same streamkv as this process, installed or not.
     root = str(Path(streamkv.__file__).resolve().parent.parent)
