@@ -81,15 +81,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   // src-size 0 writes 16 zero bytes and reads nothing: rows past the context cost no
   // traffic and hold zeros, so a masked (zero) probability never meets a NaN.
-#ifdef PREFILL_L2_HINT
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
-               "l"(gmem), "r"(valid ? 16 : 0)
-               : "memory");
-#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
-#endif
 }
 
 __device__ __forceinline__ void cp_async_commit() {
@@ -164,7 +158,7 @@ __device__ __forceinline__ void for_chunks(int tid, F&& copy) {
 }
 
 // Dynamic shared memory: (BM + 2 * BN) rows of HEAD + kPad elements (Q, one K tile, one V
-// tile), computed by streamkv/kernels/prefill.py.
+// tile), then 2 * BN row offsets of 8 bytes; computed by streamkv/kernels/prefill.py.
 template <typename T, int HEAD, int G, int WARPS, int MT, int BN>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_kernel(
     T* __restrict__ out, long long out_stride,  // [tokens, heads, HEAD], token stride
@@ -177,6 +171,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   static_assert(Traits<T>::VEC == 8, "prefill attention is for 16-bit caches");
   static_assert(HEAD % 16 == 0, "head size must be a multiple of 16");
   static_assert(BN % 16 == 0, "key tile must be a multiple of 16");
+  static_assert(BN <= WARPS * 32, "a thread publishes each key row's offset");
   constexpr int THREADS = WARPS * 32;
   constexpr int BM = WARPS * MT * 16;  // query rows (token, head pairs) per CTA
   constexpr int TM = BM / G;           // tokens per CTA
@@ -191,6 +186,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   T* sQ = reinterpret_cast<T*>(smem4);
   T* sK = sQ + BM * LD;
   T* sV = sK + BN * LD;
+  long long* sOff = reinterpret_cast<long long*>(sV + BN * LD);  // [2][BN], see publish
 
   // The G-head groups of one query tile are neighbours in launch order, and tiles run from
   // the last slot down: all heads of a span's longest tiles start first, so the short tiles
@@ -211,8 +207,6 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, quad = lane & 3;
   const int bmask = (1 << block_shift) - 1;
-  const long long blk_stride = (long long)num_kv_heads * HEAD << block_shift;
-  const long long head_off = (long long)kvh * HEAD << block_shift;
   const int* bt = block_tables + (long long)span * block_table_stride;
 
   // Q rows of this tile; rows past the span are zero.
@@ -223,34 +217,40 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
                    (long long)(head0 + r % G) * HEAD + col * 8;
     cp_async16(sQ + r * LD + col * 8, src, ok);
   });
-  // A K/V tile is copied in two steps: block_ids reads the block table for the rows this
-  // thread copies, all reads in flight at once and issued before the barrier that precedes
-  // the copy, so their latency hides behind it; load_kv then issues the copies. Keys past
-  // the context read key 0's entry (always a valid slot) and copy nothing.
-  using KV = ChunkMap<BN, CPR, THREADS>;
-  int blk[KV::N];
-  auto block_ids = [&](int tile) {
-#pragma unroll
-    for (int i = 0; i < KV::N; ++i) {
-      const int k = tile * BN + KV::row(tid, i);
-      blk[i] = __ldg(bt + ((k < n_kv ? k : 0) >> block_shift));
-    }
+  // K/V rows are found through the block table once per tile, not once per copied chunk:
+  // thread r < BN turns key tile * BN + r into its row's byte offset in a cache (the same
+  // for K and V) and publishes it in sOff, double-buffered by tile parity; every copy then
+  // costs one shared load and an add. Each thread's table read is issued a tile ahead, so
+  // its latency hides behind a whole iteration. Keys past the context get offset 0 (a
+  // valid address) and copy nothing.
+  const long long blk_bytes = (long long)num_kv_heads * HEAD * sizeof(T) << block_shift;
+  const long long head_bytes = (long long)kvh * HEAD * sizeof(T) << block_shift;
+  auto fetch_id = [&](int tile) {
+    const int k = tile * BN + tid;
+    return tid < BN && tile >= 0 ? __ldg(bt + ((k < n_kv ? k : 0) >> block_shift)) : 0;
   };
+  auto publish = [&](int tile, int id) {
+    const int k = tile * BN + tid;
+    if (tid < BN)
+      sOff[(tile & 1) * BN + tid] =
+          k < n_kv ? id * blk_bytes + head_bytes + (k & bmask) * (HEAD * (int)sizeof(T)) : 0;
+  };
+  using KV = ChunkMap<BN, CPR, THREADS>;
   auto load_kv = [&](T* dst, const T* cache, int tile) {
-    const T* base = cache + head_off;
+    const char* base = reinterpret_cast<const char*>(cache);
+    const long long* off = sOff + (tile & 1) * BN;
 #pragma unroll
     for (int i = 0; i < KV::N; ++i) {
       if (!KV::used(tid, i)) continue;
       const int r = KV::row(tid, i), col = KV::col(tid, i);
-      const int k = tile * BN + r;
-      const bool ok = k < n_kv;
-      const T* src = base + (long long)blk[i] * blk_stride + ((ok ? k : 0) & bmask) * HEAD + col * 8;
-      cp_async16(dst + r * LD + col * 8, src, ok);
+      cp_async16(dst + r * LD + col * 8, base + off[r] + col * 16, tile * BN + r < n_kv);
     }
   };
 
   const int n_tiles = (n_kv + BN - 1) / BN;
-  block_ids(n_tiles - 1);
+  publish(n_tiles - 1, fetch_id(n_tiles - 1));
+  int next_id = fetch_id(n_tiles - 2);
+  __syncthreads();  // sOff of the first tile
   load_kv(sK, key_cache, n_tiles - 1);
   cp_async_commit();
 
@@ -271,11 +271,12 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   // for K and V: V(j) streams in during Q K(j)^T, K(j-1) during the softmax and P V(j).
   // (Two (K, V) buffers with one barrier per tile measured 2-9% slower: docs/kernels.md.)
   for (int j = n_tiles - 1; j >= 0; --j) {
-#ifndef PREFILL_KEEP_IDS
-    if (j < n_tiles - 1) block_ids(j);
-#endif
+    if (j > 0) {
+      publish(j - 1, next_id);  // its buffer's last reader was V(j+1), before the last barrier
+      next_id = fetch_id(j - 2);
+    }
     cp_async_wait_all();
-    __syncthreads();  // K(j) (and Q) landed; every warp is done with V(j+1)
+    __syncthreads();  // K(j) (and Q) landed, sOff(j-1) is out; every warp is done with V(j+1)
     load_kv(sV, value_cache, j);
     cp_async_commit();
 
@@ -318,7 +319,6 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
         }
     }
 
-    if (j > 0) block_ids(j - 1);
     cp_async_wait_all();
     __syncthreads();  // V(j) landed; every warp is done with K(j)
     if (j > 0) {
@@ -331,6 +331,14 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
     // probabilities are packed to 16 bits at once (the A operand of P V), so the fp32 logits
     // die here and P V runs with fewer live registers.
     unsigned p[MT][BN / 16][4];
+    // Lazy rescale: the max a row subtracts moves only when a tile's max passes it by more
+    // than kLazy (log2 units). Below that, probabilities stay under 2^kLazy (far inside the
+    // range of fp32 sums and of 16-bit P, whose relative precision does not depend on scale)
+    // and the output keeps its scale, so the warp skips its 2 * DT multiplies per row half
+    // unless one of its rows moved: after the first tiles, almost always (docs/kernels.md).
+    constexpr float kLazy = 8.f;
+    float alpha[MT][2];
+    bool moved = false;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -340,9 +348,12 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
         for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[i][n][2 * h], s[i][n][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-        const float m_new = fmaxf(m[i][h], mx * scale_log2);
+        const float m_tile = mx * scale_log2;
+        const bool move = m_tile > m[i][h] + kLazy;  // false while both are -inf
+        const float m_new = move ? m_tile : m[i][h];
+        moved |= move;
         const float m_use = m_new == kNegInf() ? 0.f : m_new;
-        const float alpha = fast_exp2(m[i][h] - m_use);
+        alpha[i][h] = move ? fast_exp2(m[i][h] - m_use) : 1.f;
         m[i][h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -353,15 +364,19 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
           // n8 tile n is half (n & 1) of k16 step n / 2; row half h is register h.
           p[i][n >> 1][(n & 1) * 2 + h] = M::pack(p0, p1);
         }
-        l[i][h] = fmaf(l[i][h], alpha, sum);
-        // Always rescaled: skipping it when the warp's alpha is all 1 (a vote per row pair)
-        // measured 0-9% slower (docs/kernels.md).
+        l[i][h] = fmaf(l[i][h], alpha[i][h], sum);
+      }
+    if (__any_sync(kFullMask, moved)) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
-          o[i][d][2 * h] *= alpha;
-          o[i][d][2 * h + 1] *= alpha;
+          o[i][d][0] *= alpha[i][0];
+          o[i][d][1] *= alpha[i][0];
+          o[i][d][2] *= alpha[i][1];
+          o[i][d][3] *= alpha[i][1];
         }
-      }
+    }
 
     // O += P V(j).
 #pragma unroll

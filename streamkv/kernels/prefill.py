@@ -38,7 +38,8 @@ class Tile:
         return self.warps * self.m_tiles * 16
 
     def shared_bytes(self, head: int) -> int:
-        return (self.rows + 2 * self.block_n) * (head + _PAD) * 2
+        """Q, one K and one V tile of padded 16-bit rows, and two tiles of 8-byte row offsets."""
+        return (self.rows + 2 * self.block_n) * (head + _PAD) * 2 + 2 * self.block_n * 8
 
 
 # FlashAttention-2's shapes for mma.sync: 128 rows and 64 keys, 32 rows per warp (so each K/V

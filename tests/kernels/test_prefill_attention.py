@@ -172,6 +172,18 @@ def test_kernel_random_spans(seed: int) -> None:
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("scale", (0.003, 0.5, 3.0))
+def test_kernel_lazy_rescale(dtype, scale: float) -> None:
+    # A row's running max moves only when a tile passes it by 2^8: a tiny scale never moves
+    # it after the first tile, a large one (logits of spread ~30) moves it in most tiles,
+    # some rows of a warp at a time; both must match the exact softmax.
+    b = make_batch(GPU_SPANS, 32, 8, 128, 16, dtype, "cuda", seed=int(scale * 1000))
+    assert rel_err(run(b, scale), reference64(b, scale)) < TOLERANCE[dtype]
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("warps,m_tiles,block_n", ((4, 1, 64), (4, 2, 32), (8, 1, 64), (4, 2, 128)))
 def test_kernel_other_tiles(warps: int, m_tiles: int, block_n: int) -> None:
     from streamkv.kernels import prefill
