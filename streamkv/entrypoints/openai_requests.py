@@ -232,11 +232,12 @@ class ChatCompletionRequest(SamplingRequest):
         return v
 
     def tool_mode(self) -> str:
-        """none | auto | required | named."""
-        choice = self.tool_choice or ("auto" if self.tools else "none")
+        """none | auto | required | named. ``auto`` with no tools is ``none`` (some clients
+        always send it); a forced choice with no tools is refused (``params``)."""
+        choice = self.tool_choice or "auto"
         if isinstance(choice, NamedToolChoice):
             return "named"
-        return choice
+        return "none" if choice == "auto" and not self.tools else choice
 
     def named_tool(self) -> Tool | None:
         if not isinstance(self.tool_choice, NamedToolChoice):
@@ -255,7 +256,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise APIError("'max_tokens' conflicts with max_completion_tokens", param="max_tokens")
         constraint = self.structured()
         mode = self.tool_mode()
-        if mode != "none" and not self.tools:
+        if mode in ("required", "named") and not self.tools:
             raise APIError("'tool_choice' needs tools", param="tool_choice")
         if mode == "named" and self.named_tool() is None:
             raise APIError(f"'tool_choice' names {self.tool_choice.function.name!r}, which is not in tools",

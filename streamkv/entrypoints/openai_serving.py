@@ -37,8 +37,11 @@ from streamkv.entrypoints.streaming import (
     LogprobFormatter,
     deltas,
     sse_event,
+    tokens_out,
+    usage_of,
     wait_disconnect,
     watch,
+    with_usage,
 )
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput
@@ -167,7 +170,7 @@ class OpenAIServing:
                     choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({**head, "choices": choices, "usage": _usage(num_prompt, num_out)})
+        return JSONResponse({**head, "choices": choices, "usage": usage_of(num_prompt, num_out)})
 
     def _completion_lps(self, st: ChoiceState, req: CompletionRequest, out: RequestOutput, token_ids, lps,
                         first: bool) -> dict | None:
@@ -199,20 +202,23 @@ class OpenAIServing:
         per choice that ``choices(request index, output)`` makes of each engine output (all
         of one output sent at once); an error event if a request fails; the usage chunk when
         the client asked for it; the requests aborted however the stream ends; ``[DONE]``."""
+        def frame(choice: dict) -> bytes:
+            chunk = {**head, "choices": [choice]}
+            return sse_event(with_usage(chunk, req.include_usage, req.continuous_usage, num_prompt, states))
+
         try:
             if opening:
-                yield b"".join(sse_event(_with_usage({**head, "choices": [c]}, req, num_prompt, states)) for c in opening)
+                yield b"".join(map(frame, opening))
             async for i, out in watch(streams, notify):
                 if out.error:
                     yield sse_event(request_failed(out.error).body())
                     break
-                events = [sse_event(_with_usage({**head, "choices": [c]}, req, num_prompt, states))
-                          for c in choices(i, out)]
+                events = [frame(c) for c in choices(i, out)]
                 if events:
                     yield b"".join(events)
             else:
                 if req.include_usage:
-                    yield sse_event({**head, "choices": [], "usage": _usage(num_prompt, _num_out(states))})
+                    yield sse_event({**head, "choices": [], "usage": usage_of(num_prompt, tokens_out(states))})
         except ENGINE_ERRORS as e:
             yield sse_event(engine_error(e).body())
         finally:
@@ -249,7 +255,7 @@ class OpenAIServing:
         if final is None:
             return Response(status_code=499)
         out: ChatOutput = responder.whole(final[0])
-        body = {**head, "choices": out.choices, "usage": _usage(len(ids), out.num_tokens)}
+        body = {**head, "choices": out.choices, "usage": usage_of(len(ids), out.num_tokens)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.logprobs.prompt_logprobs(final[0].prompt_logprobs)
         return JSONResponse(body)
@@ -289,17 +295,3 @@ def _renamed(req: SamplingRequest) -> dict[str, str]:
     """The engine's ``structured_outputs`` refusals, under the field the request used."""
     source = req.constraint_source()
     return {"structured_outputs": source} if source else {}
-
-
-def _usage(num_prompt: int, num_out: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
-
-
-def _num_out(states: list[ChoiceState]) -> int:
-    return sum(st.num_tokens for st in states)
-
-
-def _with_usage(chunk: dict, req: SamplingRequest, num_prompt: int, states: list[ChoiceState]) -> dict:
-    if req.include_usage:
-        chunk["usage"] = _usage(num_prompt, _num_out(states)) if req.continuous_usage else None
-    return chunk

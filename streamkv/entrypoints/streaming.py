@@ -27,6 +27,22 @@ def sse_event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def usage_of(num_prompt: int, num_out: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
+
+
+def tokens_out(states: list[ChoiceState]) -> int:
+    return sum(st.num_tokens for st in states)
+
+
+def with_usage(chunk: dict, include: bool, continuous: bool, num_prompt: int, states: list[ChoiceState]) -> dict:
+    """A stream chunk's ``usage``: null on every chunk with ``include_usage``, the running
+    count with ``continuous_usage_stats`` (vLLM)."""
+    if include:
+        chunk["usage"] = usage_of(num_prompt, tokens_out(states)) if continuous else None
+    return chunk
+
+
 @dataclass(slots=True)
 class ChoiceState:
     index: int

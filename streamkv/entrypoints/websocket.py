@@ -24,6 +24,7 @@ from streamkv.entrypoints.openai_serving import (
     request_failed,
 )
 from streamkv.entrypoints.security import check_api_key, check_origin, check_subprotocols
+from streamkv.entrypoints.streaming import usage_of
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +119,12 @@ class ChatSocket:
                     sent = len(text)
             c = last.outputs[0]
             await self.send({"type": "done", "id": mid, "finish_reason": c.finish_reason,
-                             "usage": _usage(num_prompt, len(c.token_ids))})
+                             "usage": usage_of(num_prompt, len(c.token_ids))})
         except asyncio.CancelledError:
             if mid not in self.cancelled:
                 raise  # the socket closed
             num_out = len(last.outputs[0].token_ids) if last is not None and last.outputs else 0
-            await self.send({"type": "done", "id": mid, "finish_reason": "abort", "usage": _usage(num_prompt, num_out)})
+            await self.send({"type": "done", "id": mid, "finish_reason": "abort", "usage": usage_of(num_prompt, num_out)})
         except APIError as e:
             await self.error(mid, e)
         except ENGINE_ERRORS as e:
@@ -135,10 +136,6 @@ class ChatSocket:
             self.serving.abort_all(streams)
             self.tasks.pop(mid, None)
             self.cancelled.discard(mid)
-
-
-def _usage(num_prompt: int, num_out: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
 
 
 async def chat_ws(ws: WebSocket) -> None:
