@@ -1,5 +1,6 @@
 """The body of one worker process (see executor/multiproc.py), started as
-``python -m streamkv.executor.rank FD`` with FD its end of a socket pair to the engine.
+``python -m streamkv.executor.rank FD`` with FD its end of a socket pair to the engine (or,
+for a rank on another host, its TCP connection to the engine, from executor/launcher.py).
 
 It reads its setup (rank, config, rendezvous) as the first message, sets up
 torch.distributed, builds this rank's Worker, then serves the engine's messages until told

@@ -47,8 +47,9 @@ def children(pid: int, marker: bytes = b"streamkv.executor.rank") -> list[int]:
     return found
 
 
-async def stream_and_kill(config, victim, after: int = 4) -> tuple[list[list[int]], list[list[int | None]]]:
-    """Stream every prompt at once; after ``after`` outputs of the first, SIGKILL ``victim()``.
+async def stream_and_kill(config, victim, after: int = 4, fault: signal.Signals = signal.SIGKILL,
+                          ) -> tuple[list[list[int]], list[list[int | None]]]:
+    """Stream every prompt at once; after ``after`` outputs of the first, send ``fault`` to ``victim()``.
     The final token ids of each, and the executor's pids before and after."""
     engine = AsyncEngine(lambda: LLMEngine(config))
     engine.start()
@@ -62,7 +63,7 @@ async def stream_and_kill(config, victim, after: int = 4) -> tuple[list[list[int
             async for out in stream:
                 outs.append(out)
                 if i == 0 and len(outs) == after:
-                    os.kill(victim(), signal.SIGKILL)
+                    os.kill(victim(), fault)
             assert outs[-1].finished and outs[-1].error is None, outs[-1]
             # Cumulative outputs only ever grow: nothing streamed is taken back or repeated.
             seen = [list(o.outputs[0].token_ids) for o in outs]
@@ -91,7 +92,10 @@ def test_tp2_restarts_every_rank_and_resumes(tiny4_dir, want):
 
 
 @pytest.mark.slow
-def test_a_rank_on_another_host_killed_mid_stream_rejoins_and_resumes(tiny4_dir, want, monkeypatch, tmp_path):
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_rank_on_another_host_killed_or_frozen_mid_stream_rejoins_and_resumes(tiny4_dir, want, fault, monkeypatch,
+                                                                               tmp_path):
+    """SIGSTOP: the engine drops the silent rank's heartbeat connection, its launcher kills it."""
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
@@ -106,7 +110,7 @@ def test_a_rank_on_another_host_killed_mid_stream_rejoins_and_resumes(tiny4_dir,
                 (rank,) = children(launcher.pid)
                 return rank
 
-            got, (before, after) = asyncio.run(asyncio.wait_for(stream_and_kill(config, victim), 300))
+            got, (before, after) = asyncio.run(asyncio.wait_for(stream_and_kill(config, victim, fault=fault), 300))
             assert got == want
             assert before[1] is None and after[1] is None and before[0] != after[0]
         finally:
@@ -114,3 +118,5 @@ def test_a_rank_on_another_host_killed_mid_stream_rejoins_and_resumes(tiny4_dir,
             launcher.wait(30)
     text = (tmp_path / "launcher.log").read_text()
     assert text.count("rank 1 started") == 2, text  # it joined the restarted engine by itself
+    if fault == signal.SIGSTOP:
+        assert "outlived its engine connection" in text  # the launcher killed the frozen rank
