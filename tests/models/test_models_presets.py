@@ -96,7 +96,7 @@ def test_big_presets_shard_evenly(name, tp):
 
 
 def test_opt_175b_fits_eight_h200s_in_bf16():
-    """Rank 0's weights at TP 8: 1/8 of the layers plus the replicated embeddings, ~43.7 GB."""
+    """Rank 0's weights at TP 8: 1/8 of the layers plus the replicated embeddings, 41.7 GiB."""
     shard = build_model(resolve_model_dir("opt-175b"), torch.bfloat16, torch.device("meta"), "dummy",
                         tp_rank=0, tp_size=8)
     gib = parameter_bytes(shard) / 2**30
