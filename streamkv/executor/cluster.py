@@ -128,7 +128,11 @@ class RankListener:
 
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
-        self._sock = socket.create_server((placement.master_addr, placement.master_port), reuse_port=False)
+        try:
+            self._sock = socket.create_server((placement.master_addr, placement.master_port))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen for worker ranks at MASTER_ADDR:MASTER_PORT "
+                                   f"{placement.master_addr}:{placement.master_port}: {e.strerror}") from e
         self._decoder = ipc.join_decoder()
         if not placement.token:
             logger.warning("ranks join %s:%d without a token: set %s on every host to refuse strangers",

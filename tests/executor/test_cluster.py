@@ -104,6 +104,16 @@ def test_a_rank_that_never_joins_names_the_command_to_run():
         listener.close()
 
 
+def test_a_busy_master_port_is_a_clear_error():
+    port = free_port()
+    first = RankListener(Placement.checked("127.0.0.1", port, 1, 2))
+    try:
+        with pytest.raises(OSError, match=rf"cannot listen for worker ranks at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port}"):
+            RankListener(Placement.checked("127.0.0.1", port, 1, 2))
+    finally:
+        first.close()
+
+
 def test_placement_and_ranks_are_validated():
     assert Placement.from_env({}, 2) is None
     p = Placement.from_env({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "4"}, 8)
