@@ -2,9 +2,11 @@
 
 Both clients drive the same ``streamkv serve`` (started here on 127.0.0.1 and a fixed port)
 with the same workload shape: N requests at a constant rate, each with a P-token prompt and
-exactly M output tokens (``ignore_eos``), streamed over ``/v1/completions``. Runs alternate
-(GuideLLM, ours, GuideLLM, ours, ...) so drift of a shared machine shows in both. Per run it
-records each client's own TTFT and ITL medians, and both clients' raw timings recomputed
+exactly M output tokens (``ignore_eos``), streamed over ``/v1/completions``. ``--mode
+together`` runs both at once, ours half an interval after GuideLLM's arrivals, so both
+measure the very same conditions; ``--mode alternate`` runs them one after the other
+(GuideLLM, ours, GuideLLM, ours, ...), where the drift of a shared machine shows. Per run
+it records each client's own TTFT and ITL medians, and both clients' raw timings recomputed
 under one definition, so a disagreement splits into "the clients define it differently"
 and "the clients measure differently":
 
@@ -14,8 +16,8 @@ and "the clients measure differently":
   requests (token-weighted; all weights equal here). Ours: every gap between successive
   deliveries, pooled over requests, then the median.
 
-    python -m load_tests.guidellm_crosscheck --pairs 3 --num-requests 40 --rate 0.5 \\
-        --prompt-tokens 32 --output-tokens 16 --json-out bench_results/guidellm_crosscheck.json
+    python -m load_tests.guidellm_crosscheck --mode together --pairs 3 --num-requests 24 \\
+        --rate 0.2 --prompt-tokens 32 --output-tokens 16 --json-out bench_results/guidellm_crosscheck.json
 
 GuideLLM lives in its own virtualenv (``--guidellm``, default $GUIDELLM or
 /tmp/guidellm-venv/bin/guidellm); without it this prints why and exits 0 (CI does not
