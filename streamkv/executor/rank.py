@@ -11,6 +11,7 @@ every script that builds an LLM at top level without an ``if __name__ == "__main
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from multiprocessing.connection import Connection
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.executor import ipc
+from streamkv.executor.step_profile import StepProfiler
 from streamkv.executor.supervisor import start_heartbeat
 from streamkv.messages import StepFailed
 from streamkv.model_info import ModelInfo
@@ -103,6 +105,7 @@ def _init_distributed(setup: ipc.Setup) -> None:
 
 
 def _serve(rank: int, worker, conn: Connection, decoder) -> None:
+    profiler = StepProfiler.from_env(rank)  # opt-in: $STREAMKV_PROFILE_DIR (step_profile.py)
     conn.send_bytes(ipc.encode(ipc.Ready()))
     while True:
         try:
@@ -115,7 +118,8 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
             # whose model or sampler raised (StepFailed) with a StepError, serving on.
             start = time.perf_counter()
             try:
-                out = worker.execute(msg.step)
+                with profiler.step() if profiler is not None else contextlib.nullcontext():
+                    out = worker.execute(msg.step)
             except StepFailed as e:
                 conn.send_bytes(ipc.encode(ipc.StepError(str(e))))
                 continue
