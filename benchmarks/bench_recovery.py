@@ -118,6 +118,7 @@ def main() -> int:
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=None, help="fewer decode graphs to capture on a GPU")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (a faster restart on a GPU)")
     args = p.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -138,6 +139,8 @@ def main() -> int:
            "--distributed-executor-backend", "mp", "--no-access-log", "--max-worker-restarts", "10"]
     if args.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
     start = time.monotonic()
     proc = subprocess.Popen(cmd)
     try:
