@@ -148,17 +148,25 @@ def error_from_validation(e: ValidationError, where: str = "") -> APIError:
     return APIError(message, param=param)
 
 
+_PLAIN = (str, int, float, bool, dict)
+
+
 def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
-    """The unknown fields of ``model`` and of every model inside it, as ``param`` paths."""
+    """The unknown fields of ``model`` and of every model inside it, as ``param`` paths.
+    Only model values and lists of models are walked (a prompt's token ids are not)."""
     out: list[str] = []
-    todo: list[tuple[str, Any]] = [(where.rstrip("."), model)]
+    todo: list[tuple[str, BaseModel]] = [(where.rstrip("."), model)]
     while todo:
         path, value = todo.pop()
-        if isinstance(value, BaseModel):
-            out.extend(f"{path}.{k}" if path else k for k in sorted(value.model_extra or {}))
-            for name, info in type(value).model_fields.items():
-                key = info.alias or name
-                todo.append((f"{path}.{key}" if path else key, getattr(value, name)))
-        elif isinstance(value, list):
-            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        out.extend(f"{path}.{k}" if path else k for k in value.__pydantic_extra__ or ())
+        fields = type(value).__pydantic_fields__
+        for name, v in value.__dict__.items():
+            if v is None or type(v) in _PLAIN:  # most fields: skip BaseModel's slower isinstance
+                continue
+            if isinstance(v, list) and v and isinstance(v[0], BaseModel):
+                key = fields[name].alias or name
+                todo.extend((f"{path}.{key}[{i}]" if path else f"{key}[{i}]", item) for i, item in enumerate(v))
+            elif isinstance(v, BaseModel):
+                key = fields[name].alias or name
+                todo.append((f"{path}.{key}" if path else key, v))
     return sorted(out)
