@@ -48,7 +48,7 @@ def rate_figure(args, tags: list[tuple[str, str]], title: str) -> None:
     """Figs 14 / 16: per tag, paged and orca-oracle curves side by side, and the ratio table."""
     plt = _pyplot()
     groups = sorted({g for g, _ in tags}, key=[g for g, _ in tags].index)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.4), dpi=100, squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(5.4, 4.2 * len(groups)), 3.6), dpi=100, squeeze=False)
     print(f"| {title} | paged ÷ orca-oracle at {args.threshold} s/token |\n|---|---|")
     for ax, group in zip(axes[0], groups):
         for i, (_, tag) in enumerate(t for t in tags if t[0] == group):
@@ -65,7 +65,7 @@ def rate_figure(args, tags: list[tuple[str, str]], title: str) -> None:
         ax.set_title(f"{group} (solid paged, dashed orca-oracle)", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"{title} (CPU, simulated OPT-13B step; 983-block pool)", fontsize=9)
+    fig.suptitle(f"{title}\n(CPU run, simulated OPT-13B step, 983-block KV pool)", fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out or f"{args.dir}/{args.figure}.png")
 
@@ -117,7 +117,7 @@ def by_block_size(args, series: list[tuple[str, str]], title: str) -> None:
     fig.savefig(args.out or f"{args.dir}/{args.figure}.png")
     print("| block size | " + " | ".join(table) + " |\n|---|" + "---|" * len(table))
     for bs in BLOCK_SIZES:
-        cells = [f"{table[s][bs][0]:.3f}" if bs in table[s] else "-" for s in table]
+        cells = [f"{table[s][bs][0]:.4f}" if bs in table[s] else "-" for s in table]
         print(f"| {bs} | " + " | ".join(cells) + " |")
 
 
@@ -141,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.figure == "fig18b":
         by_block_size(args, [("ShareGPT @ 5 req/s", "fig18b-sharegpt-b{bs}.json"),
                              ("Alpaca @ 100 req/s", "fig18b-alpaca-b{bs}.json")],
-                      "Fig 18b: paged, same KV memory (15,728 slots)")
+                      "Fig 18b: paged, same KV memory (15,728 slots)\nCPU run, simulated OPT-13B step")
     else:
         by_block_size(args, [(m, f"fig19b-{m}-b{{bs}}.json") for m in ("swap", "recompute", "auto")],
-                      "Fig 19b: ShareGPT @ 6 req/s, 4 GiB swap pool")
+                      "Fig 19b: ShareGPT @ 6 req/s, 4 GiB swap pool\nCPU run, simulated OPT-13B step and swaps")
     return 0
 
 
