@@ -199,6 +199,32 @@ def test_engine_outputs_equal_and_prefix_computed_once(tiny_dir, caching):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_engine_outputs_equal_under_preemption(tiny_dir, mode):
+    """A pool too small for the batch: requests that map the pinned prefix are preempted
+    (swapped out with their copy of it, or dropped and mapped again) and still match."""
+    from streamkv import SamplingParams
+    from streamkv.entrypoints.llm import LLM
+
+    prefix = [(11 * i) % 997 + 2 for i in range(24)]  # 3 whole blocks of 8
+    prompts = [prefix + [40 + i] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = dict(device="cpu", block_size=8, num_kv_blocks=20, num_swap_blocks=40, max_model_len=128,
+              enable_prefix_caching=False, preemption_mode=mode)
+    plain = LLM(str(tiny_dir), **kw)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    plain.shutdown()
+    llm = LLM(str(tiny_dir), **kw)
+    pid = llm.register_prefix(prefix)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == expected
+    assert llm.stats()["num_preemptions"] > 0
+    llm.engine.block_manager.check_no_leaks()
+    llm.unregister_prefix(pid)
+    llm.engine.block_manager.check_no_leaks()
+    llm.shutdown()
+
+
 def test_prefix_file_flag_is_read_and_pinned(tiny_dir, tmp_path):
     from streamkv import SamplingParams
     from streamkv.entrypoints.llm import LLM
