@@ -74,7 +74,8 @@ def _table(name: str, schema: dict[str, Any]) -> str:
     rows = []
     for field, prop in schema.get("properties", {}).items():
         default = "required" if field in required else json.dumps(prop["default"]) if "default" in prop else ""
-        limits = ", ".join(f"{k} {prop[k]}" for k in ("minimum", "maximum") if k in prop)
+        # The 64-bit bounds every integer has are the JSON's, not worth a line of the table.
+        limits = ", ".join(f"{k} {prop[k]}" for k in ("minimum", "maximum") if k in prop and abs(prop[k]) < 2**62)
         rows.append(f"<tr><td><code>{html.escape(field)}</code></td><td>{html.escape(_type_of(prop))}</td>"
                     f"<td>{html.escape(default)}</td><td>{html.escape(prop.get('description', ''))}"
                     f"{' (' + html.escape(limits) + ')' if limits else ''}</td></tr>")
