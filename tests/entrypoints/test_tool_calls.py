@@ -12,7 +12,12 @@ import pytest
 
 from streamkv.entrypoints.chat_messages import ChatMessage, Tool
 from streamkv.entrypoints.chat_template import render_chat
-from streamkv.entrypoints.tool_calls import HermesStream, forced_tool_schema, parse_hermes, parse_required
+from streamkv.entrypoints.tool_calls import (
+    HermesStream,
+    forced_tool_schema,
+    parse_hermes,
+    parse_required,
+)
 from tests.entrypoints.fake_engine import FakeEngine, FakeTokenizer
 from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
 
