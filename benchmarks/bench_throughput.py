@@ -36,26 +36,36 @@ def run_streamkv(llm, requests, keep: list | None = None) -> float:
 
 
 def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
-    """The same run as ``run_streamkv``, every request arriving at once, driving the engine's
-    step loop here so that each step is timed: step wall times split by whether the step
-    carried prompt tokens (a sequence computing more than one token), with the decode batch
-    beside them, and each request's time to first token."""
+    """The same run as ``run_streamkv``, every request arriving at once, each engine step
+    timed: its time on the device (CUDA events around the step's work, which start when the
+    step before it is done; on a CPU the step's wall time) split by whether the step carried
+    prompt tokens (a sequence computing more than one token), with the decode batch beside
+    it, and each request's time to first token. With async scheduling a step's host work
+    overlaps the step before it, so the device time is the step's own cost."""
     import statistics
 
     from streamkv import SamplingParams
 
     engine = llm.engine
     steps: list[dict] = []
-    schedule = engine.scheduler.schedule
+    complete = engine._complete
+    last = [time.perf_counter()]
 
-    def timed_schedule():
-        out = schedule()
-        prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
-        decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
-        steps.append({"prompt_tokens": prompt, "decodes": decode})
-        return out
+    def timed_complete(step, finished_only):
+        outputs = complete(step, finished_only)
+        now = time.perf_counter()
+        wall, last[0] = now - last[0], now
+        if step.handle is not None and step.error is None and step.sched.scheduled:
+            out = step.sched
+            prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+            decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+            timed = getattr(step.handle, "device_seconds", None)
+            ms = 1e3 * (timed() if timed is not None else time.perf_counter() - step.submitted)
+            # wall: since the step before was completed (one step's share of the run's time)
+            steps.append({"prompt_tokens": prompt, "decodes": decode, "ms": ms, "wall_ms": 1e3 * wall})
+        return outputs
 
-    engine.scheduler.schedule = timed_schedule
+    engine._complete = timed_complete
     done = {}
     try:
         start = time.perf_counter()
@@ -63,13 +73,11 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
             engine.add_request(f"s{i}", None, SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len),
                                list(r.prompt_ids))
         while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
             for out in engine.step(finished_only=True):
                 done[out.request_id] = out
-            steps[-1]["ms"] = 1e3 * (time.perf_counter() - t0)
         elapsed = time.perf_counter() - start
     finally:
-        engine.scheduler.schedule = schedule
+        engine._complete = complete
     ttft = sorted(o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in done.values())
 
     def pct(xs: list[float], q: float) -> float:
@@ -86,8 +94,10 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
     ratios.sort()
     report = {
         "steps": len(steps), "prompt_steps": len(mixed), "decode_steps": len(pure),
+        "wall_ms_per_step": 1e3 * elapsed / max(len(steps), 1),
         "prompt_step_ms": {q: pct(sorted(s["ms"] for s in mixed), q) for q in (0.5, 0.9, 0.99)},
         "decode_step_ms": {q: pct(sorted(s["ms"] for s in pure), q) for q in (0.5, 0.9, 0.99)},
+        "decode_step_wall_ms": {q: pct(sorted(s["wall_ms"] for s in pure), q) for q in (0.5, 0.9, 0.99)},
         "prompt_vs_decode_step": {"p50": pct(ratios, 0.5), "p90": pct(ratios, 0.9), "max": ratios[-1] if ratios else None,
                                   "compared": len(ratios)},
         "prompt_step_share_of_time": sum(s["ms"] for s in mixed) / max(sum(s["ms"] for s in steps), 1e-9),
@@ -100,9 +110,11 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
 def print_step_report(rep: dict) -> None:
     print(f"steps {rep['steps']}: {rep['prompt_steps']} with prompt tokens "
           f"({100 * rep['prompt_step_share_of_time']:.0f}% of step time), {rep['decode_steps']} decode-only")
-    for name in ("prompt_step_ms", "decode_step_ms"):
+    print(f"  (ms: a step's time on the device; wall: since the step before it completed; "
+          f"{rep['wall_ms_per_step']:.2f} ms per step over the run)")
+    for name in ("prompt_step_ms", "decode_step_ms", "decode_step_wall_ms"):
         q = rep[name]
-        print(f"  {name:<16} p50 {q[0.5]:8.2f}  p90 {q[0.9]:8.2f}  p99 {q[0.99]:8.2f}")
+        print(f"  {name:<19} p50 {q[0.5]:8.2f}  p90 {q[0.9]:8.2f}  p99 {q[0.99]:8.2f}")
     r = rep["prompt_vs_decode_step"]
     print(f"  prompt step / decode step of the same batch: p50 {r['p50']:.2f}x, p90 {r['p90']:.2f}x, "
           f"max {r['max']}, over {r['compared']} steps")
@@ -245,6 +257,10 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the engine's step token budget (default: the engine's)")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="the engine waits for each step's samples before scheduling the next")
+    ap.add_argument("--max-prefill-step-ratio", type=float, default=0.0,
+                    help="the engine's cap on prompt tokens beside decodes (0 = none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: embedded SmolLM2)")
@@ -298,7 +314,8 @@ def main() -> int:
     blocks = args.num_kv_blocks or (4096 if on_cpu else None)
     kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "num_kv_blocks": blocks, "num_swap_blocks": 0,
-              "device": args.device, "dtype": args.dtype, "load_format": args.load_format}
+              "device": args.device, "dtype": args.dtype, "load_format": args.load_format,
+              "async_scheduling": not args.no_async_scheduling, "max_prefill_step_ratio": args.max_prefill_step_ratio}
     if args.workload_file:
         with open(args.workload_file) as f:
             requests = [Request(p, min(o, args.max_output_len)) for p, o in json.load(f)][: args.num_requests]

@@ -5,15 +5,27 @@
 # cannot starve the rest; $OUT gets the JSON results and one log (the device tool brings
 # back at most 8 files). With two or more GPUs the tensor-parallel checks run at the end.
 #
-#     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh          # the session's figures
-#     FULL=1 OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # + the whole decode-kernel matrix
+#     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh               # everything (~17 min)
+#     PARTS=speed OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # the GPU step's figures (~8 min)
+#     PARTS=eval OUT=/tmp/gpu bash benchmarks/gpu_checks.sh    # recovery, structured outputs,
+#                                       # swap vs recompute, the paper's Fig 12 point (~9 min)
+#     FULL=1 ... adds the whole decode-kernel matrix, a decode-graph profile, prefill kernel timing
+#
+# A device call is at most 10 minutes, so a session runs the two parts in two calls.
 #
 # The ShareGPT workload is token ids saved on a CPU box (the GPU box has neither the data
 # set nor the tokenizer):
 #     python benchmarks/bench_throughput.py --save-workload bench_inputs/sharegpt_1000.json \
 #         --num-requests 1000 --max-output-len 1024 --max-prompt-len 1024
+#     python -m load_tests.bench --workload sharegpt --num-requests 200 \
+#         --save-workload bench_inputs/sharegpt-200.json
+# and bench_inputs/smollm2-tokenizer/ is the embedded model's config + tokenizer files (copied
+# from its converted directory under ~/.cache/streamkv/models/) for the structured-output run.
 # bench_inputs/ and .whl/ are git-ignored: name both in the device call's carry. Python packages
-# the GPU image lacks (msgspec) travel as wheels in .whl/ (docs/benchmarks.md).
+# the GPU image lacks (msgspec, pydantic, xgrammar, the server's starlette/uvicorn/websockets,
+# jsonschema) travel as wheels in .whl/ (docs/benchmarks.md); the call starts with
+#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-/tmp/gpu_checks}
@@ -32,40 +44,65 @@ step() {  # step NAME SECONDS COMMAND...: appends the whole output to $LOG
   echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 
-# Checks: the kernels this session changed, the graphs, the sampler (CUDA tests skip on CPU).
-step tests 120 python3 -m pytest -q -p no:cacheprovider tests/worker/test_piecewise_graphs.py \
-  tests/worker/test_sampler.py tests/worker/test_cuda_graphs.py tests/kernels/test_prefill_attention.py
-if [ "${FULL:-0}" = 1 ]; then
-  step kernel_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
-  # Decode steps with graphs: batch 1 and 256 at context 512, GPU time split by kernel kind.
-  step decode_graphs 110 python3 benchmarks/bench_decode_graphs.py --model llama3-8b --dtype bfloat16 \
-    --batch-sizes 1 256 --context 512 --steps 30 --profile --profile-steps 5 --no-eager \
-    --out "$OUT/decode_graphs.json"
-  step prefill_kernel 60 python3 benchmarks/bench_prefill.py --kernel-only --out "$OUT/prefill_kernel.json"
+PARTS=${PARTS:-speed eval}
+SHAREGPT="--workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
+  --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report"
+
+if [[ " $PARTS " == *" speed "* ]]; then
+  # Checks: graphs, sampler, prefill kernel, and async scheduling on CUDA (CUDA tests skip on CPU).
+  step tests 150 python3 -m pytest -q -p no:cacheprovider tests/worker/test_piecewise_graphs.py \
+    tests/worker/test_sampler.py tests/worker/test_cuda_graphs.py tests/kernels/test_prefill_attention.py \
+    tests/engine/test_async_scheduling_cuda.py
+  if [ "${FULL:-0}" = 1 ]; then
+    step kernel_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
+    # Decode steps with graphs: batch 1 and 256 at context 512, GPU time split by kernel kind.
+    step decode_graphs 110 python3 benchmarks/bench_decode_graphs.py --model llama3-8b --dtype bfloat16 \
+      --batch-sizes 1 256 --context 512 --steps 30 --profile --profile-steps 5 --no-eager \
+      --out "$OUT/decode_graphs.json"
+    step prefill_kernel 60 python3 benchmarks/bench_prefill.py --kernel-only --out "$OUT/prefill_kernel.json"
+  fi
+  # 1,000 ShareGPT requests (every step timed), and 400 of them x 256 tokens against
+  # transformers' own continuous batching (generate_batch) in the same run.
+  step throughput 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT \
+    --cb-requests ${CB_REQUESTS:-400} --cb-output-len 256 --json-out "$OUT/throughput.json"
+  # The same 1,000 without async scheduling, and with the prefill cap beside decodes.
+  step throughput_sync 80 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --no-async-scheduling \
+    --json-out "$OUT/throughput_sync.json"
+  step throughput_cap2 80 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --max-prefill-step-ratio 2 \
+    --json-out "$OUT/throughput_cap2.json"
+  # Engine decode steps at batch 256 and 1, context ~512 (448-token prompts, 128 outputs).
+  step decode_b256 60 python3 benchmarks/bench_throughput.py $M8B --random-input-len 448 --max-output-len 128 \
+    --num-requests 256 --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
+    --json-out "$OUT/decode_b256.json"
+  step decode_b1 40 python3 benchmarks/bench_throughput.py $M8B --random-input-len 448 --max-output-len 128 \
+    --num-requests 1 --max-num-seqs 1 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
+    --json-out "$OUT/decode_b1.json"
+  # Sampling modes against greedy, 400 requests x 256 tokens, one engine.
+  step sampling 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
+    --max-num-seqs 256 --json-out "$OUT/sampling.json"
+  # Prefill against transformers' contiguous forward (64 x 4000, 256 x 500).
+  step prefill_e2e 100 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
 fi
 
-# 1,000 ShareGPT requests (every step timed), and 400 of them x 256 tokens against
-# transformers' own continuous batching (generate_batch) in the same run.
-step throughput 200 python3 benchmarks/bench_throughput.py $M8B \
-  --workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
-  --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes "" --step-report \
-  --cb-requests ${CB_REQUESTS:-400} --cb-output-len 256 --json-out "$OUT/throughput.json"
-
-# Sampling modes against greedy, 400 requests x 256 tokens, one engine.
-step sampling 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
-  --max-num-seqs 256 --json-out "$OUT/sampling.json"
-
-# Prefill against transformers' contiguous forward, and the step budget's sweep: the engine
-# at the default budget (2048) and at 8192, on prompts and on ShareGPT.
-step prefill_e2e 100 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
-step block_size_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_kernels.py \
-  -k new_block_sizes
-step prefill_e2e_8192 70 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 \
-  --max-num-batched-tokens 8192 --out "$OUT/prefill_e2e_8192.json"
-step throughput_8192 80 python3 benchmarks/bench_throughput.py $M8B \
-  --workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
-  --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes "" --step-report \
-  --max-num-batched-tokens 8192 --json-out "$OUT/throughput_8192.json"
+if [[ " $PARTS " == *" eval "* ]]; then
+  # Worker SIGKILL / SIGSTOP under a served llama3-8b: detection, restart, first resumed token.
+  step recovery 130 python3 benchmarks/bench_recovery.py --model llama3-8b --device cuda --dtype bfloat16 \
+    --num-kv-blocks 4096 --max-num-seqs 8 --faults SIGKILL,SIGSTOP --json-out "$OUT/recovery_gpu.json"
+  # Structured outputs: json_schema batch of 64 against the same batch unconstrained.
+  step structured 90 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
+    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 \
+    --json-out "$OUT/structured_gpu.json"
+  # Fig 19a: swap out+in vs recompute, OPT-13B's shape; fits preemption_mode=auto's costs.
+  step swap_recompute 90 python3 benchmarks/bench_swap_recompute.py --model opt-13b --load-format dummy \
+    --dtype float16 --device cuda --recompute-block-sizes 16 --write-costs cuda \
+    --json-out "$OUT/swap_recompute_gpu.json"
+  cp streamkv/core/preemption_costs.json "$OUT/" 2>/dev/null
+  # Fig 12's GPU point: OPT-13B, an A100-40GB's KV pool (983 blocks), 200 ShareGPT requests a rate.
+  for sys in paged orca-oracle; do
+    step "fig12_$sys" 200 env OUT="$OUT" RATES=${FIG12_RATES:-4,8,12} MAX_DURATION=55 \
+      bash load_tests/gpu_point.sh "$sys"
+  done
+fi
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   step tp_tests 90 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/executor

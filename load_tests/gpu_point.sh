@@ -20,5 +20,5 @@ PYTHONPATH=$PWD ${PY:-python3} -m load_tests.bench --backend offline --model opt
   --device cuda --dtype float16 --num-kv-blocks 983 --num-swap-blocks 0 --block-size 16 \
   --max-model-len 2048 --no-enable-prefix-caching --kv-allocation "$SYSTEM" \
   --workload-file bench_inputs/sharegpt-200.json --workload sharegpt --num-requests 200 \
-  --request-rate "$RATES" --max-duration 75 --disable-tqdm \
+  --request-rate "$RATES" --max-duration ${MAX_DURATION:-75} --disable-tqdm \
   --json-out "$OUT/gpu-sharegpt-$SYSTEM.json" 2>&1 | tee "$OUT/gpu-sharegpt-$SYSTEM.log"
