@@ -13,6 +13,7 @@ message reports). The verdict says whether the interval excludes a 2% slowdown.
 
     .venv/bin/python -m tests.web.kv_view_load --viewers 5 --pairs 24 --out kv_view_load.json
     .venv/bin/python -m tests.web.kv_view_load --micro    # one snapshot of a large pool, timed
+    .venv/bin/python -m tests.web.kv_view_load --profile PY_SPY   # py-spy: where the server's time goes
 
 Not a pytest module (the name does not start with test_): it takes minutes.
 """
@@ -59,19 +60,15 @@ async def load(client: httpx.AsyncClient, concurrency: int, requests: int, max_t
     return tokens, time.perf_counter() - t0
 
 
-async def viewer(url: str, stop: asyncio.Event, costs: list[float]) -> int:
-    """Reads the snapshot stream until ``stop``, as cheaply as it can (this client shares the
-    machine's two cores with the server); returns the bytes read."""
-    size = 0
+async def viewer(url: str, costs: list[float], size: list[int]) -> None:
+    """Reads the snapshot stream until cancelled, as cheaply as it can (this client shares
+    the machine's two cores with the server), counting the bytes read into ``size[0]``."""
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
         async with client.stream("GET", "/v1/kv/stream") as r:
             async for line in r.aiter_lines():
-                size += len(line)
+                size[0] += len(line)
                 if line.startswith("data:") and '"cost_ms":' in line:
                     costs.append(float(line.split('"cost_ms":', 1)[1].split(",", 1)[0]))
-                if stop.is_set():
-                    break
-    return size
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -98,14 +95,15 @@ def _client_cpu() -> float:
 
 
 async def phase(server, client: httpx.AsyncClient, viewers: int, args) -> dict:
-    stop, costs = asyncio.Event(), []
-    tasks = [asyncio.create_task(viewer(server.url, stop, costs)) for _ in range(viewers)]
+    costs, size = [], [0]
+    tasks = [asyncio.create_task(viewer(server.url, costs, size)) for _ in range(viewers)]
     await asyncio.sleep(args.settle)  # both arms wait alike; viewers connect meanwhile
     cpu0, me0 = thread_cpu(server.proc.pid), _client_cpu()
     tokens, seconds = await load(client, args.concurrency, args.requests, args.max_tokens)
     cpu1, me1 = thread_cpu(server.proc.pid), _client_cpu()
-    stop.set()
-    sizes = await asyncio.gather(*tasks) if tasks else []
+    for task in tasks:  # an idle engine sends nothing new: do not wait for the next keep-alive
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     # Every viewer reports every snapshot's cost; the producer takes one for all of them.
     engine_s = sum(costs) / 1000 / viewers if viewers else 0.0
     return {"viewers": viewers, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
@@ -115,7 +113,56 @@ async def phase(server, client: httpx.AsyncClient, viewers: int, args) -> dict:
             "client_cpu_s": me1 - me0,
             "snapshots": len(costs) / viewers if viewers else 0,
             "engine_thread_share": engine_s / seconds,
-            "bytes_per_viewer_per_s": sum(sizes) / viewers / seconds if viewers else 0.0}
+            "bytes_per_viewer_per_s": size[0] / viewers / seconds if viewers else 0.0}
+
+
+VIEW_CODE = ("kv_view.py", "kv_snapshot.py")  # frames that only run for viewers
+
+
+def view_share(raw_path: str) -> dict:
+    """From py-spy's raw (collapsed) stacks: busy samples per thread (the engine thread's
+    stacks pass through async_engine.py), those in the view's code, and those in SSE
+    sending (sse_starlette: the viewers' streams and the completions' alike)."""
+    counts = dict.fromkeys(("samples", "engine", "view", "engine_view", "sse"), 0)
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not count.isdigit():
+                continue
+            n, in_view, on_engine = int(count), any(k in stack for k in VIEW_CODE), "async_engine.py" in stack
+            counts["samples"] += n
+            counts["engine"] += n * on_engine
+            counts["view"] += n * in_view
+            counts["engine_view"] += n * (in_view and on_engine)
+            counts["sse"] += n * ("sse_starlette" in stack and not in_view)
+    return counts
+
+
+async def _forever(client: httpx.AsyncClient, max_tokens: int) -> None:
+    while True:
+        await one_request(client, max_tokens)
+
+
+async def profile(server, client: httpx.AsyncClient, args) -> None:
+    """The server sampled by py-spy (``--profile``) under a steady load, without and then
+    with the viewers: what share of its busy samples the view's code takes."""
+    for n in (0, args.viewers):
+        out = f"{args.profile_out}-{n}viewers.txt"
+        spy = await asyncio.create_subprocess_exec(
+            args.profile, "record", "--pid", str(server.proc.pid), "--duration", str(args.profile_seconds),
+            "--rate", "50", "--nonblocking", "--format", "raw", "--output", out,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        costs, size = [], [0]
+        tasks = [asyncio.create_task(viewer(server.url, costs, size)) for _ in range(n)]
+        tasks += [asyncio.create_task(_forever(client, args.max_tokens)) for _ in range(args.concurrency)]
+        await spy.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        r = view_share(out)
+        print(f"py-spy, {n} viewers: {r['samples']} busy samples ({r['engine']} engine thread): "
+              f"{r['view']} in the view's code ({r['engine_view']} on the engine thread), "
+              f"{r['sse']} in SSE sending ({out})", flush=True)
 
 
 async def main_async(args) -> list[dict]:
@@ -125,10 +172,19 @@ async def main_async(args) -> list[dict]:
     with run_server(*args.server_args) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
             await load(client, args.concurrency, args.concurrency, 8)  # warm-up
+            if args.profile:
+                await profile(server, client, args)
+                return []
             pairs = []
             for k in range(args.pairs):
                 order = (0, args.viewers) if k % 2 == 0 else (args.viewers, 0)  # ABBA
-                rows = {n: await phase(server, client, n, args) for n in order}
+                try:
+                    rows = {n: await phase(server, client, n, args) for n in order}
+                except (ProcessLookupError, FileNotFoundError, httpx.HTTPError) as e:
+                    # The server went away (on a shared box: killed from outside): keep what was measured.
+                    print(f"pair {k}: the server stopped ({type(e).__name__}: {e}); summarizing {len(pairs)} pairs",
+                          flush=True)
+                    break
                 pairs.append({"pair": k, "off": rows[0], "on": rows[args.viewers]})
                 print(f"pair {k:2d}: tok/s off {rows[0]['tokens_per_s']:.2f}, on {rows[args.viewers]['tokens_per_s']:.2f}; "
                       f"server CPU ms/token off {rows[0]['cpu_ms_per_token']:.1f}, "
@@ -225,7 +281,8 @@ def micro(num_blocks: int, num_seqs: int, tokens: int, repeat: int = 50) -> None
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--viewers", type=int, default=5)
-    p.add_argument("--pairs", type=int, default=24, help="off/on pairs of phases (ABBA order)")
+    p.add_argument("--pairs", "--rounds", type=int, default=24, dest="pairs",
+                   help="off/on pairs of phases, ABBA order (--rounds: the name in older docs)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=8, help="requests per phase")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -234,6 +291,10 @@ def main() -> None:
     p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--out", default=None, help="write the pairs and the summary as JSON here")
     p.add_argument("--micro", action="store_true", help="only time one snapshot of a 32k-block pool")
+    p.add_argument("--profile", default=None, metavar="PY_SPY",
+                   help="instead of the A/B: sample the server with this py-spy, without and with the viewers")
+    p.add_argument("--profile-seconds", type=int, default=40)
+    p.add_argument("--profile-out", default="kv_view_profile", help="py-spy raw output prefix")
     args = p.parse_args()
     if args.micro:
         micro(32768, 256, 1024)
@@ -241,6 +302,8 @@ def main() -> None:
     if args.viewers < 1 or args.pairs < 2:
         raise SystemExit("error: --viewers >= 1 and --pairs >= 2")
     pairs = asyncio.run(main_async(args))
+    if args.profile:
+        return
     s = summarize(pairs)
     print("\n" + report(s, pairs, args.viewers))
     if args.out:
