@@ -259,8 +259,8 @@ def main() -> int:
                     help="the engine's step token budget (default: the engine's)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="the engine waits for each step's samples before scheduling the next")
-    ap.add_argument("--max-prefill-step-ratio", type=float, default=0.0,
-                    help="the engine's cap on prompt tokens beside decodes (0 = none)")
+    ap.add_argument("--max-prefill-step-ratio", type=float, default=None,
+                    help="the engine's cap on prompt tokens beside decodes (0 = none; default: the engine's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: embedded SmolLM2)")
@@ -315,7 +315,9 @@ def main() -> int:
     kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "num_kv_blocks": blocks, "num_swap_blocks": 0,
               "device": args.device, "dtype": args.dtype, "load_format": args.load_format,
-              "async_scheduling": not args.no_async_scheduling, "max_prefill_step_ratio": args.max_prefill_step_ratio}
+              "async_scheduling": not args.no_async_scheduling}
+    if args.max_prefill_step_ratio is not None:
+        kwargs["max_prefill_step_ratio"] = args.max_prefill_step_ratio
     if args.workload_file:
         with open(args.workload_file) as f:
             requests = [Request(p, min(o, args.max_output_len)) for p, o in json.load(f)][: args.num_requests]

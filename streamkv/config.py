@@ -94,8 +94,8 @@ class SchedulerConfig:
     preemption_cost_profile: str | None = arg(None, "the measured swap/recompute costs 'auto' uses: a profile of "
                                                     "streamkv/core/preemption_costs.json (default: its default)")
     max_prefill_step_ratio: float = arg(
-        0.0, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
-             "times a decode-only step (fitted online; 0 = no cap, the whole token budget)")
+        2.0, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
+             "times a decode-only step (fitted online from step times; 0 = no cap, the whole token budget)")
     async_scheduling: bool = arg(True, "schedule and submit the next step while the device runs this one, and "
                                        "process its outputs while the next runs (engine/step_pipeline.py)")
     # The served context length, ModelInfo.max_model_len: the engine's own copy of the config

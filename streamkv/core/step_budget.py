@@ -8,12 +8,14 @@ step that carries decodes so that the step is predicted to take at most that man
 decode-only step of the same decode batch. A step with no decodes keeps the whole budget
 (nobody is waiting for a token), so the queue still drains at full prefill speed.
 
-The prediction is a linear model of the step's wall time, fitted online from the steps the
-engine has run: ``t = a + b * decodes + c * prompt_tokens`` (weights are read once a step,
-each row costs its share of the matmuls). It is a least-squares fit over exponentially
-weighted past steps, so it follows the device and model without constants, and it never
-needs a decode-only step to have run (while requests wait, every step carries prompts).
-Until the fit is usable (a few dozen varied steps) the cap is not applied.
+The prediction is a linear model of the step's time on the device, fitted online from the
+steps the engine has run: ``t = a + b * decodes + c * prompt_tokens + e * [prompt_tokens > 0]``
+(weights are read once a step, each row costs its share of the matmuls, and a step with
+prompt tokens runs the piecewise-graph path with eager attention, a fixed cost of its own).
+It is a least-squares fit over exponentially weighted past steps, so it follows the device
+and model without constants. Until the fit is usable (a few dozen varied steps: while every
+request arrives at once, every step carries a full budget of prompt tokens and the terms
+cannot be told apart yet) the cap is not applied.
 
 Torch-free: the scheduler imports it.
 """
@@ -28,35 +30,41 @@ DECAY = 0.995
 MIN_STEPS = 32  # observations before the cap applies
 
 
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solves the 3x3 system m x = v (Cramer's rule); None when it is near singular."""
-    def det(a: list[list[float]]) -> float:
-        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
-                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
-
-    d = det(m)
-    scale = max(abs(x) for row in m for x in row) ** 3
-    if scale == 0 or abs(d) < 1e-12 * scale:
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solves m x = v by Gaussian elimination with partial pivoting; None when m is near
+    singular (the observations cannot tell the terms apart)."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    scale = max(abs(x) for row in m for x in row)
+    if scale == 0:
         return None
-    out = []
-    for col in range(3):
-        a = [row[:] for row in m]
-        for r in range(3):
-            a[r][col] = v[r]
-        out.append(det(a) / d)
-    return out
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-9 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= f * a[col][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
+    return x
 
 
 @dataclass(slots=True)
 class StepCostModel:
     """Online fit of step time against (decodes, prompt tokens), and the prompt cap it implies."""
 
+    TERMS = 4  # intercept, decodes, prompt tokens, "has prompt tokens"
+
+
     ratio: float  # allowed (step with prompts) / (decode-only step); <= 1 disables the cap
     min_chunk: int = 16  # a prompt always advances by at least this much per step
     steps: int = 0
-    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    _xt: list[float] = field(default_factory=lambda: [0.0] * 3)
+    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    _xt: list[float] = field(default_factory=lambda: [0.0] * 4)
     _coef: list[float] | None = None
 
     @property
@@ -67,25 +75,26 @@ class StepCostModel:
         """One finished step: how many decode rows and prompt tokens it carried, its wall time."""
         if not self.enabled or seconds <= 0:
             return
-        x = (1.0, float(decodes), float(prompt_tokens))
-        for i in range(3):
+        x = (1.0, float(decodes), float(prompt_tokens), 1.0 if prompt_tokens else 0.0)
+        for i in range(self.TERMS):
             self._xt[i] = DECAY * self._xt[i] + x[i] * seconds
             row = self._xx[i]
-            for j in range(3):
+            for j in range(self.TERMS):
                 row[j] = DECAY * row[j] + x[i] * x[j]
         self.steps += 1
         self._coef = None
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, b, c) of t = a + b*decodes + c*prompt_tokens, or None while not usable."""
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, e) of t = a + b*decodes + c*prompt_tokens + e*[prompt_tokens > 0], or
+        None while not usable."""
         if self.steps < MIN_STEPS:
             return None
         if self._coef is None:
-            self._coef = _solve3(self._xx, self._xt) or []
-        if len(self._coef) != 3:
+            self._coef = _solve(self._xx, self._xt) or []
+        if len(self._coef) != self.TERMS:
             return None
-        a, b, c = self._coef
-        return (a, b, c) if c > 0 else None
+        a, b, c, e = self._coef
+        return (a, b, c, e) if c > 0 else None
 
     def prompt_cap(self, decodes: int) -> int | None:
         """The most prompt tokens a step with ``decodes`` decode rows may carry, or None for
@@ -95,11 +104,11 @@ class StepCostModel:
         coef = self.coefficients()
         if coef is None:
             return None
-        a, b, c = coef
+        a, b, c, e = coef
         decode_only = a + b * decodes
         if decode_only <= 0:
             return None
-        return max(self.min_chunk, int((self.ratio - 1.0) * decode_only / c))
+        return max(self.min_chunk, int(((self.ratio - 1.0) * decode_only - max(e, 0.0)) / c))
 
     def budget(self, decodes: int, token_budget: int) -> int:
         """The step's whole token budget given ``decodes`` decode rows come first."""

@@ -5,28 +5,30 @@ import random
 from streamkv.core.step_budget import MIN_STEPS, StepCostModel
 
 
-def feed(model: StepCostModel, a: float, b: float, c: float, n: int = 200, noise: float = 0.0, seed: int = 0) -> None:
+def feed(model: StepCostModel, a: float, b: float, c: float, e: float = 0.0, n: int = 200, noise: float = 0.0,
+         seed: int = 0) -> None:
     rng = random.Random(seed)
     for _ in range(n):
         d, p = rng.randint(0, 256), rng.choice([0, 0, rng.randint(1, 2048)])
-        model.observe(d, p, (a + b * d + c * p) * (1 + rng.uniform(-noise, noise)))
+        model.observe(d, p, (a + b * d + c * p + (e if p else 0.0)) * (1 + rng.uniform(-noise, noise)))
 
 
 def test_fit_recovers_a_linear_cost():
     m = StepCostModel(ratio=2.0)
-    feed(m, 4e-3, 30e-6, 25e-6)
-    a, b, c = m.coefficients()
-    assert abs(a - 4e-3) < 1e-6 and abs(b - 30e-6) < 1e-8 and abs(c - 25e-6) < 1e-8
+    feed(m, 4e-3, 30e-6, 25e-6, e=1.5e-3)
+    a, b, c, e = m.coefficients()
+    assert abs(a - 4e-3) < 1e-6 and abs(b - 30e-6) < 1e-8 and abs(c - 25e-6) < 1e-8 and abs(e - 1.5e-3) < 1e-6
 
 
 def test_cap_keeps_the_predicted_step_within_the_ratio():
     m = StepCostModel(ratio=2.0)
-    feed(m, 4e-3, 30e-6, 25e-6, noise=0.05)
+    feed(m, 4e-3, 30e-6, 25e-6, e=1e-3, noise=0.05)
     for decodes in (1, 16, 128, 256):
         cap = m.prompt_cap(decodes)
         decode_only = 4e-3 + 30e-6 * decodes
-        assert decode_only + 25e-6 * cap <= 2.0 * decode_only * 1.06
-        assert decode_only + 25e-6 * (cap * 1.2) > 2.0 * decode_only * 0.94  # not far below the bound
+        mixed = decode_only + 1e-3 + 25e-6 * cap  # the mixed path's own fixed cost counts
+        assert mixed <= 2.0 * decode_only * 1.06
+        assert decode_only + 1e-3 + 25e-6 * (cap * 1.2) > 2.0 * decode_only * 0.94  # not far below the bound
     assert m.budget(16, 2048) == 16 + m.prompt_cap(16)
 
 
