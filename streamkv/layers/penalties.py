@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from streamkv.layers.host_copy import on_device
+
 
 class TokenCounts:
     def __init__(self, vocab_size: int, device: torch.device | str, capacity: int = 8) -> None:
@@ -37,9 +39,9 @@ class TokenCounts:
         self.output[row].zero_()
         self.prompt[row].zero_()
         if prompt_ids:
-            self.prompt[row, torch.tensor(list(prompt_ids), dtype=torch.long, device=self.device)] = True
+            self.prompt[row, on_device(self.prompt.device, list(prompt_ids))] = True
         if output_ids:
-            ids = torch.tensor(list(output_ids), dtype=torch.long, device=self.device)
+            ids = on_device(self.output.device, list(output_ids))
             self.output[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         return row
 
@@ -50,7 +52,7 @@ class TokenCounts:
         """Count one more output token for each (row, token) pair, in one launch."""
         if not rows:
             return
-        r, t = torch.tensor([rows, token_ids], dtype=torch.long).to(self.device)  # one copy
+        r, t = on_device(self.output.device, [rows, token_ids])  # one copy, no stream sync
         self.output.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
 
     def _grow(self) -> None:
@@ -77,12 +79,12 @@ def apply_penalties(
     frequency subtract from every token of the output, once and per occurrence."""
     dev = logits.device
     # One host-to-device copy: the count rows (exact in float32 below 2**24) and the factors.
-    p = torch.tensor([(c, *f) for c, f in zip(count_rows, params)], dtype=logits.dtype).to(dev)
+    p = on_device(dev, [(c, *f) for c, f in zip(count_rows, params)], dtype=logits.dtype)
     crow = p[:, 0].long().to(counts.device)
     p = p[:, 1:]
     out = counts.output[crow].to(dev)
     whole = len(rows) == logits.shape[0]  # rows ascend: then they are every row, in order
-    idx = None if whole else torch.tensor(rows, dtype=torch.long, device=dev)
+    idx = None if whole else on_device(dev, rows)
     x = logits if whole else logits[idx]
     in_output = out > 0
     if any(r != 1.0 for _, _, r in params):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from streamkv.layers.host_copy import on_device as _on
 from streamkv.layers.penalties import TokenCounts, apply_penalties
 from streamkv.layers.token_mask import apply_token_masks
 from streamkv.messages import SampleResult
@@ -260,14 +261,6 @@ class Sampler:
         return q
 
 
-def _on(device: torch.device, data) -> torch.Tensor:
-    """``data`` (a list of ints or a CPU tensor) on ``device``. On CUDA through pinned memory,
-    without blocking: a copy from pageable memory waits for everything queued on the stream,
-    so it would make a step's launch wait for the step before it (async scheduling)."""
-    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.long)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _draw_params(part: list[tuple], device: torch.device, vocab: int) -> torch.Tensor:
