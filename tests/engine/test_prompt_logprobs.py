@@ -93,3 +93,17 @@ def test_max_logprobs_caps_both(llm, prompts):
     assert len(out[0].prompt_logprobs[1]) in (cap, cap + 1)
     with pytest.raises(InvalidParameter):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_max_logprobs_is_an_engine_argument():
+    import argparse
+
+    from streamkv.entrypoints.args import add_engine_args, engine_config, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-logprobs", "5"])
+    assert engine_config(None, **engine_kwargs(args)).model.max_logprobs == 5
+    assert parser.parse_args([]).max_logprobs == 20
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine_config(None, max_logprobs=-2).verify()
