@@ -67,6 +67,7 @@ def test_eos_and_stop_token_ids(tiny_llama_dir):
     assert any(o[0][1] == "stop" and len(o[0][0]) <= 5 for o in got)
 
 
+@pytest.mark.slow
 def test_stop_strings(tiny_llama_dir):
     # The tiny model has no tokenizer: stop strings need text. Use the embedded model.
     pytest.importorskip("transformers")
