@@ -25,7 +25,7 @@ vocabulary in Python.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,16 +108,31 @@ class SampledBatch(Sequence):
     the first read waits for that copy alone."""
 
     def __init__(self, reqs: list[SampleRequest], chosen: torch.Tensor, chosen_lp: torch.Tensor,
-                 asks: list[int], top) -> None:
+                 asks: list[int], top, finish: Callable[[], None] | None = None) -> None:
         self.reqs, self.tokens, self._asks = reqs, chosen, asks
-        tensors = [chosen, chosen_lp] + ([top.indices, top.values] if top is not None else [])
-        self._ready = None
-        if chosen.is_cuda:
+        self._device = [chosen, chosen_lp] + ([top.indices, top.values] if top is not None else [])
+        # ``finish``: the rest of top-p's rejection rounds, which read their progress on the
+        # host. It runs when the batch is first needed (the next step's launch or a read), so
+        # the step after this one is scheduled and built before anything waits for the device.
+        self._finish = finish
+        self._results: list[SampleResult] | None = None
+        self._copy()
+
+    def _copy(self) -> None:
+        tensors, self._ready = self._device, None
+        if tensors[0].is_cuda:
             tensors = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned by torch
             self._ready = torch.cuda.Event()
             self._ready.record()
         self._host = tensors
-        self._results: list[SampleResult] | None = None
+
+    def finalize(self) -> None:
+        """Completes the draws in place (``tokens`` is then final), if any are unfinished."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            with torch.inference_mode():  # the tensors were made in the step's inference mode
+                finish()
+                self._copy()
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -127,6 +142,7 @@ class SampledBatch(Sequence):
 
     def results(self) -> list[SampleResult]:
         if self._results is None:
+            self.finalize()
             if self._ready is not None:
                 self._ready.synchronize()
             self._results = _to_results(self.reqs, self._asks, *(t.tolist() for t in self._host))
@@ -174,22 +190,37 @@ class Sampler:
             r = d[1]
             if r.temperature > 0:
                 (top_k_draws if 0 < r.top_k < vocab else full_draws).append((k, *d))
-        for part, fn in ((top_k_draws, self._sample_top_k), (full_draws, self._sample_full)):
-            if len(part) == len(draws):
-                chosen = fn(logits, part)
-            elif part:
-                chosen[_on(dev, [p[0] for p in part])] = fn(logits, part)
+        finish = None
+        if top_k_draws:
+            picked = self._sample_top_k(logits, top_k_draws)
+            if len(top_k_draws) == len(draws):
+                chosen = picked
+            else:
+                chosen[_on(dev, [p[0] for p in top_k_draws])] = picked
+        if full_draws:
+            whole = len(full_draws) == len(draws)  # the rounds may then finish later, in place
+            picked, finish = self._sample_full(logits, full_draws, defer=whole)
+            if whole:
+                chosen = picked
+            else:
+                chosen[_on(dev, [p[0] for p in full_draws])] = picked
         # One fused log-softmax over every row: torch's logsumexp is several kernels and
         # passes (amax, sub, exp, sum), measured ~1.8x the time of log_softmax on the CPU.
         logprobs = torch.log_softmax(logits, -1)
         rows = src if expanded else torch.arange(len(reqs), device=dev)
         chosen_lp = logprobs[rows, chosen]
+        if finish is not None:
+            rounds = finish
+
+            def finish() -> None:
+                rounds()
+                chosen_lp.copy_(logprobs[rows, chosen])
         asks = [i for i, r in enumerate(reqs) if r.logprobs or r.num_candidates]
         top = None
         if asks:
             k = min(max(max(reqs[i].logprobs or 0, reqs[i].num_candidates) for i in asks), vocab)
             top = logprobs[_on(dev, asks)].topk(k, dim=-1)
-        return SampledBatch(list(reqs), chosen, chosen_lp, asks, top)
+        return SampledBatch(list(reqs), chosen, chosen_lp, asks, top, finish)
 
     # -- the two sampling paths; ``part`` holds (draw, row, request, sample index) ------------
     def _sample_top_k(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
@@ -207,7 +238,11 @@ class Sampler:
         q = self._exponentials(part, ids, 0)
         return ids.gather(1, (probs / q).argmax(-1, keepdim=True)).squeeze(1)
 
-    def _sample_full(self, logits: torch.Tensor, part: list[tuple]) -> torch.Tensor:
+    def _sample_full(self, logits: torch.Tensor, part: list[tuple],
+                     defer: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """The draws of ``part`` over the whole vocabulary, and (top-p with ``defer``) a
+        function that finishes them in place: its rounds read on the host which rows were
+        rejected, so they wait for the device. Without ``defer`` they run here."""
         dev, vocab = logits.device, logits.shape[1]
         params = _draw_params(part, dev, vocab)
         if _every_row(part, logits):  # no gather: one pass less over the vocabulary
@@ -219,28 +254,41 @@ class Sampler:
         weights = _min_p(probs, part, params)
         token_ids = torch.arange(vocab, device=dev)
         if all(p[2].top_p >= 1.0 for p in part):
-            return (weights / self._exponentials(part, token_ids, 0)).argmax(-1)
-        chosen = torch.empty(len(part), dtype=torch.long, device=dev)
+            return (weights / self._exponentials(part, token_ids, 0)).argmax(-1), None
         top_p = params[:, 2]
-        active = torch.arange(len(part), device=dev)
-        live = part
-        round_ = 0
-        while True:
-            pick = (weights / self._exponentials(live, token_ids, round_)).argmax(-1, keepdim=True)
-            xs = x if round_ == 0 else x[active]
-            score = xs.gather(1, pick)
-            above = torch.where(xs > score, probs if round_ == 0 else probs[active], 0.0).sum(-1)
-            tp = top_p[active]
-            ok = (above < tp) | (tp >= 1.0)
-            chosen[active] = torch.where(ok, pick.squeeze(1), chosen[active])
-            rejected = (~ok).nonzero().squeeze(1)  # the round's one host sync
-            if rejected.numel() == 0:
-                return chosen
-            # Redraw among the tokens more likely than the rejected one: the nucleus is inside.
-            weights = torch.where(xs[rejected] > score[rejected], weights[rejected], 0.0)
-            live = [live[j] for j in rejected.tolist()]
-            active = active[rejected]
-            round_ += 1
+        # Round 0 over every row, on the device: a draw is kept when the mass of the tokens
+        # more likely than it is below top_p (it lies in the nucleus).
+        pick = (weights / self._exponentials(part, token_ids, 0)).argmax(-1, keepdim=True)
+        score = x.gather(1, pick)
+        above = torch.where(x > score, probs, 0.0).sum(-1)
+        ok = (above < top_p) | (top_p >= 1.0)
+        chosen = pick.squeeze(1).clone()
+        # The seeded streams' keys as of this step: by the time deferred rounds run, the
+        # worker may have moved its requests on to the next step.
+        frozen = [(p[0], p[1], _StreamKey(p[2].seed, p[2].output_pos), p[3]) for p in part]
+
+        def rounds() -> None:
+            w, xs, ps, score_, ok_, active, live, round_ = weights, x, probs, score, ok, None, frozen, 0
+            while True:
+                rejected = (~ok_).nonzero().squeeze(1)  # the round's one host sync
+                if rejected.numel() == 0:
+                    return
+                # Redraw among the tokens more likely than the rejected one: the nucleus is inside.
+                w = torch.where(xs[rejected] > score_[rejected], w[rejected], 0.0)
+                xs, ps = xs[rejected], ps[rejected]
+                live = [live[j] for j in rejected.tolist()]
+                active = rejected if active is None else active[rejected]
+                round_ += 1
+                pick_ = (w / self._exponentials(live, token_ids, round_)).argmax(-1, keepdim=True)
+                score_ = xs.gather(1, pick_)
+                tp = top_p[active]
+                ok_ = (torch.where(xs > score_, ps, 0.0).sum(-1) < tp) | (tp >= 1.0)
+                chosen[active] = torch.where(ok_, pick_.squeeze(1), chosen[active])
+
+        if defer:
+            return chosen, rounds
+        rounds()
+        return chosen, None
 
     def _exponentials(self, part: list[tuple], token_ids: torch.Tensor, round_: int) -> torch.Tensor:
         """Exp(1) per (draw, token id): hashed for seeded draws, else from the generator."""
@@ -261,6 +309,12 @@ class Sampler:
         return q
 
 
+@dataclass(frozen=True, slots=True)
+class _StreamKey:
+    """What a draw's seeded noise is keyed by (``Sampler._exponentials`` reads these)."""
+
+    seed: int | None
+    output_pos: int
 
 
 def _draw_params(part: list[tuple], device: torch.device, vocab: int) -> torch.Tensor:

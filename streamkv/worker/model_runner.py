@@ -39,6 +39,7 @@ class ModelRunner:
         # The last step's sampled tokens on the device and each single-sample sequence's
         # row in them: where the next step's pending input tokens come from.
         self._last_tokens: torch.Tensor | None = None
+        self._last_batch: SampledBatch | None = None  # finalized before its tokens are read
         self._last_rows: dict[int, int] = {}
 
     def capture_decode_graphs(self, kv_caches, max_model_len: int, max_num_seqs: int) -> None:
@@ -127,6 +128,8 @@ class ModelRunner:
                     count_src.append(j)
         if not dst:
             return None
+        if self._last_batch is not None:
+            self._last_batch.finalize()  # top-p's later rounds, if any: the tokens are then final
         last = self._last_tokens
         d, g = self._to_device(dst + count_rows), self._to_device(src + count_src)
         n = len(dst)
@@ -169,7 +172,7 @@ class ModelRunner:
             hidden, ordered = self.forward(seqs, kv_caches, use_graphs) if seqs else (None, [])
         finally:
             # Pending tokens come from the step just before: never from an older one.
-            self._last_tokens, self._last_rows = None, {}
+            self._last_tokens, self._last_rows, self._last_batch = None, {}, None
         if not seqs:
             return StepResult([], None)
         scored = {}  # prompt logprobs: every prompt row of the sequences that asked
@@ -201,7 +204,7 @@ class ModelRunner:
             if r.num_samples == 1:
                 last_rows[seq_id] = k
             k += r.num_samples
-        self._last_tokens, self._last_rows = batch.tokens, last_rows
+        self._last_tokens, self._last_rows, self._last_batch = batch.tokens, last_rows, batch
         return StepResult(ids, batch, scored)
 
 
