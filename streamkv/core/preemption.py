@@ -45,6 +45,13 @@ class PreemptionCosts:
         return self.fixed_ms + num_tokens * self.token_ms + num_tokens * num_tokens * self.quad_ns / 1e6
 
 
+def device_profile(device_type: str, path: Path = COSTS_FILE) -> str | None:
+    """The profile measured on this kind of device ("cuda", "cpu"), if the file has one;
+    None leaves the file's default."""
+    with open(path) as f:
+        return device_type if device_type in json.load(f)["profiles"] else None
+
+
 def load_costs(profile: str | None = None, path: Path = COSTS_FILE) -> PreemptionCosts:
     """The named profile of ``path`` (None: the file's default)."""
     with open(path) as f:

@@ -12,6 +12,7 @@ from pathlib import Path
 from streamkv.config import EngineConfig
 from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
 from streamkv.core.contiguous import create_block_manager
+from streamkv.core.preemption import device_profile
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamState
@@ -77,7 +78,13 @@ class LLMEngine:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
         executor.init_cache(num_device, num_cpu)
         self.block_manager = bm = create_block_manager(config.cache, num_device, num_cpu, info.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, bm)
+        sched = config.scheduler
+        if sched.preemption_cost_profile is None:  # auto preemption's costs, measured on this kind of device
+            from streamkv.worker.worker import resolve_device
+
+            profile = device_profile(resolve_device(config.model.device).type)
+            sched = dataclasses.replace(sched, preemption_cost_profile=profile)
+        self.scheduler = Scheduler(sched, bm)
         self.limits = Limits(
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, block_size=config.cache.block_size,
             usable_blocks=bm.device.num_blocks - bm.watermark_blocks, max_num_seqs=config.scheduler.max_num_seqs,

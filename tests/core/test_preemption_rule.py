@@ -110,3 +110,13 @@ def test_scheduler_preempts_by_the_rule(costs, mode):
     sim.run()
     assert set(sim.finished) == {"a", "b", "c"}
     bm.check_no_leaks()
+
+
+def test_each_device_kind_gets_the_profile_measured_on_it():
+    from streamkv.core.preemption import device_profile, load_costs
+
+    assert device_profile("cuda") == "cuda" and device_profile("cpu") == "cpu"
+    assert device_profile("mps") is None  # nothing measured there: the file's default
+    # On the H200 a block-16 swap of 2,000 tokens beats recomputing them; not so at block 1.
+    gpu = load_costs("cuda")
+    assert gpu.swap_ms(125, 16) < gpu.recompute_ms(2000) < gpu.swap_ms(2000, 1)
