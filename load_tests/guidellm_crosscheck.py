@@ -182,8 +182,10 @@ def run_harness(url: str, args, vocab: int, seed: int) -> dict:
     from load_tests.runner import run_open_loop
 
     requests = synthetic_requests(args.num_requests, args.prompt_tokens, args.output_tokens, vocab, seed)
-    # Gamma gaps of shape 1e6: constant intervals in effect, as GuideLLM's constant profile.
-    arrivals = arrival_times(len(requests), args.rate, burstiness=1e6, seed=seed)
+    # Gamma gaps of shape 1e6 are constant intervals in effect (GuideLLM's constant profile);
+    # shape 1 is the Poisson process (its poisson profile).
+    arrivals = arrival_times(len(requests), args.rate, burstiness=1e6 if args.arrivals == "constant" else 1.0,
+                             seed=seed)
 
     async def go():
         driver = OpenAIDriver(url)
@@ -198,7 +200,7 @@ def run_harness(url: str, args, vocab: int, seed: int) -> dict:
 
 def start_guidellm(exe: str, url: str, args, tokenizer_dir: str, seed: int, out: Path) -> subprocess.Popen:
     cmd = [exe, "run", "--backend", f"kind=openai_http,target={url},request_format=/v1/completions",
-           "--profile", f"kind=constant,rate={args.rate}",
+           "--profile", f"kind={args.arrivals},rate={args.rate}",
            "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
            "--data-loader", f"kind=pytorch,samples={args.num_requests},prefetch_factor={args.num_requests}",
            "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}", "--seed", f"kind=static,value={seed}",
@@ -283,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--rate, arrivals interleaved (the server sees twice the rate)")
     p.add_argument("--pairs", type=int, default=3, help="GuideLLM-and-ours pairs of runs")
     p.add_argument("--num-requests", type=int, default=40)
-    p.add_argument("--rate", type=float, default=0.5, help="req/s, constant intervals")
+    p.add_argument("--rate", type=float, default=0.5, help="req/s per client")
+    p.add_argument("--arrivals", choices=["constant", "poisson"], default="constant",
+                   help="constant intervals (can phase-lock two clients run together), or Poisson (GuideLLM "
+                        "0.8.1's poisson profile misbehaved here: docs/paper.md)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--max-duration", type=float, default=180.0, help="seconds per run at most")
