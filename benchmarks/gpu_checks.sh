@@ -86,22 +86,25 @@ fi
 
 if [[ " $PARTS " == *" eval "* ]]; then
   # Worker SIGKILL / SIGSTOP under a served llama3-8b: detection, restart, first resumed token.
-  step recovery 130 python3 benchmarks/bench_recovery.py --model llama3-8b --device cuda --dtype bfloat16 \
+  step recovery 120 python3 benchmarks/bench_recovery.py --model llama3-8b --device cuda --dtype bfloat16 \
     --num-kv-blocks 4096 --max-num-seqs 8 --faults SIGKILL,SIGSTOP --json-out "$OUT/recovery_gpu.json"
   # Structured outputs: json_schema batch of 64 against the same batch unconstrained.
-  step structured 90 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
+  step structured 80 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
     --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 \
     --json-out "$OUT/structured_gpu.json"
+  # Fig 12's GPU point: OPT-13B, an A100-40GB's KV pool (983 blocks), 200 ShareGPT requests a rate.
+  step fig12_paged 170 env OUT="$OUT" RATES=${FIG12_RATES:-4,8,12} MAX_DURATION=50 \
+    bash load_tests/gpu_point.sh paged
+  step fig12_orca_oracle 115 env OUT="$OUT" RATES=${FIG12_ORACLE_RATES:-4,8} MAX_DURATION=50 \
+    bash load_tests/gpu_point.sh orca-oracle
+  # Sampling modes again (penalty counts now copied without a stream sync).
+  step sampling_eval 70 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
+    --max-num-seqs 256 --json-out "$OUT/sampling_eval.json"
   # Fig 19a: swap out+in vs recompute, OPT-13B's shape; fits preemption_mode=auto's costs.
-  step swap_recompute 90 python3 benchmarks/bench_swap_recompute.py --model opt-13b --load-format dummy \
+  step swap_recompute 80 python3 benchmarks/bench_swap_recompute.py --model opt-13b --load-format dummy \
     --dtype float16 --device cuda --recompute-block-sizes 16 --write-costs cuda \
     --json-out "$OUT/swap_recompute_gpu.json"
   cp streamkv/core/preemption_costs.json "$OUT/" 2>/dev/null
-  # Fig 12's GPU point: OPT-13B, an A100-40GB's KV pool (983 blocks), 200 ShareGPT requests a rate.
-  for sys in paged orca-oracle; do
-    step "fig12_$sys" 200 env OUT="$OUT" RATES=${FIG12_RATES:-4,8,12} MAX_DURATION=55 \
-      bash load_tests/gpu_point.sh "$sys"
-  done
 fi
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

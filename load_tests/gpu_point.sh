@@ -16,7 +16,7 @@ SYSTEM=${1:?usage: gpu_point.sh paged|orca-oracle|orca-pow2|orca-max|ft-max}
 OUT=${OUT:-bench_results}
 RATES=${RATES:-3,6,9,12}
 mkdir -p "$OUT"
-PYTHONPATH=$PWD ${PY:-python3} -m load_tests.bench --backend offline --model opt-13b --load-format dummy \
+PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD ${PY:-python3} -m load_tests.bench --backend offline --model opt-13b --load-format dummy \
   --device cuda --dtype float16 --num-kv-blocks 983 --num-swap-blocks 0 --block-size 16 \
   --max-model-len 2048 --no-enable-prefix-caching --kv-allocation "$SYSTEM" \
   --workload-file bench_inputs/sharegpt-200.json --workload sharegpt --num-requests 200 \
