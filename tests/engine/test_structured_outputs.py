@@ -85,11 +85,11 @@ def test_json_object_regex_and_choice(llm):
 def test_unconstrained_rows_keep_their_greedy_tokens(llm):
     plain = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     alone = llm.generate(plain, _greedy(max_tokens=20))
-    mixed_params = [_greedy(max_tokens=20)] * 3 + [_greedy({"json": SCHEMAS["nested"]}), _greedy({"regex": "[a-z]{5}"})]
+    mixed_params = [_greedy(max_tokens=20)] * 3 + [_greedy({"json": SCHEMAS["enum"]}, 32), _greedy({"regex": "[a-z]{5}"})]
     mixed = llm.generate(plain + [PROMPT, "A word:"], mixed_params)
     for a, m in zip(alone, mixed[:3]):
         assert a.outputs[0].token_ids == m.outputs[0].token_ids
-    jsonschema.validate(json.loads(mixed[3].outputs[0].text), SCHEMAS["nested"])
+    jsonschema.validate(json.loads(mixed[3].outputs[0].text), SCHEMAS["enum"])
     assert re.fullmatch("[a-z]{5}", mixed[4].outputs[0].text)
 
 
