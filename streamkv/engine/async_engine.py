@@ -26,6 +26,7 @@ from streamkv.engine.recovery import (
     EngineRestartedError,
     RestartBudget,
     ResumeBase,
+    ends_early,
     resumable,
     resume_request,
     splice,
@@ -265,7 +266,11 @@ class AsyncEngine:
                 continue  # aborted by its reader meanwhile
             base = self._resumed.get(out.request_id)
             if base is not None:
-                out = splice(base, out)
+                spliced = splice(base, out)
+                if ends_early(out, spliced):  # a stop string straddled the restart: end it there
+                    self._commands.append(("abort", out.request_id))
+                    self._wakeup.set()
+                out = spliced
             if out.finished:
                 self._forget(out.request_id)
             for obs in self.observers:

@@ -287,7 +287,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per phase")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--settle", type=float, default=0.5, help="seconds before each phase's timed work")
-    p.add_argument("--server-args", nargs="*", default=[], help="extra `streamkv serve` flags")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra `streamkv serve` flags: everything after it (so last)")
     p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--out", default=None, help="write the pairs and the summary as JSON here")
     p.add_argument("--micro", action="store_true", help="only time one snapshot of a 32k-block pool")
