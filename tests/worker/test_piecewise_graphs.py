@@ -14,27 +14,14 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamkv import SamplingParams
 from streamkv.entrypoints.llm import LLM
 from streamkv.worker.input_batch import SampleRequest, SeqInput
 from streamkv.worker.piecewise_graphs import token_buckets
-from tests.models.hf_tiny import save_tiny
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-piecewise")
-    save_tiny(LlamaConfig(
-        vocab_size=1000, max_position_embeddings=2048, num_hidden_layers=3, hidden_size=256,
-        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        tie_word_embeddings=False,
-    ), path)
-    return path
 
 
 def _runner(llm: LLM):
