@@ -4,6 +4,7 @@ about memory: swaps, copies and slots all come from the scheduler."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -49,7 +50,9 @@ class Worker:
         mc = config.model
         self.device = resolve_device(mc.device)
         if self.device.type == "cuda" and mc.tensor_parallel_size > 1:
-            self.device = torch.device("cuda", rank)  # one GPU per rank
+            # One GPU per rank, numbered on its own host (ranks on several hosts: LOCAL_RANK,
+            # as executor/rank.py sets the device).
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         # The engine's ModelInfo; resolved here only for a Worker built on its own (benchmarks).
