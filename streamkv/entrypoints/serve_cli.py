@@ -21,7 +21,11 @@ logger = logging.getLogger("streamkv.entrypoints.server")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    from streamkv.entrypoints.cli import HelpFormatter, add_common_args, add_server_limit_args
+    from streamkv.entrypoints.cli_common import (
+        HelpFormatter,
+        add_common_args,
+        add_server_limit_args,
+    )
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server",
                        formatter_class=HelpFormatter, allow_abbrev=False,
@@ -69,7 +73,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from streamkv.entrypoints.cli import check_server_limit_args
+    from streamkv.entrypoints.cli_common import check_server_limit_args
 
     for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
         if getattr(args, name) < 1:
@@ -100,7 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from streamkv.engine.async_engine import AsyncEngine
     from streamkv.engine.recovery import RestartBudget
-    from streamkv.entrypoints.cli import engine_kwargs, load_chat_template, set_chat_template
+    from streamkv.entrypoints.args import engine_kwargs
+    from streamkv.entrypoints.cli_common import load_chat_template, set_chat_template
     from streamkv.entrypoints.connections import (
         ConnectionLimits,
         GuardedH11Protocol,

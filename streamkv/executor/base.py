@@ -6,9 +6,7 @@ import abc
 import time
 from typing import ClassVar, Protocol
 
-from streamkv.config import EngineConfig
 from streamkv.messages import StepInput, StepOutput
-from streamkv.model_info import ModelInfo
 
 
 class StepHandle(Protocol):
@@ -61,14 +59,3 @@ class Executor(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - executors without resources need nothing
         """Release workers and their memory."""
-
-
-def create_executor(config: EngineConfig, model_info: ModelInfo) -> Executor:
-    """The executor ``config.model.executor_backend`` names: "inprocess" or "mp"."""
-    if config.model.executor_backend == "mp":
-        from streamkv.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, model_info=model_info)
-    from streamkv.executor.inprocess import InProcessExecutor
-
-    return InProcessExecutor(config, model_info)
