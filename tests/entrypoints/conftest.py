@@ -19,6 +19,16 @@ import httpx
 SMALL_ENGINE = ["--device", "cpu", "--num-kv-blocks", "256", "--num-swap-blocks", "64", "--max-model-len", "1024"]
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 15 s."""
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,12 +98,7 @@ def run_server(*args: str, startup_timeout: float = 300.0, scheme: str = "http")
             time.sleep(0.2)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
         text = server.log()
         os.unlink(log.name)

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import free_port
+from tests.entrypoints.conftest import free_port, stop_process
 
 READY = re.compile(r"ready: http://127\.0\.0\.1:(\d+) \(model (\S+), (\d+) KV blocks of (\d+) tokens, "
                    r"max context (\d+)\)")
@@ -82,12 +82,7 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
         assert re.search(r"prompt [\d.]+ tok/s, generation [\d.]+ tok/s \| running \d+, waiting \d+, swapped \d+ "
                          r"reqs \| KV cache [\d.]+% used \| prefix-cache hit rate ([\d.]+%|-)", line), line
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         out = text()
         log.close()
         os.unlink(log.name)
