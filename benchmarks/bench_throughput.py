@@ -257,8 +257,9 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the engine's step token budget (default: the engine's)")
-    ap.add_argument("--no-async-scheduling", action="store_true",
-                    help="the engine waits for each step's samples before scheduling the next")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlap the next step's scheduling with this one's device work "
+                         "(default: the engine's, on on a GPU and off on a CPU)")
     ap.add_argument("--max-prefill-step-ratio", type=float, default=None,
                     help="the engine's cap on prompt tokens beside decodes (0 = none; default: the engine's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -315,7 +316,7 @@ def main() -> int:
     kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "num_kv_blocks": blocks, "num_swap_blocks": 0,
               "device": args.device, "dtype": args.dtype, "load_format": args.load_format,
-              "async_scheduling": not args.no_async_scheduling}
+              "async_scheduling": args.async_scheduling}
     if args.max_prefill_step_ratio is not None:
         kwargs["max_prefill_step_ratio"] = args.max_prefill_step_ratio
     if args.workload_file:
@@ -416,7 +417,10 @@ def main() -> int:
               "output_tokens": out_tokens, "rows": rows, "ratio_vs_best_baseline": ratio,
               "ratio_vs_transformers_cb": (rows[1]["output_tok_s"] / rows[2]["output_tok_s"]
                                            if args.cb_requests else None),
-              "stats": llm.stats(), "step_report": step_report}
+              "stats": llm.stats(), "step_report": step_report,
+              # the settings the engine resolved (the defaults depend on the device)
+              "async_scheduling": llm.engine.async_scheduling,
+              "max_prefill_step_ratio": llm.engine.config.scheduler.max_prefill_step_ratio}
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=2)

@@ -8,7 +8,7 @@ names, defaults and ``help``; ``choices`` and ``flag`` (extra spellings) shape t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Every power of two from 1 to 256 (the paper's Fig 18b sweep; docs/kernels.md "Block sizes").
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
+DEFAULT_GPU_PREFILL_STEP_RATIO = 2.0
 
 
 def arg(default: Any, help: str, **meta: Any) -> Any:
@@ -93,11 +94,16 @@ class SchedulerConfig:
                                        "of swap and recompute by a measured cost model)", choices=PREEMPTION_MODES)
     preemption_cost_profile: str | None = arg(None, "the measured swap/recompute costs 'auto' uses: a profile of "
                                                     "streamkv/core/preemption_costs.json (default: its default)")
-    max_prefill_step_ratio: float = arg(
-        2.0, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
-             "times a decode-only step (fitted online from step times; 0 = no cap, the whole token budget)")
-    async_scheduling: bool = arg(True, "schedule and submit the next step while the device runs this one, and "
-                                       "process its outputs while the next runs (engine/step_pipeline.py)")
+    # None: on for a model on a GPU, off on a CPU. On a CPU the step is the host's own work:
+    # there is no device to overlap with, and the cap's shorter mixed steps cost more steps
+    # than they save (make bench: both on cost ~11% of tokens/s; docs/benchmarks.md).
+    max_prefill_step_ratio: float | None = arg(
+        None, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
+              "times a decode-only step (fitted online from step times; 0 = no cap, the whole token "
+              f"budget; default {DEFAULT_GPU_PREFILL_STEP_RATIO} on a GPU, 0 on a CPU)")
+    async_scheduling: bool | None = arg(
+        None, "schedule and submit the next step while the device runs this one, and process its outputs "
+              "while the next runs (engine/step_pipeline.py; default: on a GPU, off on a CPU)")
     # The served context length, ModelInfo.max_model_len: the engine's own copy of the config
     # carries it (set by replace(), never by mutation); ModelConfig.max_model_len is the request.
     max_model_len: int = field(default=2048, metadata={"cli": False})
@@ -107,7 +113,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
             )
-        if self.max_prefill_step_ratio < 0:
+        if self.max_prefill_step_ratio is not None and self.max_prefill_step_ratio < 0:
             raise ValueError(f"max_prefill_step_ratio must be >= 0, got {self.max_prefill_step_ratio}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
@@ -118,6 +124,18 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs})."
             )
+
+    def on_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the device-dependent defaults filled in for a model on
+        ``device_type`` ("cuda" or "cpu")."""
+        gpu = device_type == "cuda"
+        ratio = self.max_prefill_step_ratio
+        overlap = self.async_scheduling
+        return replace(
+            self,
+            max_prefill_step_ratio=(DEFAULT_GPU_PREFILL_STEP_RATIO if gpu else 0.0) if ratio is None else ratio,
+            async_scheduling=gpu if overlap is None else overlap,
+        )
 
     @property
     def token_budget(self) -> int:

@@ -114,8 +114,11 @@ class Scheduler:
         # Groups preempted by the last schedule(). With async scheduling one of them may still
         # get a token from the step in flight, and finish by it while waiting or swapped.
         self._preempted: list[SequenceGroup] = []
-        # The engine reports each step's time here; it caps prompt chunks beside decodes.
-        self.step_cost = StepCostModel(config.max_prefill_step_ratio)
+        # The engine reports each step's time here; it caps prompt chunks beside decodes. The
+        # engine resolves the device default (SchedulerConfig.on_device); a scheduler built
+        # without one (unit tests, simulators) has no cap.
+        ratio = config.max_prefill_step_ratio
+        self.step_cost = StepCostModel(0.0 if ratio is None else ratio)
 
     # -- queues -------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:

@@ -58,10 +58,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir)
         self.model_info = info = model_info or resolve_model_info(config.model, model_dir, self.tokenizer)
         info.verify_tensor_parallel(config.model.tensor_parallel_size)
-        # The engine's own copy carries the served context length; the caller's config is
-        # never changed after verify().
+        # The engine's own copy carries the served context length and the scheduler's
+        # device-dependent defaults; the caller's config is never changed after verify().
+        from streamkv.worker.worker import resolve_device
+
+        self.device_type = resolve_device(config.model.device).type
+        sched = config.scheduler.on_device(self.device_type)
         self.config = config = dataclasses.replace(
-            config, scheduler=dataclasses.replace(config.scheduler, max_model_len=info.max_model_len)
+            config, scheduler=dataclasses.replace(sched, max_model_len=info.max_model_len)
         )
         owned = executor is None
         self.executor = executor = create_executor(config, info) if owned else executor
@@ -81,10 +85,7 @@ class LLMEngine:
         self.block_manager = bm = create_block_manager(config.cache, num_device, num_cpu, info.max_model_len)
         sched = config.scheduler
         if sched.preemption_cost_profile is None:  # auto preemption's costs, measured on this kind of device
-            from streamkv.worker.worker import resolve_device
-
-            profile = device_profile(resolve_device(config.model.device).type)
-            sched = dataclasses.replace(sched, preemption_cost_profile=profile)
+            sched = dataclasses.replace(sched, preemption_cost_profile=device_profile(self.device_type))
         self.scheduler = Scheduler(sched, bm)
         self.limits = Limits(
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, block_size=config.cache.block_size,
@@ -102,7 +103,7 @@ class LLMEngine:
         self.stats_ = EngineStats(bm, self.scheduler, info.max_model_len)
         self.groups: dict[str, SequenceGroup] = {}
         # Async scheduling needs workers that fill pending input tokens on the device.
-        self.async_scheduling = config.scheduler.async_scheduling and executor.resolves_pending_tokens
+        self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
         self._inflight: InFlight | None = None
         self.overlapped_steps = 0  # steps whose successor was submitted before their outputs were read
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
