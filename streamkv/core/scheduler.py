@@ -92,11 +92,30 @@ def demands(group: SequenceGroup, seqs: list[Sequence], budget: int) -> list[tup
     return [w for w in want if w[1] > 0] or None
 
 
-def _decoding(group: SequenceGroup) -> bool:
+def decode_rows(group: SequenceGroup) -> int | None:
+    """The decode rows a running group puts into this step, or None while it still computes
+    its prompt (a running sequence has more than one token to compute).
+
+    A row is a running sequence with a token to compute; one with none waits for the step in
+    flight to end it (async scheduling: its last token is being sampled). One pass over the
+    group's sequences, no list: it runs per group per step.
+    """
     seqs = group.seqs
     if len(seqs) == 1:
-        return seqs[0].num_uncomputed_tokens <= 1
-    return all(s.num_uncomputed_tokens <= 1 for s in seqs if s.status is SequenceStatus.RUNNING)
+        seq = seqs[0]
+        left = seq.num_uncomputed_tokens
+        if left > 1:
+            return None
+        return 1 if left and seq.status is SequenceStatus.RUNNING else 0
+    rows = 0
+    for seq in seqs:
+        if seq.status is SequenceStatus.RUNNING:
+            left = seq.num_uncomputed_tokens
+            if left > 1:
+                return None
+            if left:
+                rows += 1
+    return rows
 
 
 class Scheduler:
@@ -190,13 +209,16 @@ class Scheduler:
         num_seqs = 0
         bm, max_seqs = self.bm, self.config.max_num_seqs
         decodes, prefills = [], []
+        rows = 0
         for group in sorted(self.running, key=lambda g: g.arrival_time):
-            (decodes if _decoding(group) else prefills).append(group)
+            n = decode_rows(group)
+            if n is None:
+                prefills.append(group)
+            else:
+                decodes.append(group)
+                rows += n
         budget = self.config.token_budget
         if self.step_cost.enabled and decodes:
-            # Rows that decode this step: not one that waits for the step in flight to end it
-            # (async scheduling: its last token is being sampled, it has nothing to compute).
-            rows = sum(1 for g in decodes for s in g.live_seqs(SequenceStatus.RUNNING) if s.num_uncomputed_tokens)
             budget = self.step_cost.budget(rows, budget)
         queue = decodes + prefills
         self.running = []
