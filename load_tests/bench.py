@@ -121,7 +121,7 @@ def make_engine(args: argparse.Namespace):
     config = engine_config(args.model, **engine_kwargs(args))
     config.cache.kv_allocation = args.kv_allocation
     if not args.simulate:
-        return build_engine(config), None
+        return build_engine(config), None, None
     from load_tests.sim import SimulatedExecutor, StepCost, VirtualClock
 
     if args.num_kv_blocks is None:
@@ -131,7 +131,7 @@ def make_engine(args: argparse.Namespace):
                     args.sim_swap_token_us, args.block_size)
     executor = SimulatedExecutor(args.model, args.num_kv_blocks, args.num_swap_blocks or 0, cost, clock,
                                  args.workload_seed)
-    return build_engine(config, executor), clock
+    return build_engine(config, executor), clock, executor
 
 
 def reserve_common_prefix(engine, requests: list[BenchRequest]) -> dict:
@@ -155,12 +155,16 @@ def run_point(args, requests, rate: float, target) -> dict:
     bar = tqdm(total=len(requests), desc=f"{args.label} @ {rate:g} req/s", disable=args.disable_tqdm,
                file=sys.stderr, leave=False)
     done = lambda rec: bar.update(1)  # noqa: E731
+    busy0 = sim = None
+    arrived: list[dict] = []
     if args.backend == "offline":
         from load_tests.offline import run_offline
 
-        engine, clock = target
+        engine, clock, sim = target
         before = kv.snapshot_from_stats(engine.stats())
-        records, duration = run_offline(engine, requests, arrivals, args.max_duration, done, clock)
+        busy0 = (sim.busy_seconds, sim.seq_seconds) if sim else None
+        records, duration = run_offline(engine, requests, arrivals, args.max_duration, done, clock,
+                                        lambda: arrived.append(kv.snapshot_from_stats(engine.stats())))
         after = kv.snapshot_from_stats(engine.stats())
     else:
         before = scrape(args.url)
@@ -168,8 +172,17 @@ def run_point(args, requests, rate: float, target) -> dict:
         after = scrape(args.url)
     bar.close()
     summary = summarize(records, duration, parse_slo(args.goodput))
+    window = kv.window(before, after)
+    if args.backend == "offline" and arrived and window is not None:
+        # While requests still arrive (the steady load of a long trace; a bounded run's tail
+        # is the queue draining, with fewer and fewer requests batched).
+        window["while_arriving"] = kv.window(before, arrived[0])
+    if busy0 is not None and window is not None:
+        busy, weighted = sim.busy_seconds - busy0[0], sim.seq_seconds - busy0[1]
+        # Sequences, weighted by step time (the simulated clock); = requests without n / beams.
+        window["time_avg_batched_seqs"] = weighted / busy if busy else None
     return {"request_rate": rate, "burstiness": args.burstiness, "summary": summary,
-            "kv": kv.window(before, after), "label": args.label}
+            "kv": window, "label": args.label}
 
 
 async def _serve(args, tokenizer, requests, arrivals, done):

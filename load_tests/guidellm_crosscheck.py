@@ -3,9 +3,12 @@
 Both clients drive the same ``streamkv serve`` (started here on 127.0.0.1 and a fixed port)
 with the same workload shape: N requests at a constant rate, each with a P-token prompt and
 exactly M output tokens (``ignore_eos``), streamed over ``/v1/completions``. ``--mode
-together`` runs both at once, ours half an interval after GuideLLM's arrivals, so both
-measure the very same conditions; ``--mode alternate`` runs them one after the other
-(GuideLLM, ours, GuideLLM, ours, ...), where the drift of a shared machine shows. Per run
+alternate`` (the figure) runs them in separate intervals, one after the other, in ABBA order
+(GuideLLM, ours, ours, GuideLLM, ...: drift that is linear in time cancels), each after the
+server has been idle ``--idle-gap`` seconds; ``--mode together`` runs both at once, ours half
+an interval after GuideLLM's arrivals (constant intervals can phase-lock the two: docs/paper.md).
+``--pin`` puts the server on CPU 0 and both clients on CPU 1, so neither client's own CPU
+work slows the server it measures. Per run
 it records each client's own TTFT and ITL medians, and both clients' raw timings recomputed
 under one definition, so a disagreement splits into "the clients define it differently"
 and "the clients measure differently":
@@ -16,8 +19,12 @@ and "the clients measure differently":
   requests (token-weighted; all weights equal here). Ours: every gap between successive
   deliveries, pooled over requests, then the median.
 
-    python -m load_tests.guidellm_crosscheck --mode together --pairs 3 --num-requests 24 \\
-        --rate 0.2 --prompt-tokens 32 --output-tokens 16 --json-out bench_results/guidellm_crosscheck.json
+Each run also keeps its per-request values under one definition (TTFT from send, ITL per
+request), and the summary pools them per client over all runs, with a bootstrap interval for
+the ratio and each client's run-to-run spread (load_tests/crosscheck_stats.py).
+
+    python -m load_tests.guidellm_crosscheck --mode alternate --pairs 4 --num-requests 32 \\
+        --rate 0.4 --prompt-tokens 32 --output-tokens 16 --pin --json-out bench_results/guidellm_crosscheck.json
 
 GuideLLM lives in its own virtualenv (``--guidellm``, default $GUIDELLM or
 /tmp/guidellm-venv/bin/guidellm); without it this prints why and exits 0 (CI does not
@@ -29,21 +36,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from load_tests.crosscheck_stats import (
+    compare,
+    format_pooled,
+    format_table,
+    guidellm_figures,
+    harness_figures,
+    pooled,
+)
+from load_tests.local_server import local_server
+
 DEFAULT_GUIDELLM = "/tmp/guidellm-venv/bin/guidellm"
-METRICS = ("ttft_ms", "itl_ms", "ttft_sent_ms", "ttft_sched_ms", "itl_per_request_ms")
 
 
 def find_guidellm(path: str | None) -> str | None:
@@ -54,117 +68,18 @@ def find_guidellm(path: str | None) -> str | None:
     return None
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def guidellm_figures(report: dict) -> dict:
-    """One GuideLLM JSON report (``--output kind=json``): its own medians, and its
-    per-request timings under both clients' TTFT definitions."""
-    bench = report["benchmarks"][0]
-    metrics, done = bench["metrics"], bench["requests"]["successful"]
-    timings = [r["info"]["timings"] for r in done]
-    return {
-        "completed": len(done),
-        "errors": len(bench["requests"]["errored"]),
-        "ttft_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
-        "itl_ms": metrics["inter_token_latency_ms"]["successful"]["median"],
-        "ttft_sent_ms": _median([1e3 * (t["first_token_iteration"] - t["request_start"]) for t in timings]),
-        "ttft_sched_ms": _median([1e3 * (t["first_token_iteration"] - t["targeted_start"]) for t in timings]),
-        "itl_per_request_ms": _median([r["inter_token_latency_ms"] for r in done
-                                       if r["inter_token_latency_ms"] is not None]),
-        "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in done) if done else float("nan"),
-        "output_tokens": statistics.fmean(r["output_tokens"] for r in done) if done else float("nan"),
-        "duration_s": bench["duration"],
-    }
-
-
-def harness_figures(records: list, duration: float) -> dict:
-    """Our harness's records: its own summary (load_tests/metrics.py), and the same raw
-    timings under GuideLLM's definitions."""
-    from load_tests.metrics import summarize
-
-    s = summarize(records, duration)
-    done = [r for r in records if r.ok and r.chunk_times]
-    per_request = [1e3 * (r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1)
-                   for r in done if r.output_tokens > 1]
-    return {
-        "completed": s["completed"], "errors": s["errors"],
-        "ttft_ms": s["ttft_ms"]["p50"], "itl_ms": s["itl_ms"]["p50"], "tpot_ms": s["tpot_ms"]["p50"],
-        "ttft_sent_ms": _median([1e3 * (r.chunk_times[0] - r.sent) for r in done]),
-        "ttft_sched_ms": _median([1e3 * (r.chunk_times[0] - r.scheduled) for r in done]),
-        "itl_per_request_ms": _median(per_request),
-        "prompt_tokens": statistics.fmean(r.prompt_len for r in done) if done else float("nan"),
-        "output_tokens": statistics.fmean(r.output_tokens for r in done) if done else float("nan"),
-        "duration_s": duration,
-    }
-
-
-def compare(runs: list[dict]) -> dict:
-    """Per metric: each client's median over its runs, ours ÷ GuideLLM, and the ratio of
-    each adjacent pair (run i of GuideLLM with run i of ours) to show the spread."""
-    out = {}
-    for m in METRICS:
-        g = [r[m] for r in runs if r["client"] == "guidellm"]
-        h = [r[m] for r in runs if r["client"] == "harness"]
-        pairs = [b / a for a, b in zip(g, h) if a]
-        out[m] = {"guidellm": _median(g), "harness": _median(h),
-                  "ratio": _median(h) / _median(g) if g and h and _median(g) else float("nan"),
-                  "pair_ratios": pairs}
-    return out
-
-
-def format_table(runs: list[dict], summary: dict) -> str:
-    head = ("| run | client | done | TTFT p50 (own) | ITL p50 (own) | TTFT from send | TTFT from schedule "
-            "| ITL per request | client CPU s | server CPU s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in runs:
-        lines.append(f"| {r['pair']} | {r['client']} | {r['completed']} | {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} "
-                     f"| {r['ttft_sent_ms']:.0f} | {r['ttft_sched_ms']:.0f} | {r['itl_per_request_ms']:.0f} "
-                     f"| {r['client_cpu_s']:.1f} | {r['server_cpu_s']:.1f} |")
-    lines += ["", "| metric (ms, median of runs) | GuideLLM | ours | ours ÷ GuideLLM | per pair |", "|---|---|---|---|---|"]
-    for m, v in summary.items():
-        lines.append(f"| {m} | {v['guidellm']:.0f} | {v['harness']:.0f} | {v['ratio']:.3f} "
-                     f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} |")
-    return "\n".join(lines)
-
-
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@contextlib.contextmanager
 def serve(args):
-    """``streamkv serve`` on 127.0.0.1:``--port`` (the embedded model), until the block ends."""
-    import httpx
-
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", "WARNING", "serve", "--host",
-           "127.0.0.1", "--port", str(args.port), "--no-access-log", "--device", "cpu", *args.server_args]
-    with open(args.server_log, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"error: the server exited with {proc.returncode} (log: {args.server_log})")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"error: the server is not healthy after 300 s (log: {args.server_log})")
-            time.sleep(0.5)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """``streamkv serve`` on 127.0.0.1:``--port`` (the embedded model), until the block ends;
+    with ``--pin``, on CPU 0 only."""
+    env = {"OMP_NUM_THREADS": str(args.server_threads)}
+    return local_server(["--device", "cpu", *args.server_args], port=args.port, log_path=args.server_log,
+                        env=env, cpus={0} if args.pin else None)
 
 
 def synthetic_requests(num: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int) -> list:
@@ -283,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["alternate", "together"], default="alternate",
                    help="alternate: GuideLLM's run, then ours, --pairs times; together: both at once, each at "
                         "--rate, arrivals interleaved (the server sees twice the rate)")
-    p.add_argument("--pairs", type=int, default=3, help="GuideLLM-and-ours pairs of runs")
+    p.add_argument("--pairs", type=int, default=4, help="GuideLLM-and-ours pairs of runs")
+    p.add_argument("--order", choices=["abba", "abab"], default="abba",
+                   help="alternate: abba swaps who goes first every other pair (linear drift cancels)")
+    p.add_argument("--idle-gap", type=float, default=5.0, help="alternate: idle seconds before each run")
+    p.add_argument("--pin", action="store_true",
+                   help="server on CPU 0, this process and GuideLLM on CPU 1 (needs 2 CPUs)")
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--rate", type=float, default=0.5, help="req/s per client")
     p.add_argument("--arrivals", choices=["constant", "poisson"], default="constant",
@@ -305,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         print("skipped: GuideLLM is not installed (pass --guidellm PATH or set $GUIDELLM; it lives in its own "
               "virtualenv, e.g. `python -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install guidellm`)")
         return 0
-    if not (1 <= args.num_requests <= 1000 and args.pairs >= 1 and args.rate > 0):
-        raise SystemExit("error: --num-requests in [1, 1000], --pairs >= 1, --rate > 0")
+    if not (1 <= args.num_requests <= 1000 and args.pairs >= 1 and args.rate > 0 and args.idle_gap >= 0):
+        raise SystemExit("error: --num-requests in [1, 1000], --pairs >= 1, --rate > 0, --idle-gap >= 0")
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("error: --pin needs two CPUs (server on 0, clients on 1)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="guidellm-crosscheck-"))
     workdir.mkdir(parents=True, exist_ok=True)
     args.server_log = str(workdir / "serve.log")
@@ -314,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     tok_dir = str(workdir / "tokenizer")
     vocab = save_tokenizer(tok_dir)
     runs: list[dict] = []
-    with serve(args) as (url, pid):
+    with serve(args) as server:
+        url, pid = server.url, server.proc.pid
+        if args.pin:
+            os.sched_setaffinity(0, {1})  # this process and GuideLLM's, its children
         run_harness(url, argparse.Namespace(**{**vars(args), "num_requests": 4, "rate": 4.0}), vocab, 999)  # warm-up
         for i in range(args.pairs):
             gl_out = workdir / f"guidellm-{i}.json"
@@ -327,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                 pair = [("guidellm", gl, both), ("harness", ours, both)]
             else:
                 pair = []
-                for client in ("guidellm", "harness"):
+                order = ("guidellm", "harness") if args.order == "abab" or i % 2 == 0 else ("harness", "guidellm")
+                for client in order:
+                    time.sleep(args.idle_gap)
                     cpu0 = _cpu_seconds(pid)
                     fig = (_timed(run_guidellm, exe, url, args, tok_dir, i, gl_out) if client == "guidellm"
                            else _timed(run_harness, url, args, vocab, i))
@@ -336,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"pair": i, "client": client, **fig, "server_cpu_s": server_cpu})
                 print(f"pair {i} {client}: TTFT p50 {fig['ttft_ms']:.0f} ms, ITL p50 {fig['itl_ms']:.0f} ms "
                       f"({fig['completed']} done)", flush=True)
-    summary = compare(runs)
+    summary, pooled_summary = compare(runs), pooled(runs)
     print(format_table(runs, summary))
+    print()
+    print(format_pooled(pooled_summary))
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"guidellm_version": version, "args": {k: v for k, v in vars(args).items()},
-                   "runs": runs, "summary": summary}, f, indent=1, default=str)
+                   "load_average": os.getloadavg(), "runs": runs, "summary": summary,
+                   "pooled": pooled_summary}, f, indent=1, default=str)
     print(f"wrote {args.json_out}; GuideLLM reports in {workdir}")
     return 0
 

@@ -189,11 +189,11 @@ def main() -> int:
     if args.start_server:
         from contextlib import ExitStack
 
-        from tests.entrypoints.conftest import run_server
+        from load_tests.local_server import local_server
 
         stack = ExitStack()
         extra = args.server_args.split() + (["--api-key", args.api_key] if args.api_key else [])
-        server = stack.enter_context(run_server(*extra))
+        server = stack.enter_context(local_server(["--device", "cpu", "--max-model-len", "1024", *extra]))
         url = server.url
     else:
         url = loopback_only(args.url)

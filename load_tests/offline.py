@@ -22,10 +22,13 @@ def sampling_params(req: BenchRequest) -> SamplingParams:
 
 def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max_duration: float,
                 on_done: Callable[[RequestRecord], None] = lambda r: None,
-                virtual: VirtualClock | None = None) -> tuple[list[RequestRecord], float]:
+                virtual: VirtualClock | None = None,
+                on_all_arrived: Callable[[], None] = lambda: None) -> tuple[list[RequestRecord], float]:
     """The open loop of runner.run_open_loop with the engine stepped in this thread: a request
     due during a step is added right after it (its latency still counts from its arrival).
-    With a ``virtual`` clock (sim.py: the executor advances it) waiting advances it too."""
+    With a ``virtual`` clock (sim.py: the executor advances it) waiting advances it too.
+    ``on_all_arrived`` runs once, right after the last request is added (the end of the
+    window in which the load is offered; what follows is the queue draining)."""
     if virtual is None:
         t0 = time.perf_counter()
         base = time.monotonic()
@@ -64,6 +67,8 @@ def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max
             active[str(i)] = rec
             engine.add_request(str(i), None, sampling_params(req), prompt_token_ids=req.prompt_ids,
                                arrival_time=base + at)
+            if nxt == len(todo):
+                on_all_arrived()
         if engine.has_unfinished_requests():
             outputs = engine.step()
             t = clock()

@@ -52,6 +52,10 @@ def format_summary(run: dict) -> str:
                            ("internal", "internal fragmentation"), ("external", "external fragmentation")):
             row(f"KV memory held: {name} (%):", 100 * kv["shares"][kind])
         row("Avg batched requests:", kv["avg_batched_requests"])
+        if (kv.get("while_arriving") or {}).get("avg_batched_requests") is not None:
+            row("Avg batched requests while arriving:", kv["while_arriving"]["avg_batched_requests"])
+        if kv.get("time_avg_batched_seqs") is not None:
+            row("Time-avg batched sequences (sim clock):", kv["time_avg_batched_seqs"])
         row("Preemptions:", kv["preemptions"], "{:<10.0f}")
     row("Send lag p99 (ms, harness health):", s["send_lag_ms"]["p99"])
     if s["error_examples"]:

@@ -71,6 +71,10 @@ class SimulatedExecutor(Executor):
         self.cost, self.clock = cost, clock
         self.rng = random.Random(seed)
         self.num_steps = 0
+        # Virtual seconds of steps, and the same weighted by the sequences each step carried:
+        # their ratio is the time-averaged batch (the engine's own figure averages per step).
+        self.busy_seconds = 0.0
+        self.seq_seconds = 0.0
         self._candidates: dict[int, int] = {}  # seq_id -> beam candidates to return (0: sampling)
 
     def num_available_blocks(self) -> tuple[int, int]:
@@ -80,8 +84,11 @@ class SimulatedExecutor(Executor):
         pass
 
     def execute(self, step: StepInput) -> StepOutput:
-        self.clock.advance(self.cost.seconds(step))
+        seconds = self.cost.seconds(step)
+        self.clock.advance(seconds)
         self.num_steps += 1
+        self.busy_seconds += seconds
+        self.seq_seconds += seconds * len(step.seqs)
         # Like a worker, remember what each sequence was sent once (beam width), forget the
         # finished ones.
         for new in step.new_seqs:

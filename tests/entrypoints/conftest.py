@@ -1,50 +1,29 @@
 """A real ``streamkv serve`` subprocess on 127.0.0.1 and a free port, for end-to-end tests.
-Each test module starts one (module-scoped fixtures) to keep the suite's time down."""
+Each test module starts one (module-scoped fixtures) to keep the suite's time down. Starting,
+waiting for health and stopping are load_tests/local_server.py's (shared with the load tools)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import httpx
 
+from load_tests.local_server import LocalServer, free_port, local_server, stop_process
+
+__all__ = ["SMALL_ENGINE", "Server", "free_port", "run_server", "stop_process"]
+
 # A small KV pool and context keep startup and memory low; the tests need no more.
 SMALL_ENGINE = ["--device", "cpu", "--num-kv-blocks", "256", "--num-swap-blocks", "64", "--max-model-len", "1024"]
 
 
-def stop_process(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within 15 s."""
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    url: str
-    port: int
-    log_path: str
-    proc: subprocess.Popen
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+@dataclass(slots=True)
+class Server(LocalServer):
+    """A LocalServer with the readings the tests make of it."""
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -76,31 +55,15 @@ class Server:
 @contextlib.contextmanager
 def run_server(*args: str, startup_timeout: float = 300.0, scheme: str = "http"):
     """``scheme="https"``: the server has --ssl-certfile (a self-signed one: not verified)."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="streamkv-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", "WARNING", "serve",
-           "--host", "127.0.0.1", "--port", str(port), "--no-access-log", *SMALL_ENGINE, *args]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"{scheme}://127.0.0.1:{port}", port, log.name, proc)
+    with tempfile.NamedTemporaryFile("w", prefix="streamkv-serve-", suffix=".log", delete=False) as f:
+        log_path = f.name
     try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2, verify=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {startup_timeout}s:\n{server.log()}")
-            time.sleep(0.2)
-        yield server
+        with local_server([*SMALL_ENGINE, *args], log_path=log_path, startup_timeout=startup_timeout,
+                          scheme=scheme) as s:
+            yield Server(s.url, s.port, s.log_path, s.proc)
     finally:
-        stop_process(proc)
-        log.close()
-        text = server.log()
-        os.unlink(log.name)
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+        os.unlink(log_path)
         # A traceback in the server log means some request hit an unhandled error.
         assert "Traceback" not in text, text

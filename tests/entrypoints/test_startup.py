@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import free_port, stop_process
+from load_tests.local_server import free_port, serve_command, stop_process
 
 READY = re.compile(r"ready: http://127\.0\.0\.1:(\d+) \(model (\S+), (\d+) KV blocks of (\d+) tokens, "
                    r"max context (\d+)\)")
@@ -25,9 +24,8 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="streamkv-startup-", suffix=".log", delete=False)
     # No --num-swap-blocks: the CPU default (no swap pool) is under test too.
-    cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512", "--log-level", "INFO",
-           "--no-access-log", "--log-stats-interval", "0.3", "--preemption-mode", "swap"]
+    cmd = serve_command(port, ["--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512",
+                               "--log-stats-interval", "0.3", "--preemption-mode", "swap"], log_level="INFO")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     url, statuses = f"http://127.0.0.1:{port}", []

@@ -117,6 +117,12 @@ def test_simulated_sweep_orders_the_systems(tmp_path):
     assert paged["kv"]["shares"]["token"] > 0.8 > 0.5 > orca["kv"]["shares"]["token"]
     assert paged["kv"]["avg_batched_requests"] > orca["kv"]["avg_batched_requests"]
     assert not math.isnan(paged["summary"]["ttft_ms"]["p50"])
+    # Orca (Max) fits 200 // 64 = 3 reservations of 1,024 slots: every measure of its batch
+    # (per step, weighted by step time, while requests arrive) stays within that.
+    for key in ("avg_batched_requests", "time_avg_batched_seqs"):
+        assert 1 <= orca["kv"][key] <= 3
+    assert 1 <= orca["kv"]["while_arriving"]["avg_batched_requests"] <= 3
+    assert orca["kv"]["while_arriving"]["samples"] < orca["kv"]["samples"]  # a window inside the run
 
 
 def test_plots_are_written(tmp_path):
