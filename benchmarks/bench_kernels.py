@@ -185,9 +185,7 @@ def checks() -> list[dict]:
                 max(ctx),
                 partition,
                 out=out,
-                stages=stages,
-                fused_merge=fused,
-                kernel=kernel,
+                variant=cuda_ops.DecodeVariant(kernel=kernel, stages=stages, fused_merge=fused),
             )
         except Exception as e:
             results.append({"check": name, "ok": False, "error": str(e)})
@@ -307,11 +305,7 @@ def bench_attention(
                 scale,
                 ctx,
                 partition,
-                stages=stages,
-                fused_merge=fused,
-                kernel=kernel,
-                warp_softmax=warp_softmax,
-                unroll=unroll,
+                variant=cuda_ops.DecodeVariant(kernel, stages, warp_softmax, unroll, fused),
             )
             for q, k, v, bt, lens in inputs
         ]

@@ -8,12 +8,11 @@
 - ``fused`` / ``fused_cuda``: the elementwise kernels around the matmuls.
 
 This module keeps the names ops.py, the prefill launcher, the tests and
-``benchmarks/bench_kernels.py`` import from here; nothing in it holds state.
+``benchmarks/bench_kernels.py`` import from here; nothing in it holds state. Decode
+variants are passed as a ``DecodeVariant`` record (``variant=``).
 """
 
 from __future__ import annotations
-
-import torch
 
 from streamkv.kernels import launch
 from streamkv.kernels.cache_ops import (  # noqa: F401
@@ -29,8 +28,8 @@ from streamkv.kernels.decode_attention import (  # noqa: F401
     CUDA_CORE_LONG_WAVES,
     TC_LONG_WAVES,
     choose_partition_size,
+    paged_attention_decode,
 )
-from streamkv.kernels.decode_attention import paged_attention_decode as _decode
 from streamkv.kernels.decode_variants import (  # noqa: F401
     ATTENTION_SOURCE,
     ATTENTION_THREADS,
@@ -67,27 +66,3 @@ _next_pow2 = launch.next_pow2
 _aligned16 = launch.aligned16
 _sm_count = launch.sm_count
 
-
-def paged_attention_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_context_len: int | None = None,
-    partition_size: int | None = None,
-    out: torch.Tensor | None = None,
-    stages: int = DECODE_STAGES,
-    fused_merge: bool = FUSED_MERGE,
-    kernel: str = DECODE_KERNEL,
-    warp_softmax: bool | None = None,
-    unroll: int | None = None,
-) -> torch.Tensor:
-    """``decode_attention.paged_attention_decode`` with the variant spelled as keywords
-    (the tests' and benchmarks' form)."""
-    variant = DecodeVariant(kernel, stages, warp_softmax, unroll, fused_merge)
-    return _decode(
-        query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
-        partition_size, out, variant,
-    )

@@ -203,7 +203,8 @@ def attention_case(
     if unroll is not None:
         extra["unroll"] = unroll
     cuda_ops.paged_attention_decode(
-        query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out, **extra
+        query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out,
+        variant=cuda_ops.DecodeVariant(**extra),
     )
     ref = reference(query, key, value, tables, lens, scale)
     return rel_err(out, ref)
@@ -351,8 +352,7 @@ def test_decode_empty_context_gives_zeros(fused_merge: bool, kernel: str) -> Non
         700,
         128,
         out=out,
-        fused_merge=fused_merge,
-        **kernel_kwargs(kernel),
+        variant=cuda_ops.DecodeVariant(fused_merge=fused_merge, **kernel_kwargs(kernel)),
     )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = torch.tensor([0, 2], device="cuda")
@@ -543,8 +543,7 @@ def test_fused_merge_counters_reset_across_launches_and_graph_replays(kernel: st
             3000,
             128,
             out=out,
-            fused_merge=True,
-            **kernel_kwargs(kernel),
+            variant=cuda_ops.DecodeVariant(fused_merge=True, **kernel_kwargs(kernel)),
         )
 
     for _ in range(3):
