@@ -17,30 +17,59 @@ and model without constants. Until the fit is usable (a few dozen varied steps: 
 request arrives at once, every step carries a full budget of prompt tokens and the terms
 cannot be told apart yet) the cap is not applied.
 
+Seeded at start (engine/step_warmup.py): the engine times a few deliberate steps that span
+the terms (decode-only at several batches, mixed, prefill-only) and hands them to ``seed``
+as a prior, so the cap holds from the first step, the ramp included (all requests waiting,
+every step a full prefill chunk: the history alone cannot separate the terms there). The
+prior weighs ``PRIOR_WEIGHT`` steps at first and decays with every real step, like one, to a
+floor of ``PRIOR_FLOOR``: real steps outweigh it within a few dozen, while a long stretch of
+one kind of step (decode only, for thousands of steps) still cannot leave the fit unsolvable.
+
 Torch-free: the scheduler imports it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # Each new step weighs 1, older ones decay: ~200 steps of memory, so the fit follows a
 # shift in context lengths over a run but is not thrown by a single slow step.
 DECAY = 0.995
-MIN_STEPS = 32  # observations before the cap applies
+MIN_STEPS = 32  # observations before the cap applies, without a seed
+# The seed's weight in steps: at start, and the least it decays to (see the module docstring).
+PRIOR_WEIGHT = 32.0
+PRIOR_FLOOR = 1.0
+
+
+def _features(decodes: int, prompt_tokens: int) -> tuple[float, float, float, float]:
+    return (1.0, float(decodes), float(prompt_tokens), 1.0 if prompt_tokens else 0.0)
+
+
+def _accumulate(xx: list[list[float]], xt: list[float], x: tuple[float, ...], t: float, keep: float,
+                weight: float = 1.0) -> None:
+    """xx = keep * xx + weight * x x^T, xt = keep * xt + weight * x t."""
+    for i, xi in enumerate(x):
+        xt[i] = keep * xt[i] + weight * xi * t
+        row = xx[i]
+        for j, xj in enumerate(x):
+            row[j] = keep * row[j] + weight * xi * xj
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solves m x = v by Gaussian elimination with partial pivoting; None when m is near
-    singular (the observations cannot tell the terms apart)."""
+    """Solves m x = v (m symmetric, positive semi-definite) by Gaussian elimination with
+    partial pivoting; None when m is near singular (the observations cannot tell the terms
+    apart). The terms' scales differ by ~10^6 (a prompt-token count against the 0/1 mixed
+    term), so m is first scaled to a unit diagonal: near singular then means a condition of
+    about 10^9 whatever the units, not a pivot small against the largest entry."""
     n = len(v)
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    scale = max(abs(x) for row in m for x in row)
-    if scale == 0:
-        return None
+    d = [m[i][i] ** 0.5 if m[i][i] > 0 else 0.0 for i in range(n)]
+    if not all(d):
+        return None  # a term never seen
+    a = [[m[i][j] / (d[i] * d[j]) for j in range(n)] + [v[i] / d[i]] for i in range(n)]
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-9 * scale:
+        if abs(a[pivot][col]) < 1e-9:
             return None
         a[col], a[pivot] = a[pivot], a[col]
         for r in range(col + 1, n):
@@ -50,7 +79,7 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     x = [0.0] * n
     for r in range(n - 1, -1, -1):
         x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
-    return x
+    return [x[i] / d[i] for i in range(n)]
 
 
 @dataclass(slots=True)
@@ -59,38 +88,63 @@ class StepCostModel:
 
     TERMS = 4  # intercept, decodes, prompt tokens, "has prompt tokens"
 
-
     ratio: float  # allowed (step with prompts) / (decode-only step); <= 1 disables the cap
     min_chunk: int = 16  # a prompt always advances by at least this much per step
-    steps: int = 0
+    steps: int = 0  # real steps observed
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     _xt: list[float] = field(default_factory=lambda: [0.0] * 4)
+    # The seed (``seed``): its sums with weights summing to 1, and its weight now, in steps.
+    _prior_xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    _prior_xt: list[float] = field(default_factory=lambda: [0.0] * 4)
+    _prior_weight: float = 0.0
     _coef: list[float] | None = None
 
     @property
     def enabled(self) -> bool:
         return self.ratio > 1.0
 
+    @property
+    def seeded(self) -> bool:
+        return self._prior_weight > 0
+
+    def seed(self, samples: Iterable[tuple[int, int, float]]) -> bool:
+        """Timed warm-up steps, (decodes, prompt tokens, seconds) each, as the fit's prior
+        (see the module docstring). Returns whether they make the fit usable on their own;
+        if they do not (too few kinds of step, or the prompt tokens seem free), they are
+        dropped and the cap waits for ``MIN_STEPS`` real steps as without a seed."""
+        rows = [(_features(d, p), t) for d, p, t in samples if t > 0]
+        if not self.enabled or not rows:
+            return False
+        xx, xt = [[0.0] * self.TERMS for _ in range(self.TERMS)], [0.0] * self.TERMS
+        for x, t in rows:
+            _accumulate(xx, xt, x, t, 1.0, 1.0 / len(rows))
+        coef = _solve(xx, xt)
+        if coef is None or coef[2] <= 0:
+            return False
+        self._prior_xx, self._prior_xt, self._prior_weight = xx, xt, PRIOR_WEIGHT
+        self._coef = None
+        return True
+
     def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        """One finished step: how many decode rows and prompt tokens it carried, its wall time."""
+        """One finished step: how many decode rows and prompt tokens it carried, its time."""
         if not self.enabled or seconds <= 0:
             return
-        x = (1.0, float(decodes), float(prompt_tokens), 1.0 if prompt_tokens else 0.0)
-        for i in range(self.TERMS):
-            self._xt[i] = DECAY * self._xt[i] + x[i] * seconds
-            row = self._xx[i]
-            for j in range(self.TERMS):
-                row[j] = DECAY * row[j] + x[i] * x[j]
+        _accumulate(self._xx, self._xt, _features(decodes, prompt_tokens), seconds, DECAY)
+        if self._prior_weight:
+            self._prior_weight = max(PRIOR_FLOOR, self._prior_weight * DECAY)
         self.steps += 1
         self._coef = None
 
     def coefficients(self) -> tuple[float, float, float, float] | None:
         """(a, b, c, e) of t = a + b*decodes + c*prompt_tokens + e*[prompt_tokens > 0], or
         None while not usable."""
-        if self.steps < MIN_STEPS:
+        if self.steps < MIN_STEPS and not self.seeded:
             return None
         if self._coef is None:
-            self._coef = _solve(self._xx, self._xt) or []
+            w, n = self._prior_weight, self.TERMS
+            m = [[self._xx[i][j] + w * self._prior_xx[i][j] for j in range(n)] for i in range(n)]
+            v = [self._xt[i] + w * self._prior_xt[i] for i in range(n)]
+            self._coef = _solve(m, v) or []
         if len(self._coef) != self.TERMS:
             return None
         a, b, c, e = self._coef

@@ -21,6 +21,7 @@ from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
 from streamkv.engine.step_pipeline import InFlight, overlappable
+from streamkv.engine.step_warmup import WarmupReport, WarmupShape, seed_step_cost
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor
 from streamkv.executor.factory import create_executor
@@ -106,6 +107,11 @@ class LLMEngine:
         self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
         self._inflight: InFlight | None = None
         self.overlapped_steps = 0  # steps whose successor was submitted before their outputs were read
+        self.step_warmup: WarmupReport | None = None  # the prefill cap's fit, seeded before any request
+        if self.scheduler.step_cost.enabled:
+            shape = WarmupShape(sched.token_budget, sched.max_num_seqs, bm.block_size, bm.device.num_blocks,
+                                info.max_model_len, info.vocab_size)
+            self.step_warmup = seed_step_cost(executor, self.scheduler.step_cost, shape, bm.device.num_used)
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
 
     # -- requests -----------------------------------------------------------------------

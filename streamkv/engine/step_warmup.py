@@ -1,0 +1,166 @@
+"""Seeding the prefill cap's step-cost fit at engine start (core/step_budget.py).
+
+The cap needs a fit of step time against decodes and prompt tokens, and a run's own history
+cannot give one at first: while a burst of requests waits, every step is a full prefill chunk
+and the terms cannot be told apart, so the worst steps of a run (a 2,048-token chunk beside a
+handful of decodes, 8.6x a decode-only step on the H200) went uncapped. So before the first
+request the engine runs a few deliberate steps through the real executor that span the terms
+(decode-only at several batch sizes, mixed steps, prefill-only), times each as it times real
+steps (the handle's ``device_seconds``), and seeds the fit with them.
+
+The steps are synthetic and leave nothing behind:
+- their sequences carry negative ids (real ones count up from 0), are sent to the workers as
+  new and forgotten in the next step's ``finished_ids``; a last step with no work frees the
+  last ones (and clears the worker's pending-token rows, which only the step after reads);
+- their block ids are taken straight from the idle pool, not allocated: no request holds a
+  block yet (checked), nothing is registered in the prefix cache, and the free list keeps its
+  order. What they write there is finite K/V that any later owner overwrites before reading,
+  as with every freed block (engine/step_pipeline.py);
+- they bypass the scheduler, the output processor and the stats: no request, no counter.
+
+The timed steps follow two untimed ones (the plan's first decode-only and first mixed steps):
+the first step down a path may pay one-off costs (allocator growth, lazy set-up) that real
+steps do not. Every graph the steps replay was captured, and so run, at start already.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from streamkv.core.step_budget import StepCostModel
+from streamkv.executor.base import Executor
+from streamkv.messages import NewSeq, SeqParams, SeqStep, StepFailed, StepInput
+
+logger = logging.getLogger(__name__)
+
+DECODE_CONTEXT = 256  # tokens of context behind each decode row (ShareGPT-like; halved to fit)
+PROMPT_SPAN = 512  # a step's prompt tokens come as spans of at most this many (several prompts)
+_GREEDY = SeqParams()
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupShape:
+    """The limits a warm-up step must respect: those of real steps on this engine."""
+
+    token_budget: int  # max_num_batched_tokens: tokens per step
+    max_num_seqs: int  # decode rows per step (the decode graphs' largest batch)
+    block_size: int
+    num_blocks: int  # device pool, all free
+    max_model_len: int  # positions stay below it
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupPoint:
+    decodes: int
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
+class WarmupReport:
+    samples: list[tuple[int, int, float]]  # (decodes, prompt tokens, seconds) of the timed pass
+    seconds: float  # wall time of the whole warm-up
+    usable: bool  # the fit can cap from the first step
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _spans(shape: WarmupShape, tokens: int) -> list[int]:
+    span = min(PROMPT_SPAN, shape.max_model_len)
+    return [min(span, tokens - k) for k in range(0, tokens, span)]
+
+
+def blocks_needed(shape: WarmupShape, point: WarmupPoint, context: int) -> int:
+    """Decode rows share their context's full blocks and each write its token into a block
+    of its own; each prompt span has blocks of its own."""
+    bs = shape.block_size
+    shared = context // bs if point.decodes else 0
+    return shared + point.decodes + sum(_cdiv(n, bs) for n in _spans(shape, point.prompt_tokens))
+
+
+def plan(shape: WarmupShape) -> tuple[int, list[WarmupPoint]]:
+    """The decode rows' context and the steps: decode-only steps pin the intercept and the
+    per-decode cost, prompt-bearing ones at several sizes (two without decodes, so a
+    max_num_seqs of 1 still separates the terms) the per-token and fixed mixed costs. Points
+    that do not fit the pool are left out (the context is halved first)."""
+    s, b = shape.max_num_seqs, shape.token_budget
+    few, many = max(1, s // 8), max(1, s // 2)
+    points = [WarmupPoint(d, 0) for d in (1, few, many, s)]
+    # Small prompt counts beside decodes most: a capped step carries a few hundred at most.
+    points += [WarmupPoint(d, max(1, b // k)) for d, k in ((1, 8), (few, 16), (few, 4), (many, 8))]
+    points += [WarmupPoint(0, max(1, b // 4)), WarmupPoint(0, b)]
+    points = [p for p in dict.fromkeys(points) if p.decodes + p.prompt_tokens <= b]
+    bs = shape.block_size
+    context = min(DECODE_CONTEXT, shape.max_model_len - 1) // bs * bs
+    while context and max(blocks_needed(shape, p, context) for p in points) > shape.num_blocks:
+        context = context // 2 // bs * bs
+    return context, [p for p in points if blocks_needed(shape, p, context) <= shape.num_blocks]
+
+
+def first_of_each_path(points: list[WarmupPoint]) -> list[WarmupPoint]:
+    """The untimed steps that go first: the first decode-only step (decode graphs) and the
+    first mixed one (the piecewise path)."""
+    decode = next((p for p in points if not p.prompt_tokens), None)
+    mixed = next((p for p in points if p.prompt_tokens and p.decodes), None)
+    return [p for p in (decode, mixed) if p is not None]
+
+
+def build_step(shape: WarmupShape, point: WarmupPoint, context: int, finished: list[int]) -> tuple[StepInput, list[int]]:
+    """The step for ``point``, freeing ``finished`` first; and the ids it leaves on the workers."""
+    bs, vocab = shape.block_size, shape.vocab_size
+    shared = list(range(context // bs))
+    next_block, next_id = len(shared), -1
+    step = StepInput(finished_ids=list(finished))
+    for i in range(point.decodes):
+        step.new_seqs.append(NewSeq(next_id, _GREEDY, context))
+        step.seqs.append(SeqStep(next_id, [(3 + i) % vocab], context, True, new_blocks=shared + [next_block]))
+        next_block, next_id = next_block + 1, next_id - 1
+    for n in _spans(shape, point.prompt_tokens):
+        k = _cdiv(n, bs)
+        tokens = [(7 * j + 11) % vocab for j in range(n)]
+        step.new_seqs.append(NewSeq(next_id, _GREEDY, n))
+        step.seqs.append(SeqStep(next_id, tokens, 0, True, new_blocks=list(range(next_block, next_block + k))))
+        next_block, next_id = next_block + k, next_id - 1
+    return step, [s.seq_id for s in step.seqs]
+
+
+def _run(executor: Executor, step: StepInput) -> float:
+    """Runs one step to its end; its time as the engine's fit would see it."""
+    submitted = time.perf_counter()
+    handle = executor.submit(step)
+    handle.result()
+    timed = getattr(handle, "device_seconds", None)  # optional (executor/base.py)
+    return timed() if timed is not None else time.perf_counter() - submitted
+
+
+def seed_step_cost(executor: Executor, model: StepCostModel, shape: WarmupShape, blocks_in_use: int) -> WarmupReport:
+    """Runs the warm-up steps on ``executor`` and seeds ``model`` with their times. Only on an
+    engine that has run nothing yet (``blocks_in_use`` must be 0: the steps borrow free
+    blocks without allocating them)."""
+    if blocks_in_use:
+        raise RuntimeError(f"the step warm-up needs an idle KV pool; {blocks_in_use} blocks are in use")
+    start = time.perf_counter()
+    context, points = plan(shape)
+    samples: list[tuple[int, int, float]] = []
+    held: list[int] = []
+    primers = first_of_each_path(points)
+    try:
+        for i, point in enumerate(primers + points):
+            step, held = build_step(shape, point, context, held)
+            seconds = _run(executor, step)
+            if i >= len(primers):
+                samples.append((point.decodes, point.prompt_tokens, seconds))
+    except StepFailed as e:  # the sequences of the failed step are held all the same
+        logger.warning("step warm-up failed (%s): the prefill cap waits for real steps", e)
+        samples = []
+    if held:  # the workers forget the last step's sequences and its pending-token rows
+        _run(executor, StepInput(finished_ids=held))
+    usable = model.seed(samples)
+    report = WarmupReport(samples, time.perf_counter() - start, usable)
+    logger.info("prefill cap: %d warm-up steps in %.0f ms; the step-cost fit is %s", len(primers + points),
+                1e3 * report.seconds, "usable from the first step" if usable else "not seeded")
+    return report
