@@ -45,7 +45,15 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-ToWorker = Setup | Step | QueryBlocks | InitCache | Shutdown
+class Resume(msgspec.Struct, tag="resume", array_like=True):
+    """To a rank that answered a step with StepError, once every rank has answered that step:
+    it may run the next one. A rank that failed a step waits for this before running any
+    later step (already sent, with async scheduling), since a peer may still be inside one
+    of the failed step's collectives; then the ranks have diverged and the engine stops them
+    instead (executor/multiproc.py)."""
+
+
+ToWorker = Setup | Step | QueryBlocks | InitCache | Shutdown | Resume
 
 
 # -- worker -> engine ----------------------------------------------------------------------
@@ -64,7 +72,8 @@ class Ok(msgspec.Struct, tag="ok", array_like=True):
 
 class Out(msgspec.Struct, tag="out", array_like=True):
     output: StepOutput
-    worker_s: float  # rank 0's time in Worker.execute (the executor's IPC statistics)
+    worker_s: float  # rank 0's time from the step's launch to its samples (IPC statistics)
+    device_s: float = 0.0  # the step's own time on the device (the engine's step-cost fit)
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):

@@ -4,8 +4,14 @@ The scheduler stays in the engine's process. Each step the executor encodes the 
 once (executor/ipc.py: typed msgspec structs, no pickle) and writes the same bytes into
 every rank's pipe; the ranks run their shards in lock-step through torch.distributed's
 collectives (gloo on CPU, NCCL on GPU with rank r on cuda:r) and rank 0 alone answers with
-the StepOutput. Ranks other than 0 write to their pipe only to answer a control call or to
-report an error.
+the StepOutput (the others with Ok).
+
+``submit`` returns once the step is written (async scheduling): the engine sends step N+1
+before it reads step N's reply. Ranks run steps in the order sent and answer in that order,
+so a handle's ``result()`` first reads the replies of every step sent before it. A step
+planned that way takes its input tokens from step N's samples on the device; only rank 0
+samples, so rank 0 broadcasts those tokens to the other ranks when a step needs them
+(worker/token_broadcast.py).
 
 At tensor_parallel_size 1 the process holds the whole model: the model's Python and
 kernel-launch work then runs under another GIL, so the server's event loop stays
@@ -46,6 +52,7 @@ from streamkv.executor import ipc
 from streamkv.executor.base import Executor
 from streamkv.executor.cluster import JoinTimeout, Placement, RemoteRank, rendezvous
 from streamkv.executor.local_ranks import spawn_rank, stop_ranks
+from streamkv.executor.piped_step import PipedStep, StepPipe
 from streamkv.executor.supervisor import Supervisor
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
@@ -71,6 +78,8 @@ def verify_tensor_parallel(hf_config: dict, tp: int, device: torch.device, local
 
 
 class MultiprocExecutor(Executor):
+    resolves_pending_tokens = True
+
     def __init__(
         self, config: EngineConfig, step_timeout: float | None = 600.0, load_timeout: float | None = None,
         model_info: ModelInfo | None = None, placement: Placement | None = None, diverge_timeout: float = 10.0,
@@ -89,7 +98,7 @@ class MultiprocExecutor(Executor):
         verify_tensor_parallel(self.hf_config, self.tp, self.device, local)
         self._decoder = ipc.engine_decoder()
         self._dead: str | None = None
-        self._steps, self._roundtrip_s, self._worker_s = 0, 0.0, 0.0
+        self._pipe = StepPipe(self._read_step_reply)  # steps sent, replies not read yet
         self._tmpdir = tempfile.mkdtemp(prefix="streamkv-tp-")
         self._procs: list[subprocess.Popen | RemoteRank] = []
         self._conns: list[Connection] = []
@@ -144,12 +153,19 @@ class MultiprocExecutor(Executor):
         self._call(ipc.InitCache(num_device_blocks, num_cpu_blocks), ipc.Ok)
 
     def execute(self, step: StepInput) -> StepOutput:
-        start = time.perf_counter()
-        reply = self._call(ipc.Step(step), ipc.Out)[0]  # rank 0's; the others answered Ok
-        self._steps += 1
-        self._roundtrip_s += time.perf_counter() - start
-        self._worker_s += reply.worker_s
-        return reply.output
+        return self.submit(step).result()
+
+    def submit(self, step: StepInput) -> PipedStep:
+        """Write the step to every rank and return: ``result()`` of the handle reads its reply."""
+        payload = ipc.encode(ipc.Step(step))
+        try:
+            self._broadcast(payload)
+        except WorkerError:
+            raise
+        except BaseException:  # half sent, which the engine counts as held by the workers
+            self._retire("a step was interrupted while being sent to the workers")
+            raise
+        return self._pipe.sent()
 
     def shutdown(self) -> None:
         self._dead = self._dead or "the executor was shut down"
@@ -167,31 +183,49 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self._procs]
 
     def ipc_stats(self) -> dict:
-        """Mean per-step time in the engine's execute() and in rank 0's Worker.execute();
-        the difference is what the process boundary costs (encode, pipes, decode, wake-ups)."""
-        n = max(self._steps, 1)
+        """Mean per-step time from a step's submit to its reply, and in rank 0 from its launch
+        to its samples; the difference is what the process boundary costs (encode, pipes,
+        decode, wake-ups). Synchronous steps only: a step sent before the last one's reply
+        was read also waits for that one."""
+        p = self._pipe
+        n = max(p.steps, 1)
         return {
-            "steps": self._steps,
-            "roundtrip_ms": 1e3 * self._roundtrip_s / n,
-            "worker_ms": 1e3 * self._worker_s / n,
-            "overhead_ms": 1e3 * (self._roundtrip_s - self._worker_s) / n,
+            "steps": p.steps,
+            "roundtrip_ms": 1e3 * p.roundtrip_s / n,
+            "worker_ms": 1e3 * p.worker_s / n,
+            "overhead_ms": 1e3 * (p.roundtrip_s - p.worker_s) / n,
         }
 
     # -- plumbing -------------------------------------------------------------------------
     def _call(self, message: ipc.ToWorker, reply: type) -> list:
-        """Send ``message`` to every rank and gather one ``reply`` from each (a step: rank 0's
-        Out, the others' Ok)."""
+        """Send a control ``message`` to every rank and gather one ``reply`` from each, after
+        the replies of the steps sent before it."""
+        self._pipe.drain()
         try:
             self._broadcast(ipc.encode(message))
             return self._gather(reply, self.step_timeout)
-        except (WorkerError, StepFailed):
+        except WorkerError:
             raise
         except BaseException:
-            # Interrupted with a reply unread (or a step half sent, which the engine counts as
-            # held by the workers): nothing more may be asked of these ranks.
-            self._dead = f"a call to the workers was interrupted while awaiting {ipc.kind(reply)!r}"
-            self._finalizer()
+            self._retire(f"a call to the workers was interrupted while awaiting {ipc.kind(reply)!r}")
             raise
+
+    def _read_step_reply(self) -> ipc.Out:
+        """The oldest unread step's replies: rank 0's Out (the others answered Ok)."""
+        if self._dead is not None:
+            raise WorkerError(f"the workers are gone: {self._dead}")
+        try:
+            return self._gather(ipc.Out, self.step_timeout)[0]
+        except (WorkerError, StepFailed):
+            raise
+        except BaseException:  # interrupted with a reply unread: a later read would take it as its own
+            self._retire(f"a call to the workers was interrupted while awaiting {ipc.kind(ipc.Out)!r}")
+            raise
+
+    def _retire(self, why: str) -> None:
+        """Nothing more may be asked of these ranks."""
+        self._dead = why
+        self._finalizer()
 
     def _broadcast(self, payload: bytes) -> None:
         if self._dead is not None:
@@ -206,8 +240,10 @@ class MultiprocExecutor(Executor):
         """One ``reply`` message from each rank, in rank order (to a step, ranks other than 0
         answer Ok); raises WorkerError as soon as any rank reports an error or dies, or at the
         timeout. A step that some rank failed (StepError) raises StepFailed once every rank
-        answered; ranks silent ``diverge_timeout`` seconds after another failed it have
-        diverged from it (stuck in a collective it left): WorkerError."""
+        answered, and the ranks that failed it may go on (Resume); ranks silent
+        ``diverge_timeout`` seconds after another failed it have diverged from it (stuck in a
+        collective it left): WorkerError. Only ranks yet to answer are read: the others'
+        next messages answer the next step."""
         kind = ipc.kind(reply)
         pending = set(range(self.tp))
         replies: dict[int, ipc.FromWorker] = {}
@@ -221,7 +257,7 @@ class MultiprocExecutor(Executor):
                                f"while rank(s) {sorted(pending)} did not finish it within {self.diverge_timeout:.0f}s:"
                                " the ranks diverged")
                 self._fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
-            for conn in wait(self._conns, left):
+            for conn in wait([self._conns[r] for r in pending], left):
                 rank = self._conns.index(conn)
                 try:
                     msg = self._decoder.decode(conn.recv_bytes())
@@ -243,6 +279,12 @@ class MultiprocExecutor(Executor):
                 replies[rank] = msg
                 pending.discard(rank)
         if failed:
+            resume = ipc.encode(ipc.Resume())
+            for rank in sorted(failed):
+                try:
+                    self._conns[rank].send_bytes(resume)
+                except OSError:
+                    self._fail(self._death_message(rank))
             rank, message = min(failed.items())
             raise StepFailed(message if len(failed) == self.tp else f"{message} (on worker rank(s) {sorted(failed)})")
         return [replies[r] for r in sorted(replies)]

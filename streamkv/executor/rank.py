@@ -11,21 +11,23 @@ every script that builds an LLM at top level without an ``if __name__ == "__main
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import sys
 import time
 import traceback
+from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.executor import ipc
 from streamkv.executor.step_profile import StepProfiler
 from streamkv.executor.supervisor import start_heartbeat
-from streamkv.messages import StepFailed
+from streamkv.messages import StepFailed, StepOutput
 from streamkv.model_info import ModelInfo
 
 
@@ -104,28 +106,71 @@ def _init_distributed(setup: ipc.Setup) -> None:
     dist.init_process_group(backend, init_method=setup.init_method, rank=rank, world_size=tp, timeout=timeout)
 
 
+# With one step in flight on the device, how often to look whether it is done and whether the
+# next step came (to launch it behind this one): a GPU rank answers a lone step at most this
+# late. With two in flight it waits in ``result()``: the engine sends no third step before it
+# has read the first one's reply.
+_POLL_S = 1e-4
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step launched on this rank whose reply is not sent yet."""
+
+    started: float  # time.perf_counter() at launch
+    handle: Any = None  # Worker.launch's LaunchedStep; None: the launch raised StepFailed
+    output: StepOutput | None = None  # read already (a profiled step)
+    error: str | None = None  # StepFailed's message
+
+    def ready(self) -> bool:
+        return self.handle is None or self.output is not None or self.handle.ready()
+
+
 def _serve(rank: int, worker, conn: Connection, decoder) -> None:
+    """Steps run in the order they come and are answered in that order. A step that comes
+    while the one before still runs on the device (async scheduling, on a GPU) is launched
+    behind it before that one is answered, so the device does not wait for this process.
+    Every rank answers every step, so the engine knows the step's fate on all of them before
+    it goes on: rank 0 with the output, the others with Ok, any rank whose model or sampler
+    raised (StepFailed) with a StepError, serving on. A rank that answered StepError runs no
+    later step before the engine's Resume (ipc.Resume says why)."""
     profiler = StepProfiler.from_env(rank)  # opt-in: $STREAMKV_PROFILE_DIR (step_profile.py)
     conn.send_bytes(ipc.encode(ipc.Ready()))
+    launched: deque[_Launched] = deque()
+    held: deque[ipc.Step] = deque()  # steps that came while a Resume was due
+    resumes_due = 0
     while True:
-        try:
-            msg = decoder.decode(conn.recv_bytes())
-        except EOFError:  # the engine's process is gone
-            return
-        if isinstance(msg, ipc.Step):
-            # Every rank answers every step, so the engine knows the step's fate on all of
-            # them before it goes on: rank 0 with the output, the others with Ok, any rank
-            # whose model or sampler raised (StepFailed) with a StepError, serving on.
-            start = time.perf_counter()
+        if held and not resumes_due:
+            msg = held.popleft()
+        else:
+            if launched:
+                alone = len(launched) == 1
+                if alone and not launched[0].ready() and not conn.poll(_POLL_S):
+                    continue
+                if not alone or launched[0].ready():
+                    resumes_due += _answer(rank, conn, launched.popleft())
+                    continue
             try:
-                with profiler.step() if profiler is not None else contextlib.nullcontext():
-                    out = worker.execute(msg.step)
-            except StepFailed as e:
-                conn.send_bytes(ipc.encode(ipc.StepError(str(e))))
+                msg = decoder.decode(conn.recv_bytes())
+            except EOFError:  # the engine's process is gone
+                return
+        if isinstance(msg, ipc.Step):
+            if resumes_due:
+                held.append(msg)
                 continue
-            elapsed = time.perf_counter() - start
-            conn.send_bytes(ipc.encode(ipc.Out(out, elapsed) if rank == 0 else ipc.Ok()))
-        elif isinstance(msg, ipc.QueryBlocks):
+            launched.append(_launch(worker, msg, profiler))
+            if launched[-1].error is not None:  # answered now (after the steps before it): Resume is due
+                while launched:
+                    resumes_due += _answer(rank, conn, launched.popleft())
+            continue
+        if isinstance(msg, ipc.Resume):
+            if not resumes_due:
+                raise ValueError("a Resume came, but this rank failed no step")
+            resumes_due -= 1
+            continue
+        while launched:  # a control call: its reply follows every step's
+            resumes_due += _answer(rank, conn, launched.popleft())
+        if isinstance(msg, ipc.QueryBlocks):
             conn.send_bytes(ipc.encode(ipc.Blocks(*worker.num_available_blocks())))
         elif isinstance(msg, ipc.InitCache):
             worker.init_cache(msg.num_device_blocks, msg.num_cpu_blocks)
@@ -134,6 +179,38 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
             return
         else:
             raise ValueError(f"unexpected message {ipc.kind(msg)!r}")
+
+
+def _launch(worker, msg: ipc.Step, profiler: StepProfiler | None) -> _Launched:
+    step = _Launched(time.perf_counter())
+    try:
+        if profiler is None:
+            step.handle = worker.launch(msg.step)
+        else:  # profiled steps run alone, launch to samples (step_profile.py)
+            with profiler.step():
+                step.handle = worker.launch(msg.step)
+                step.output = step.handle.result()
+    except StepFailed as e:
+        step.handle, step.error = None, str(e)
+    return step
+
+
+def _answer(rank: int, conn: Connection, step: _Launched) -> bool:
+    """Send a launched step's reply, once its samples are in; whether it was a StepError."""
+    if step.error is None and step.output is None:
+        try:
+            step.output = step.handle.result()
+        except StepFailed as e:
+            step.error = str(e)
+    if step.error is not None:
+        conn.send_bytes(ipc.encode(ipc.StepError(step.error)))
+        return True
+    if rank == 0:
+        elapsed = time.perf_counter() - step.started
+        conn.send_bytes(ipc.encode(ipc.Out(step.output, elapsed, step.handle.device_seconds())))
+    else:
+        conn.send_bytes(ipc.encode(ipc.Ok()))
+    return False
 
 
 def _report_and_exit(conn: Connection, error: BaseException) -> None:

@@ -27,9 +27,11 @@ from streamkv.worker.prompt_logprobs import score_prompts
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int = 0, samples: bool = True
+        self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int = 0, samples: bool = True,
+        share_tokens=None,
     ) -> None:
         self.model = model
+        self.share_tokens = share_tokens  # TP > 1: rank 0's pending tokens to the others (worker/token_broadcast.py)
         self.block_size = block_size
         self.device = device
         self.samples = samples  # False on tensor-parallel ranks other than 0
@@ -114,6 +116,12 @@ class ModelRunner:
         """A function that writes the pending input tokens of ``rows`` (row i = input id i)
         into an input-ids tensor on the device, and counts them for penalties; None when
         no row is pending."""
+        if not self.samples and self.share_tokens is not None:  # no samples here: rank 0 sends them
+            pend = [i for i, s in enumerate(rows) if s.pending]
+            if not pend:
+                return None
+            at, got = self._to_device(pend), self.share_tokens(None, len(pend))
+            return lambda input_ids: input_ids.index_copy_(0, at, got)
         dst, src, count_rows, count_src = [], [], [], []
         for i, s in enumerate(rows):
             if s.pending:
@@ -135,9 +143,12 @@ class ModelRunner:
         n = len(dst)
         counts = next((s.sample.counts for s in rows if s.pending and s.sample is not None
                        and s.sample.counts is not None), None)
+        picked = last[g[:n]]
+        if self.share_tokens is not None:
+            self.share_tokens(picked, n)
 
         def fill(input_ids: torch.Tensor) -> None:
-            input_ids[d[:n]] = last[g[:n]]
+            input_ids[d[:n]] = picked
             if counts is not None:
                 tokens = last[g[n:]]
                 counts.output.index_put_((d[n:], tokens), torch.ones_like(tokens, dtype=torch.int32),

@@ -10,13 +10,15 @@ import time
 import torch
 
 from streamkv.config import EngineConfig
+from streamkv.layers.sampler import SampleRequest
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo
 from streamkv.models.loader import resolve_model_info
 from streamkv.models.registry import build_model
 from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
-from streamkv.worker.input_batch import InputBatch
+from streamkv.worker.input_batch import InputBatch, SeqInput
 from streamkv.worker.model_runner import ModelRunner, StepResult
+from streamkv.worker.token_broadcast import TokenBroadcast
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +66,16 @@ class Worker:
             tp_rank=rank, tp_size=mc.tensor_parallel_size, seed=mc.seed, config=self.hf_config,
         )
         self.cache: CacheEngine | None = None
-        # Every rank computes the same logits; only rank 0 samples and answers the engine.
+        # Every rank computes the same logits; only rank 0 samples and answers the engine, and
+        # sends the other ranks the pending input tokens a step takes from its samples.
+        self.share_tokens = TokenBroadcast(rank, self.device) if mc.tensor_parallel_size > 1 else None
         self.runner = ModelRunner(
-            self.model, config.cache.block_size, self.device, seed=mc.seed, samples=rank == 0
+            self.model, config.cache.block_size, self.device, seed=mc.seed, samples=rank == 0,
+            share_tokens=self.share_tokens,
         )
+        # The last launch raised (StepFailed): its samples, which the next step may have been
+        # planned to take as pending tokens (multiprocess executor), do not exist.
+        self._last_failed = False
         # Every sequence's sampling state and block table, kept across steps (the engine's
         # StepBuilder sends each only once, then deltas).
         self.input_batch = InputBatch(self.model.shape.vocab_size, self.device, samples=rank == 0)
@@ -131,6 +139,9 @@ class Worker:
         # The state first and outside the failure path below: a step that does not fit it is
         # an engine bug (ProtocolError), not a failed step.
         seqs = self.input_batch.apply(step)
+        last_failed, self._last_failed = self._last_failed, False
+        if last_failed and self.rank == 0:
+            self._without_samples(seqs)
         timer = _StepTimer(self.device)
         # Order matters: blocks swapped out this step may be reused by copies and new slots.
         self.cache.swap_out(step.swap_out)
@@ -139,9 +150,26 @@ class Worker:
         try:
             result = self.runner.launch(seqs, self.cache.device_cache)
         except Exception as e:
+            self._last_failed = True
             raise self.step_failed(e) from e
         timer.stop()
         return LaunchedStep(self, result, timer)
+
+    def _without_samples(self, seqs: list[SeqInput]) -> None:
+        """The step before failed here, after the engine had sent this one (a step in flight):
+        the tokens pending from it were never sampled. Their requests end with that failure
+        (the engine fails every request of a failed step and discards this step's output for
+        them), so token 0 stands in, sampled plainly: nothing of the request (a seed, a
+        penalty, whatever made the step before fail) runs again and fails this step, whose
+        other requests must go on. The other ranks get token 0 as they would have the tokens
+        (worker/token_broadcast.py), so every rank makes the same collective calls."""
+        pending = [s for s in seqs if s.pending]
+        for s in pending:
+            s.pending, s.token_ids = False, [0]
+            if s.sample is not None:
+                s.sample = SampleRequest()
+        if pending and self.share_tokens is not None:
+            self.share_tokens.send_placeholders(len(pending))
 
     def step_failed(self, e: Exception) -> StepFailed:
         if self.device.type == "cuda":
@@ -165,6 +193,11 @@ class LaunchedStep:
             return self._result.result()
         except Exception as e:
             raise self._worker.step_failed(e) from e
+
+    def ready(self) -> bool:
+        """Whether the device is done with the step, so that ``result()`` will not wait for
+        it (always, on a CPU, where the step ran inside ``launch``)."""
+        return self._timer.done()
 
     def device_seconds(self) -> float:
         """How long the device worked on this step (after ``result()``)."""
@@ -190,6 +223,9 @@ class _StepTimer:
             self._end = torch.cuda.Event(enable_timing=True)
             self._end.record()
         self._wall = time.perf_counter() - self._wall
+
+    def done(self) -> bool:
+        return self._end is None or self._end.query()
 
     def seconds(self) -> float:
         if self._end is None:

@@ -137,16 +137,16 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tiny_dir, monkeypat
     llm = LLM(str(tiny_dir), num_kv_blocks=64, num_swap_blocks=0, tensor_parallel_size=2)
     executor = llm.engine.executor
     pids = executor.pids
-    execute = executor.execute
+    submit = executor.submit
     calls: list[float] = []
 
-    def execute_then_kill(step):
+    def submit_then_kill(step):
         calls.append(time.monotonic())
         if len(calls) == 5:  # the 4th decode step: rank 1 dies while the run goes on
             os.kill(pids[1], signal.SIGKILL)
-        return execute(step)
+        return submit(step)
 
-    monkeypatch.setattr(executor, "execute", execute_then_kill)
+    monkeypatch.setattr(executor, "submit", submit_then_kill)
     with pytest.raises(WorkerError, match=rf"worker rank 1 \(pid {pids[1]}\) was killed by SIGKILL"):
         llm.generate(None, SamplingParams(max_tokens=100, ignore_eos=True), prompt_token_ids=[[5, 6, 7]] * 8)
     assert len(calls) == 5 and time.monotonic() - calls[-1] < 15
