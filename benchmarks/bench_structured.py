@@ -6,14 +6,15 @@ required fields, enums, an array, a nested object; greedy), then the same prompt
 constraint, each request held to exactly the number of tokens its structured twin produced
 (EOS ignored). Both halves therefore run the same batch shapes step for step, and the ratio
 is the cost of the grammar alone: compile (cached after the warm-up), the host's matcher
-work and masks, the masked sampler, and (with async scheduling) the synchronous steps that
-structured rows need. Rounds alternate which half runs first (ABBA), so a machine whose
+work and masks, and the masked sampler. (With async scheduling a structured step overlaps
+the next one as a plain step does; its masks follow it: engine/step_pipeline.py.) Rounds alternate which half runs first (ABBA), so a machine whose
 speed drifts favours neither; the median is kept. The grammar's own host time (matchers,
 masks on the wire, the sampler's mask step) is also clocked directly, a figure that the
 noise of a shared machine does not blur. Prints a table and writes JSON, including how
 many structured outputs parsed and validated.
 
     python benchmarks/bench_structured.py --device cpu --num-requests 64 --output-len 64
+    python benchmarks/bench_structured.py --device cpu --async-scheduling ...   (off by default on a CPU)
     python benchmarks/bench_structured.py --load-format dummy --device cuda --dtype bfloat16
 
 The second line is the GPU run: the embedded model's config and tokenizer (SmolLM2-135M,
@@ -69,8 +70,8 @@ def valid(text: str, schema: dict) -> bool:
 
 
 class GrammarClock:
-    """Wraps the grammar's host work (matcher advance + mask fill, mask bytes, the
-    sampler's mask step) with a timer; ``take()`` returns and resets the seconds."""
+    """Wraps the grammar's host work (matcher advance, mask fill: per row for the wire or
+    batched for a step whose masks follow, the sampler's mask step) with a timer; ``take()`` returns and resets the seconds."""
 
     def __init__(self) -> None:
         import streamkv.engine.structured as st
@@ -78,7 +79,8 @@ class GrammarClock:
 
         self.seconds = 0.0
         for owner, name in ((st.SequenceGrammar, "accept"), (st.SequenceGrammar, "mask_bytes"),
-                            (st.StructuredOutputManager, "new_grammar"), (sm, "apply_token_masks")):
+                            (st.StructuredOutputManager, "new_grammar"), (st.StructuredOutputManager, "fill_masks"),
+                            (sm, "apply_token_masks")):
             setattr(owner, name, self._timed(getattr(owner, name)))
 
     def _timed(self, fn):
@@ -112,6 +114,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (structured, then plain; median kept)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"])
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="schedule step N+1 while step N runs (default: the engine's: on for a GPU, off for a CPU)")
     ap.add_argument("--json-out", default="bench_results/structured.json")
     args = ap.parse_args()
 
@@ -125,7 +129,8 @@ def main() -> int:
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, max_num_seqs=max(n, 8),
               num_kv_blocks=n * (-(-(48 + args.output_len) // 16) + 1) + 16 if on_cpu else None, num_swap_blocks=0,
-              distributed_executor_backend=args.distributed_executor_backend)
+              distributed_executor_backend=args.distributed_executor_backend,
+              **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}))
     tok = llm.get_tokenizer()
     prompts = [tok.encode(f"Reply with one JSON object only. Record number {i} of the user table:") for i in range(n)]
 
@@ -139,11 +144,15 @@ def main() -> int:
     clock = GrammarClock()
     times: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
     grammar_s: list[float] = []
+    overlapped = {mode: 0 for mode in times}  # steps whose successor was submitted before they were read
+    engine = llm.engine
     for r in range(args.rounds):
         for mode in ("json_schema", "unconstrained")[:: 1 if r % 2 == 0 else -1]:
             clock.take()
             params = structured_params(n, args.output_len) if mode == "json_schema" else plain_params(lengths)
+            before = engine.overlapped_steps
             t, outs = run(llm, prompts, params)
+            overlapped[mode] += engine.overlapped_steps - before
             if mode == "json_schema":
                 grammar_s.append(clock.take())
             assert [len(o.outputs[0].token_ids) for o in outs] == lengths, "a length changed between runs"
@@ -165,10 +174,13 @@ def main() -> int:
         print(f"{r['mode']:<15}{r['seconds']:>10.2f}{r['output_tokens']:>9}{r['output_tok_s']:>12.1f}")
     print(f"json_schema / unconstrained: {ratio:.3f}x; the grammar's host time {g:.2f}s of the "
           f"json_schema run's {rows[0]['seconds']:.2f}s ({100 * g / rows[0]['seconds']:.1f}%)")
+    print(f"async scheduling {'on' if engine.async_scheduling else 'off'}; steps overlapped over the rounds: "
+          + ", ".join(f"{mode} {k}" for mode, k in overlapped.items()))
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"args": vars(args), "device": str(ex.device), "dtype": str(ex.dtype), "times": times,
-                   "rows": rows, "ratio": ratio, "grammar_host_s": grammar_s, "valid": ok, "lengths": lengths}, f, indent=2)
+                   "rows": rows, "ratio": ratio, "grammar_host_s": grammar_s,
+                   "async_scheduling": engine.async_scheduling, "overlapped_steps": overlapped, "valid": ok, "lengths": lengths}, f, indent=2)
     llm.shutdown()
     return 0
 

@@ -25,6 +25,11 @@ import msgspec
 # step before, still running, is sampling it. The worker takes it on the device from that
 # step's sampled tokens (worker/model_runner.py). Real token ids are never negative.
 PENDING_TOKEN = -1
+# Async scheduling with structured outputs: a SeqStep.token_mask that follows the step. The
+# mask of a row whose input token is pending depends on that token, so the engine sends it
+# once the step before is processed (the step handle's ``attach_masks``), and the worker
+# samples the step only then. Never a real mask (which has ceil(vocab / 32) words).
+MASK_FOLLOWS = b""
 
 
 class SeqParams(msgspec.Struct, omit_defaults=True, frozen=True):
@@ -72,7 +77,8 @@ class SeqStep(msgspec.Struct, array_like=True):
     num_kept_blocks: int = -1  # entries of last step's table that still hold; -1: all
     num_samples: int = 1  # a prompt of a best_of > 1 request samples best_of tokens at once
     # Structured outputs: the tokens this step may sample, a bitmask of little-endian int32
-    # words (bit t % 32 of word t // 32 set = token t allowed); None: unconstrained.
+    # words (bit t % 32 of word t // 32 set = token t allowed); None: unconstrained;
+    # MASK_FOLLOWS: sent after the step.
     token_mask: bytes | None = None
 
 

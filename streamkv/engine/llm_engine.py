@@ -20,7 +20,7 @@ from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
-from streamkv.engine.step_pipeline import InFlight, overlappable
+from streamkv.engine.step_pipeline import InFlight, attach_masks, masks_due, overlappable
 from streamkv.engine.step_warmup import WarmupReport, WarmupShape, seed_step_cost
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor
@@ -194,20 +194,28 @@ class LLMEngine:
             if following.handle is None:  # refused, or nothing to run: no need to wait a step
                 return self._complete(current, finished_only) + self._complete(following, finished_only)
             self._inflight = following
+            outputs = self._complete(current, finished_only)
+            if following.masks_due:  # the matchers took this step's tokens: N+1 may sample
+                attach_masks(following, self.structured.fill_masks)
+            return outputs
         return self._complete(current, finished_only)
 
     def _launch(self) -> InFlight:
         """Schedule a step and hand it to the executor."""
         started = time.monotonic()  # the requests' first-scheduled time (engine/request_metrics.py)
         sched = self.scheduler.schedule()
-        # Only a step that computes something can change what the next one finds.
-        step = InFlight(sched, started, overlaps=self.async_scheduling and bool(sched.scheduled) and overlappable(sched))
+        step = InFlight(sched, started)
         if not sched.is_empty:
+            inputs = self.step_builder.build(sched)
+            step.masks_due = masks_due(sched, inputs)
             step.submitted = time.perf_counter()
             try:
-                step.handle = self.executor.submit(self.step_builder.build(sched))
+                step.handle = self.executor.submit(inputs)
             except StepFailed as e:
-                step.error, step.overlaps = e, False
+                step.error = e
+        # Only a step that computes something can change what the next one finds.
+        step.overlaps = (self.async_scheduling and step.error is None and bool(sched.scheduled)
+                         and overlappable(sched, step.handle))
         return step
 
     def _complete(self, step: InFlight, finished_only: bool) -> list[RequestOutput]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from streamkv.core.scheduler import SchedulerOutput
 from streamkv.engine.beam_search import beams_to_keep, ending_tokens
-from streamkv.messages import NewSeq, SeqParams, SeqStep, StepInput
+from streamkv.messages import MASK_FOLLOWS, NewSeq, SeqParams, SeqStep, StepInput
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -74,7 +74,8 @@ class StepBuilder:
                 if not seq.output_token_ids and len(group.seqs) == 1 and not p.use_beam_search:
                     item.num_samples = p.best_of
                 if seq.grammar is not None:  # structured outputs: the tokens it may sample
-                    item.token_mask = seq.grammar.mask_bytes()
+                    # Of the state after its input token: a pending one is not accepted yet.
+                    item.token_mask = MASK_FOLLOWS if seq.has_pending else seq.grammar.mask_bytes()
             known.next_start = start + n
             step.seqs.append(item)
         return step

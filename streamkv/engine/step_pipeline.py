@@ -8,6 +8,20 @@ takes the real token on the device from step N's samples (worker/model_runner.py
 only right when nothing the host decides between the two steps changes N+1's inputs, which
 ``overlappable`` checks; any other step runs synchronously (N's outputs first, then N+1).
 
+Structured outputs: the host decides one thing between the steps, a structured row's token
+mask for N+1, which depends on the token N samples for it. But the mask is needed only at
+N+1's sampling, not at its forward pass. So N+1 is submitted with ``MASK_FOLLOWS`` for such
+rows (messages.py); once N's outputs are processed (the matchers have accepted N's tokens),
+``attach_masks`` fills every such row's mask in one batched call and hands them to N+1's
+handle, and the worker samples N+1 then:
+
+    host:    submit N+1 (forward) | wait N | process N | masks -> N+1 | schedule N+2 ...
+    device:  -- N --|-- N+1 forward ------------------|-- N+1 sample --|-- N+2 ...
+
+That needs a handle with ``attach_masks`` (the in-process executor's); with any other, a
+step that samples a structured row runs synchronously. A structured row that ends in N
+(its grammar, EOS, a stop) gets no mask: its N+1 sample is discarded like any other.
+
 Why a sequence that ends in step N may run in N+1 harmlessly: its N+1 output is discarded
 (OutputProcessor.process skips finished sequences), and its blocks are freed on the host
 when N's outputs are processed, while N+1 may still write one slot of it. Every later use
@@ -19,31 +33,48 @@ registered), so no cache hit can read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from streamkv.core.scheduler import SchedulerOutput
 from streamkv.executor.base import StepHandle
-from streamkv.messages import StepFailed
+from streamkv.messages import MASK_FOLLOWS, StepFailed, StepInput
 from streamkv.sequence import Sequence, SequenceGroup
 
 
-def simple(group: SequenceGroup, seq: Sequence) -> bool:
+def simple(group: SequenceGroup, seq: Sequence, masks_follow: bool = False) -> bool:
     """Whether ``seq``'s next input is exactly the token it samples now, with no decision of
     the host in between: not beam search (the engine picks each beam's token among the
     candidates and forks), not the first sample of an n > 1 / best_of > 1 request (it forks
-    the sequence), not structured outputs (the next token mask is computed on the host from
-    this token)."""
+    the sequence), and structured outputs only when the next step's token masks may follow
+    it (``masks_follow``: the mask is computed on the host from this token)."""
     p = group.sampling_params
-    if p.use_beam_search or p.structured_outputs is not None:
+    if p.use_beam_search or (p.structured_outputs is not None and not masks_follow):
         return False
     return not (p.best_of > 1 and not seq.output_token_ids)
 
 
-def overlappable(sched: SchedulerOutput) -> bool:
+def overlappable(sched: SchedulerOutput, handle: StepHandle | None = None) -> bool:
     """Whether the step after ``sched`` may be scheduled before ``sched``'s samples are read:
-    every sequence it samples is ``simple``. Call before the step's tokens are counted as
-    computed (``do_sample`` reads the computed count)."""
-    return all(simple(s.group, s.seq) for s in sched.scheduled if s.do_sample)
+    every sequence it samples is ``simple``, where structured rows are when the executor
+    that ran ``sched`` (its ``handle``) takes a step's token masks after the step. Call
+    before the step's tokens are counted as computed (``do_sample`` reads the computed count)."""
+    follow = accepts_masks(handle)
+    return all(simple(s.group, s.seq, follow) for s in sched.scheduled if s.do_sample)
+
+
+def accepts_masks(handle: StepHandle | None) -> bool:
+    """Whether ``handle``'s executor takes a step's token masks after the step: the handle
+    has ``attach_masks(masks)`` (an optional method; see ``attach_masks`` below)."""
+    return handle is not None and hasattr(handle, "attach_masks")
+
+
+def masks_due(sched: SchedulerOutput, step: StepInput) -> list[Sequence]:
+    """The sequences of a built step whose token masks follow it (StepBuilder sends one
+    SeqStep per scheduled sequence, in order)."""
+    return [s.seq for s, item in zip(sched.scheduled, step.seqs, strict=True) if item.token_mask == MASK_FOLLOWS]
 
 
 @dataclass(slots=True)
@@ -57,9 +88,25 @@ class InFlight:
     error: StepFailed | None = None  # the executor refused it at submit
     submitted: float = 0.0  # time.perf_counter() at submit
     advanced: bool = False  # OutputProcessor.advance ran for it
+    masks_due: list[Sequence] = field(default_factory=list)  # structured rows whose masks follow
 
     @property
     def live(self) -> bool:
         """Whether its outputs still matter: a sequence it runs has not ended, or it ends a
         request with an error."""
         return bool(self.sched.failed) or any(not s.seq.status.finished for s in self.sched.scheduled)
+
+
+def attach_masks(step: InFlight, fill: Callable[[list], np.ndarray]) -> None:
+    """Hand a submitted step the token masks of its rows that were sent with MASK_FOLLOWS,
+    now that the step before is processed: ``fill`` makes them from the grammars (one row
+    each, StructuredOutputManager.fill_masks). A row whose sequence has ended gets none: its
+    sample is discarded. A failure ends the step's requests when it is completed, which then
+    happens before the next step is planned (that one's pending tokens would not exist)."""
+    due = [seq for seq in step.masks_due if not seq.status.finished]
+    words = fill([seq.grammar for seq in due])
+    step.masks_due = []
+    try:
+        step.handle.attach_masks({seq.seq_id: words[i] for i, seq in enumerate(due)})
+    except StepFailed as e:
+        step.error, step.overlaps = e, False

@@ -8,49 +8,64 @@ Life of a structured sequence:
 - ``admit`` (LLMEngine.add_request) compiles the spec, cached by its canonical form, so a
   schema or pattern the grammar engine refuses is an InvalidParameter before the request
   queues; ``new_grammar`` gives the prompt's sequence its matcher.
-- The matcher always holds the mask of the *next* token: it is filled when the matcher is
-  made and after each accepted token, on the host, while the outputs are processed. The
-  step builder sends it as ``SeqStep.token_mask``; the sampler bans every token outside it.
+- The mask of a sequence's *next* token is filled when it is needed, from the matcher's
+  state after the last accepted token: by the step builder, which sends it as
+  ``SeqStep.token_mask``, or, when the step was built while that token was still being
+  sampled (async scheduling), once it is accepted, for every such row of the step in one
+  batched call (``fill_masks``; engine/step_pipeline.py). The sampler bans every token
+  outside it.
 - ``SequenceGrammar.accept`` (OutputProcessor.check_stop) advances the matcher with each
   sampled token. When the grammar is complete and only a stop token could follow, the
   sequence ends with finish_reason "stop" at once, rather than spend a step sampling EOS.
 - n > 1: a fork (Sequence.fork) forks the matcher, a deep copy of its parse state.
+
+xgrammar is imported on a background thread when the engine starts (engine/background_import.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
+from streamkv.engine.background_import import BackgroundImport
 from streamkv.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (LRU): a server sees the same few schemas over and over.
 COMPILE_CACHE_SIZE = 256
+# Threads of the batched mask fill: a fill is ~3-6 us a row, so 64 rows gain from a few
+# threads on a host with cores to spare; on the 2-core CPU box, where threads only fight
+# the model for the cores, one (measured 28 us a row with two there, 4 us with one).
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
 class SequenceGrammar:
-    """One sequence's matcher and the mask of its next token."""
+    """One sequence's matcher and the mask of its next token, filled when first asked for."""
 
-    __slots__ = ("matcher", "mask", "stop_words", "_stop_free")
+    __slots__ = ("matcher", "mask", "stop_words", "_stop_free", "_filled")
 
     def __init__(self, matcher: Any, mask: np.ndarray, stop_words: np.ndarray) -> None:
         self.matcher = matcher
         self.mask = mask  # int32 [1, words]
         self.stop_words = stop_words  # the mask's words with every stop token's bit cleared
         self._stop_free = np.empty_like(mask)
+        self._filled = False  # ``mask`` is of the matcher's current state
 
-    def fill(self) -> None:
-        self.matcher.fill_next_token_bitmask(self.mask)
+    def next_mask(self) -> np.ndarray:
+        if not self._filled:
+            self.matcher.fill_next_token_bitmask(self.mask)
+            self._filled = True
+        return self.mask
 
     def mask_bytes(self) -> bytes:
-        return self.mask.tobytes()
+        return self.next_mask().tobytes()
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; True when the sequence must end here: the grammar is done
@@ -62,29 +77,34 @@ class SequenceGrammar:
             # where it stands instead of feeding the grammar more.
             logger.warning("structured output: token %d is outside its grammar; ending the sequence", token)
             return True
+        self._filled = False
         if m.is_terminated():
             return True
-        self.fill()
-        if m.is_completed():
-            np.bitwise_and(self.mask, self.stop_words, out=self._stop_free)
+        if m.is_completed():  # the mask is needed now only when the grammar could end here
+            np.bitwise_and(self.next_mask(), self.stop_words, out=self._stop_free)
             if not self._stop_free.any():
                 return True
         return False
 
     def fork(self) -> SequenceGrammar:
-        return SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words)
+        child = SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words)
+        child._filled = self._filled
+        return child
 
 
 class StructuredOutputManager:
-    """Compiles specs for one tokenizer and makes matchers. xgrammar and its tokenizer
-    table are set up on the first structured request, so engines that never see one never
-    pay for them."""
+    """Compiles specs for one tokenizer and makes matchers. xgrammar is imported in the
+    background from the start (a model without a tokenizer cannot use it: not then); its
+    tokenizer table is built on the first structured request, so engines that never see
+    one pay only the import, off their thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: the mask covers every row entry
         self.eos_token_ids = sorted(eos_token_ids)
+        self.xgrammar = BackgroundImport("xgrammar") if tokenizer is not None else None
         self._compiler: Any = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fill_masks
         self._stop_words: np.ndarray | None = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
@@ -97,12 +117,21 @@ class StructuredOutputManager:
         spec = params.structured_outputs
         if spec is None:
             return None
-        import xgrammar as xgr
+        compiled = self._compiled(spec)  # sets xgrammar up
+        xgr = self.xgrammar.get()
+        matcher = xgr.GrammarMatcher(compiled)
+        return SequenceGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size).numpy(), self._stop_words)
 
-        matcher = xgr.GrammarMatcher(self._compiled(spec))
-        grammar = SequenceGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size).numpy(), self._stop_words)
-        grammar.fill()
-        return grammar
+    def fill_masks(self, grammars: list[SequenceGrammar]) -> np.ndarray:
+        """The next-token masks of ``grammars``, row i of int32 [len, words] for grammar i,
+        filled in one call (a thread pool of FILL_THREADS in xgrammar). The grammars' own
+        masks are left as they are."""
+        words = np.empty((len(grammars), -(-self.vocab_size // 32)), dtype=np.int32)
+        if grammars:
+            if self._batch is None:
+                self._batch = self.xgrammar.get().BatchGrammarMatcher(max_threads=FILL_THREADS)
+            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], words)
+        return words
 
     def _compiled(self, spec: StructuredOutputs) -> Any:
         key = spec.key()
@@ -144,8 +173,7 @@ class StructuredOutputManager:
                 raise InvalidParameter(
                     "structured_outputs", "structured_outputs needs the model's tokenizer, and this model has none."
                 )
-            import xgrammar as xgr
-
+            xgr = self.xgrammar.get()  # waits for the background import, if it still runs
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
             )

@@ -33,7 +33,7 @@ import torch
 
 from streamkv.layers.host_copy import on_device as _on
 from streamkv.layers.penalties import TokenCounts, apply_penalties
-from streamkv.layers.token_mask import apply_token_masks
+from streamkv.layers.token_mask import TokenMask, apply_token_masks
 from streamkv.messages import SampleResult
 
 _M32 = 0xFFFF_FFFF
@@ -62,7 +62,7 @@ class SampleRequest:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     counts: TokenCounts | None = None  # where the sequence's token counts live (penalties)
     counts_row: int = -1
-    token_mask: bytes | None = None  # structured outputs: the allowed tokens (layers/token_mask.py)
+    token_mask: TokenMask | None = None  # structured outputs: the allowed tokens (layers/token_mask.py)
 
     @property
     def has_penalties(self) -> bool:

@@ -7,18 +7,23 @@ graph instead (worker/cuda_graphs.py).
 ``result()`` waits for the step's sampled tokens alone. A sequence whose input token is
 pending (the step before is sampling it; SeqInput.pending) gets it on the device, gathered
 from that step's sampled-token tensor into the input ids before the forward pass, so the
-engine can hand over step N+1 before it has read step N's tokens."""
+engine can hand over step N+1 before it has read step N's tokens. A structured row of such a
+step may come without its token mask (MASK_FOLLOWS: the mask depends on that pending token):
+``launch`` then runs the forward pass and the logits, and the sampler runs when the engine
+attaches the masks (``StepResult.attach_masks``), before it hands over the next step."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
 from streamkv.layers.attention import AttentionMetadata
-from streamkv.layers.sampler import SampledBatch, Sampler
-from streamkv.messages import StepOutput
+from streamkv.layers.sampler import SampledBatch, Sampler, SampleRequest
+from streamkv.layers.token_mask import TokenMask
+from streamkv.messages import MASK_FOLLOWS, StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamkv.worker.input_batch import ProtocolError, SeqInput
 from streamkv.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
@@ -43,6 +48,7 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None
         self._last_batch: SampledBatch | None = None  # finalized before its tokens are read
         self._last_rows: dict[int, int] = {}
+        self._awaiting: StepResult | None = None  # a launched step whose token masks follow
 
     def capture_decode_graphs(self, kv_caches, max_model_len: int, max_num_seqs: int) -> None:
         """Capture the decode-only forward pass for every padded batch size up to
@@ -179,6 +185,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True) -> StepResult:
         """Run the step without waiting for the device; ``result()`` of the return waits."""
+        if self._awaiting is not None:
+            raise ProtocolError("a step was launched before the token masks of the step before it were attached")
         try:
             hidden, ordered = self.forward(seqs, kv_caches, use_graphs) if seqs else (None, [])
         finally:
@@ -209,26 +217,55 @@ class ModelRunner:
             if self.model.lm_head is not None and self.model.tp_size > 1:
                 self.model.compute_logits(hidden)
             return StepResult([], None)
-        batch = self.sampler(self.model.compute_logits(hidden), reqs)
+        logits = self.model.compute_logits(hidden)
+        if any(r.token_mask == MASK_FOLLOWS for r in reqs):
+            self._awaiting = StepResult(ids, None, scored, sample=lambda masks: self._sample(logits, reqs, ids, masks))
+            return self._awaiting
+        return StepResult(ids, self._sample(logits, reqs, ids), scored)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest], ids: list[int],
+                masks: Mapping[int, TokenMask] | None = None) -> SampledBatch:
+        """Sample the step; ``masks``: the token masks that followed it, by sequence id (a
+        row sent with MASK_FOLLOWS and missing here samples unconstrained: it has ended)."""
+        if masks is not None:
+            self._awaiting = None
+            for seq_id, r in zip(ids, reqs):
+                if r.token_mask == MASK_FOLLOWS:
+                    r.token_mask = masks.get(seq_id)
+        batch = self.sampler(logits, reqs)
         last_rows, k = {}, 0
         for seq_id, r in zip(ids, reqs):
             if r.num_samples == 1:
                 last_rows[seq_id] = k
             k += r.num_samples
         self._last_tokens, self._last_rows, self._last_batch = batch.tokens, last_rows, batch
-        return StepResult(ids, batch, scored)
+        return batch
 
 
 class StepResult:
-    """A launched step's samples: ``result()`` waits for them (and only for them)."""
+    """A launched step's samples: ``result()`` waits for them (and only for them). A step
+    whose token masks follow is sampled by ``attach_masks``, which must come first."""
 
-    __slots__ = ("_ids", "_batch", "_prompt_logprobs")
+    __slots__ = ("_ids", "_batch", "_prompt_logprobs", "_sample")
 
-    def __init__(self, seq_ids: list[int], batch: SampledBatch | None, prompt_logprobs: dict | None = None) -> None:
+    def __init__(self, seq_ids: list[int], batch: SampledBatch | None, prompt_logprobs: dict | None = None,
+                 sample: Callable[[Mapping[int, TokenMask]], SampledBatch] | None = None) -> None:
         self._ids, self._batch = seq_ids, batch
         self._prompt_logprobs = prompt_logprobs
+        self._sample = sample  # the step's sampler, waiting for its masks
+
+    @torch.inference_mode()  # the logits were made in the step's inference mode
+    def attach_masks(self, masks: Mapping[int, TokenMask]) -> None:
+        """The token masks of the rows sent with MASK_FOLLOWS, by sequence id (words as in
+        SeqStep.token_mask: bytes, or an int32 array); launches the step's sampler."""
+        if self._sample is None:
+            raise ProtocolError("token masks attached to a step that was not waiting for them")
+        sample, self._sample = self._sample, None
+        self._batch = sample(masks)
 
     def result(self) -> StepOutput:
+        if self._sample is not None:
+            raise ProtocolError("a step's result was read before its token masks were attached")
         out = StepOutput()
         if self._batch is not None:
             out.results = dict(zip(self._ids, self._batch.results()))

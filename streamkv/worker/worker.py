@@ -194,6 +194,14 @@ class LaunchedStep:
         except Exception as e:
             raise self._worker.step_failed(e) from e
 
+    def attach_masks(self, masks) -> None:
+        """Structured outputs: the token masks of the rows sent with MASK_FOLLOWS, by sequence
+        id; the step's sampler runs now (ModelRunner: StepResult.attach_masks)."""
+        try:
+            self._result.attach_masks(masks)
+        except Exception as e:
+            raise self._worker.step_failed(e) from e
+
     def ready(self) -> bool:
         """Whether the device is done with the step, so that ``result()`` will not wait for
         it (always, on a CPU, where the step ran inside ``launch``)."""

@@ -1,0 +1,53 @@
+"""engine/background_import.py: a module imported on a thread from construction; a caller
+that needs it earlier waits, and the module's code runs once."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+from streamkv.engine.background_import import BackgroundImport
+from streamkv.engine.structured import StructuredOutputManager
+
+SLOW_MODULE = """
+import pathlib, time
+runs = pathlib.Path(__file__).with_suffix(".runs")
+runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+time.sleep(0.3)
+VALUE = 42
+"""
+
+
+def test_callers_wait_for_one_import(tmp_path, monkeypatch):
+    name = "streamkv_slow_import_probe"
+    (tmp_path / f"{name}.py").write_text(SLOW_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    loader = BackgroundImport(name)
+    assert loader.started
+    got = []
+    others = [threading.Thread(target=lambda: got.append(loader.get())) for _ in range(3)]
+    for t in others:
+        t.start()
+    got.append(loader.get())  # while the import sleeps: waits for it, never half-initialised
+    for t in others:
+        t.join()
+    assert [m.VALUE for m in got] == [42] * 4 and len({id(m) for m in got}) == 1
+    assert (tmp_path / f"{name}.runs").read_text() == "x"  # the module body ran once
+    monkeypatch.delitem(sys.modules, name)
+
+
+def test_a_missing_module_raises_where_it_is_used():
+    loader = BackgroundImport("streamkv_no_such_module")
+    assert not loader.started
+    with pytest.raises(ModuleNotFoundError):
+        loader.get()
+
+
+def test_the_manager_imports_xgrammar_only_when_it_could_use_it():
+    pytest.importorskip("xgrammar")
+    assert StructuredOutputManager(None, 1000, frozenset({2})).xgrammar is None  # no tokenizer: no grammars
+    manager = StructuredOutputManager(object(), 1000, frozenset({2}))
+    assert manager.xgrammar.started and manager.xgrammar.get().__name__ == "xgrammar"
