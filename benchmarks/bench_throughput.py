@@ -62,7 +62,8 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
             timed = getattr(step.handle, "device_seconds", None)
             ms = 1e3 * (timed() if timed is not None else time.perf_counter() - step.submitted)
             # wall: since the step before was completed (one step's share of the run's time)
-            steps.append({"prompt_tokens": prompt, "decodes": decode, "ms": ms, "wall_ms": 1e3 * wall})
+            steps.append({"step": len(steps), "prompt_tokens": prompt, "decodes": decode, "ms": ms,
+                          "wall_ms": 1e3 * wall})
         return outputs
 
     engine._complete = timed_complete
@@ -86,20 +87,39 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
     mixed = [s for s in steps if s["prompt_tokens"]]
     pure = [s for s in steps if not s["prompt_tokens"] and s["decodes"]]
     # A prompt-bearing step against decode-only steps of about the same decode batch (+-16).
-    ratios = []
+    # A step without decodes has no decode-only step of its batch, and no request waits on it
+    # for a token (the cap leaves it the whole budget): it is reported apart. Session 5's
+    # ratios counted such steps against batches <= 16; "max_with_prefill_only" does too.
+    compared = []
     for s in mixed:
         peers = [p["ms"] for p in pure if abs(p["decodes"] - s["decodes"]) <= 16]
         if peers:
-            ratios.append(s["ms"] / statistics.median(peers))
-    ratios.sort()
+            peer = statistics.median(peers)
+            compared.append({**s, "decode_step_ms": peer, "ratio": s["ms"] / peer})
+    prefill_only = [c for c in compared if not c["decodes"]]
+    compared = [c for c in compared if c["decodes"]]
+    ratios = sorted(c["ratio"] for c in compared)
+    warmup = engine.step_warmup
     report = {
         "steps": len(steps), "prompt_steps": len(mixed), "decode_steps": len(pure),
         "wall_ms_per_step": 1e3 * elapsed / max(len(steps), 1),
         "prompt_step_ms": {q: pct(sorted(s["ms"] for s in mixed), q) for q in (0.5, 0.9, 0.99)},
         "decode_step_ms": {q: pct(sorted(s["ms"] for s in pure), q) for q in (0.5, 0.9, 0.99)},
         "decode_step_wall_ms": {q: pct(sorted(s["wall_ms"] for s in pure), q) for q in (0.5, 0.9, 0.99)},
-        "prompt_vs_decode_step": {"p50": pct(ratios, 0.5), "p90": pct(ratios, 0.9), "max": ratios[-1] if ratios else None,
-                                  "compared": len(ratios)},
+        # Issue 18's target: every prompt-bearing step <= 2x a decode-only step of its batch.
+        "prompt_vs_decode_step": {
+            "p50": pct(ratios, 0.5), "p90": pct(ratios, 0.9), "p99": pct(ratios, 0.99),
+            "max": ratios[-1] if ratios else None, "compared": len(ratios),
+            "over_2x": sum(1 for r in ratios if r > 2.0),
+            "no_peer": sum(1 for s in mixed if s["decodes"]) - len(compared),  # none within +-16 decodes
+            "worst": sorted(compared, key=lambda c: -c["ratio"])[:8],
+            "prefill_only_steps": sum(1 for s in mixed if not s["decodes"]),
+            "max_with_prefill_only": max((c["ratio"] for c in compared + prefill_only), default=None),
+        },
+        "prefill_cap": {"ratio": engine.config.scheduler.max_prefill_step_ratio,
+                        "seeded": bool(warmup and warmup.usable),
+                        "warmup_ms": 1e3 * warmup.seconds if warmup else 0.0,
+                        "warmup_steps": len(warmup.samples) if warmup else 0},
         "prompt_step_share_of_time": sum(s["ms"] for s in mixed) / max(sum(s["ms"] for s in steps), 1e-9),
         "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
         "max_prompt_tokens_per_step": max((s["prompt_tokens"] for s in steps), default=0),
@@ -115,9 +135,19 @@ def print_step_report(rep: dict) -> None:
     for name in ("prompt_step_ms", "decode_step_ms", "decode_step_wall_ms"):
         q = rep[name]
         print(f"  {name:<19} p50 {q[0.5]:8.2f}  p90 {q[0.9]:8.2f}  p99 {q[0.99]:8.2f}")
-    r = rep["prompt_vs_decode_step"]
-    print(f"  prompt step / decode step of the same batch: p50 {r['p50']:.2f}x, p90 {r['p90']:.2f}x, "
-          f"max {r['max']}, over {r['compared']} steps")
+    r, cap = rep["prompt_vs_decode_step"], rep["prefill_cap"]
+    top = f"{r['max']:.2f}x" if r["max"] is not None else "-"
+    print(f"  prompt step / decode step of the same batch (+-16): p50 {r['p50']:.2f}x, p90 {r['p90']:.2f}x, "
+          f"p99 {r['p99']:.2f}x, max {top}; {r['over_2x']} of {r['compared']} over 2x "
+          f"({r['no_peer']} had no decode-only peer)")
+    extra = r["max_with_prefill_only"]
+    print(f"    ({r['prefill_only_steps']} prompt steps without decodes left out: nobody waits on them; "
+          f"max counting them against batches <= 16: {extra:.2f}x)" if extra is not None else "")
+    for w in r["worst"][:5]:
+        print(f"    step {w['step']:>5}: {w['decodes']:>3} decodes + {w['prompt_tokens']:>4} prompt tokens "
+              f"{w['ms']:7.2f} ms vs {w['decode_step_ms']:6.2f} ms = {w['ratio']:.2f}x")
+    print(f"  prefill cap {cap['ratio']}: fit seeded at start: {'yes' if cap['seeded'] else 'no'} "
+          f"({cap['warmup_steps']} timed warm-up steps, {cap['warmup_ms']:.0f} ms in all)")
     print(f"  time to first token (all arrive at once): p50 {rep['ttft_s']['p50']:.2f} s, "
           f"p99 {rep['ttft_s']['p99']:.2f} s")
 
@@ -261,7 +291,9 @@ def main() -> int:
                     help="overlap the next step's scheduling with this one's device work "
                          "(default: the engine's, on on a GPU and off on a CPU)")
     ap.add_argument("--max-prefill-step-ratio", type=float, default=None,
-                    help="the engine's cap on prompt tokens beside decodes (0 = none; default: the engine's)")
+                    help="the engine's cap on prompt tokens beside decodes (0 = none; default: the engine's). "
+                         "To choose it, sweep e.g. 0, 1.5, 2, 3 with --step-report: output tok/s and TTFT "
+                         "against the prompt-step / decode-step ratios (p99, max, steps over 2x)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: embedded SmolLM2)")
