@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
 from streamkv import SamplingParams
 from streamkv.engine.llm_engine import LLMEngine
 from streamkv.entrypoints.llm import LLM, engine_config
-from streamkv.executor.multiproc import MultiprocExecutor
+from streamkv.executor.multiproc import MultiprocExecutor, WorkerError
+from streamkv.messages import PENDING_TOKEN, NewSeq, SeqParams, SeqStep, StepInput
 from tests.executor.conftest import GREEDY, tiny_prompts, tokens, with_faults
 from tests.executor.faults.sitecustomize import POISON_SEED, POISON_TOKEN
 from tests.executor.test_restart_tp import LONG, children, stream_and_kill
@@ -113,3 +115,46 @@ def test_a_rank_killed_with_a_step_in_flight_is_restarted_and_its_requests_resum
     got, (before, after) = asyncio.run(asyncio.wait_for(stream_and_kill(config, victim), 300))
     assert got == want
     assert len(after) == 2 and not set(before) & set(after)
+
+
+@pytest.mark.slow
+def test_replies_are_read_in_send_order_and_rank1_gets_the_pending_token(tiny4_dir):
+    """At the executor: steps A and B sent, B read first (A's reply is read for it); B's input
+    is A's pending token, which rank 1 gets from rank 0's broadcast. B's sample equals that of
+    a twin sequence given A's token explicitly; a control call reads the replies before it."""
+    executor = MultiprocExecutor(engine_config(str(tiny4_dir), **KW, tensor_parallel_size=2))
+    try:
+        assert executor.resolves_pending_tokens
+        executor.init_cache(8, 0)
+        prompt = [5, 6, 7]
+        a = executor.submit(StepInput(
+            [SeqStep(0, prompt, 0, new_blocks=[0]), SeqStep(1, prompt, 0, new_blocks=[1])],
+            [NewSeq(0, SeqParams(), 3), NewSeq(1, SeqParams(), 3)]))
+        b = executor.submit(StepInput([SeqStep(0, [PENDING_TOKEN], 3)]))
+        b_out = b.result()
+        first = a.result().results
+        token = first[0].token_ids[0]
+        assert first[1].token_ids == [token] and a.device_seconds() > 0
+        twin = executor.submit(StepInput([SeqStep(1, [token], 3)]))
+        executor.num_available_blocks()  # reads twin's reply first
+        assert twin.result().results[1].token_ids == b_out.results[0].token_ids
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rank_failing_a_step_alone_with_the_next_in_flight_is_a_divergence(tiny4_dir, monkeypatch):
+    """Rank 1 fails the step while rank 0 waits in one of its collectives, and the next step is
+    already sent: rank 1 must not start it (its collectives would pair with rank 0's of the
+    failed step); it waits for a Resume that never comes, and the engine ends the ranks."""
+    with_faults(monkeypatch, "forward-rank1")
+    llm = LLM(str(tiny4_dir), **KW, tensor_parallel_size=2, async_scheduling=True)
+    llm.engine.executor.diverge_timeout = 2.0
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank\(s\) \[1\] failed a step .*a bug in the model.* rank\(s\) \[0\] "
+                                              r"did not finish it within 2s: the ranks diverged"):
+            llm.generate(None, GREEDY, prompt_token_ids=[[5, 6, 7], [5, POISON_TOKEN, 7]])
+        assert time.monotonic() - start < 30
+    finally:
+        llm.shutdown()
