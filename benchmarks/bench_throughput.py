@@ -119,7 +119,9 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
         "prefill_cap": {"ratio": engine.config.scheduler.max_prefill_step_ratio,
                         "seeded": bool(warmup and warmup.usable),
                         "warmup_ms": 1e3 * warmup.seconds if warmup else 0.0,
-                        "warmup_steps": len(warmup.samples) if warmup else 0},
+                        "warmup_steps": len(warmup.samples) if warmup else 0,
+                        # how far below the ratio the cap aimed at the end (core/step_budget.py)
+                        "margin": engine.scheduler.step_cost.margin},
         "prompt_step_share_of_time": sum(s["ms"] for s in mixed) / max(sum(s["ms"] for s in steps), 1e-9),
         "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
         "max_prompt_tokens_per_step": max((s["prompt_tokens"] for s in steps), default=0),
@@ -147,7 +149,8 @@ def print_step_report(rep: dict) -> None:
         print(f"    step {w['step']:>5}: {w['decodes']:>3} decodes + {w['prompt_tokens']:>4} prompt tokens "
               f"{w['ms']:7.2f} ms vs {w['decode_step_ms']:6.2f} ms = {w['ratio']:.2f}x")
     print(f"  prefill cap {cap['ratio']}: fit seeded at start: {'yes' if cap['seeded'] else 'no'} "
-          f"({cap['warmup_steps']} timed warm-up steps, {cap['warmup_ms']:.0f} ms in all)")
+          f"({cap['warmup_steps']} timed warm-up steps, {cap['warmup_ms']:.0f} ms in all); "
+          f"aimed at ratio / {cap['margin']:.3f} at the end (the fit's misses)")
     print(f"  time to first token (all arrive at once): p50 {rep['ttft_s']['p50']:.2f} s, "
           f"p99 {rep['ttft_s']['p99']:.2f} s")
 

@@ -25,11 +25,19 @@ prior weighs ``PRIOR_WEIGHT`` steps at first and decays with every real step, li
 floor of ``PRIOR_FLOOR``: real steps outweigh it within a few dozen, while a long stretch of
 one kind of step (decode only, for thousands of steps) still cannot leave the fit unsolvable.
 
+Aimed below the ratio by the fit's misses: where the cap binds, a step is predicted at exactly
+``ratio`` times a decode-only step, so with predictions right on average half the capped steps
+would land above it (session 5: p50 1.30, p90 2.04 with the cap on). The model keeps an
+exponentially weighted mean and spread of log(measured / predicted) over steps with both
+decodes and prompt tokens, and caps at ``ratio / margin``, margin = exp(mean + TAIL_Z * spread),
+so that about 98% of such steps (normal misses) stay within the ratio.
+
 Torch-free: the scheduler imports it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,6 +48,9 @@ MIN_STEPS = 32  # observations before the cap applies, without a seed
 # The seed's weight in steps: at start, and the least it decays to (see the module docstring).
 PRIOR_WEIGHT = 32.0
 PRIOR_FLOOR = 1.0
+TAIL_Z = 2.0  # the margin covers misses up to this many spreads above their mean (~98%)
+MIN_MISSES = 8.0  # weighted mixed steps seen before the margin applies
+MARGIN_RANGE = (0.5, 2.0)  # a margin outside says the fit is wrong, not noisy: clipped
 
 
 def _features(decodes: int, prompt_tokens: int) -> tuple[float, float, float, float]:
@@ -97,6 +108,9 @@ class StepCostModel:
     _prior_xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     _prior_xt: list[float] = field(default_factory=lambda: [0.0] * 4)
     _prior_weight: float = 0.0
+    # log(measured / predicted) of steps with decodes and prompt tokens: weighted count, sum,
+    # sum of squares.
+    _misses: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     _coef: list[float] | None = None
 
     @property
@@ -129,11 +143,37 @@ class StepCostModel:
         """One finished step: how many decode rows and prompt tokens it carried, its time."""
         if not self.enabled or seconds <= 0:
             return
+        if decodes and prompt_tokens:
+            self._observe_miss(decodes, prompt_tokens, seconds)
         _accumulate(self._xx, self._xt, _features(decodes, prompt_tokens), seconds, DECAY)
         if self._prior_weight:
             self._prior_weight = max(PRIOR_FLOOR, self._prior_weight * DECAY)
         self.steps += 1
         self._coef = None
+
+    def _observe_miss(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+        coef = self.coefficients()
+        if coef is None:
+            return
+        a, b, c, e = coef
+        predicted = a + b * decodes + c * prompt_tokens + e
+        if predicted <= 0:
+            return
+        x = math.log(seconds / predicted)
+        m = self._misses
+        m[0], m[1], m[2] = DECAY * m[0] + 1.0, DECAY * m[1] + x, DECAY * m[2] + x * x
+
+    @property
+    def margin(self) -> float:
+        """How far above its prediction a mixed step runs, at the tail of the fit's misses
+        (1.0 until enough of them are seen)."""
+        n, total, squares = self._misses
+        if n < MIN_MISSES:
+            return 1.0
+        mean = total / n
+        spread = max(squares / n - mean * mean, 0.0) ** 0.5
+        lo, hi = MARGIN_RANGE
+        return min(hi, max(lo, math.exp(mean + TAIL_Z * spread)))
 
     def coefficients(self) -> tuple[float, float, float, float] | None:
         """(a, b, c, e) of t = a + b*decodes + c*prompt_tokens + e*[prompt_tokens > 0], or
@@ -162,7 +202,8 @@ class StepCostModel:
         decode_only = a + b * decodes
         if decode_only <= 0:
             return None
-        return max(self.min_chunk, int(((self.ratio - 1.0) * decode_only - max(e, 0.0)) / c))
+        slack = (self.ratio / self.margin - 1.0) * decode_only - max(e, 0.0)
+        return max(self.min_chunk, int(slack / c))
 
     def budget(self, decodes: int, token_budget: int) -> int:
         """The step's whole token budget given ``decodes`` decode rows come first."""
