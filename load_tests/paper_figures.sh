@@ -47,3 +47,23 @@ for w in sharegpt alpaca chat; do
   plot waste "${files[@]}" --rate "${FIG2_RATE[$w]}" --title "$w at ${FIG2_RATE[$w]} req/s: KV memory held" --out "$OUT/$w-waste.png"
   plot batched "${files[@]}" --title "$w: average batched requests" --out "$OUT/$w-batched.png"
 done
+
+# Fig 13 at the paper's operating point (8 req/s: paged's knee in this step model), three ways of
+# counting the batch, and the buddy-allocator what-if (docs/paper.md, Fig 13).
+F13=docs/paper/fig13
+mkdir -p "$F13"
+[ -f bench_inputs/sharegpt-1000.json ] || nice -n 5 "$PY" -m load_tests.bench --workload sharegpt \
+  --num-requests 1000 --save-workload bench_inputs/sharegpt-1000.json
+F13_COMMON=("${COMMON[@]}" --workload sharegpt --workload-file bench_inputs/sharegpt-1000.json --num-requests 1000)
+for sys in paged orca-oracle orca-pow2 orca-max; do
+  nice -n 5 "$PY" -m load_tests.bench "${F13_COMMON[@]}" --kv-allocation "$sys" --request-rate 2,6,8,10 \
+    --json-out "$F13/sharegpt-$sys.json" > "$F13/sharegpt-$sys.log"
+done
+nice -n 5 "$PY" -m load_tests.bench "${F13_COMMON[@]}" --kv-allocation orca-oracle --orca-allocator buddy \
+  --label "orca-oracle (buddy)" --request-rate 2,8 --json-out "$F13/sharegpt-orca-oracle-buddy.json" > "$F13/buddy.log"
+# Exact reservations (block size 1: the same 15,728 slots); later flags override COMMON's.
+nice -n 5 "$PY" -m load_tests.bench "${F13_COMMON[@]}" --block-size 1 --num-kv-blocks 15728 --kv-allocation orca-oracle \
+  --label "orca-oracle block 1" --request-rate 8 --json-out "$F13/sharegpt-orca-oracle-b1.json" > "$F13/b1.log"
+plot batched "$F13"/sharegpt-{paged,orca-oracle,orca-oracle-buddy,orca-pow2,orca-max}.json \
+  --title "ShareGPT, OPT-13B KV pool (983 blocks): average batched requests" --out "$F13/sharegpt-batched.png"
+
