@@ -34,7 +34,7 @@ from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from streamkv.worker.input_batch import SampleRequest, SeqInput  # noqa: E402
 from streamkv.worker.worker import Worker  # noqa: E402
 
-GEMM_MARKS = ("gemm", "cutlass", "xmma", "nvjet", "splitk", "cublas")
+GEMM_MARKS = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas")
 FUSED_MARKS = ("rms_norm_kernel", "add_layer_norm_kernel", "rotary_embedding_kernel", "silu_and_mul_kernel")
 CATEGORIES = ("gemm", "attention", "cache_write", "fused_elementwise", "other")
 
@@ -56,7 +56,8 @@ def build(args) -> Worker:
     blocks_per_seq = -(-(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size)
     num_blocks = max(args.batch_sizes) * blocks_per_seq
     config = EngineConfig(
-        model=ModelConfig(args.model, args.dtype, "cuda", "dummy", max_model_len=args.max_model_len),
+        model=ModelConfig(model=args.model, dtype=args.dtype, device="cuda", load_format="dummy",
+                          max_model_len=args.max_model_len),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks, num_swap_blocks=0),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes)),
     )

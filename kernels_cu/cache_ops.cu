@@ -3,6 +3,8 @@
 // and pointers allow 16-byte accesses, narrower otherwise), not on the element dtype.
 #include <cuda_runtime.h>
 
+#include "pdl.cuh"
+
 namespace streamkv {
 
 // One CTA per token: copies the token's [heads, row] K and V into
@@ -13,6 +15,8 @@ __global__ void reshape_and_cache_kernel(const U* __restrict__ key, const U* __r
                                          const long long* __restrict__ slot_mapping,
                                          long long key_stride, long long value_stride,
                                          int num_heads, int block_size, int row_units) {
+  launch_dependents();
+  grid_dependency_wait();  // launched with PDL (cache_ops.py): k and v come from the kernels before
   const long long t = blockIdx.x;
   const long long slot = slot_mapping[t];
   if (slot < 0) return;

@@ -10,7 +10,16 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "pdl.cuh"
+
 namespace streamkv {
+
+// Every kernel here may be launched with programmatic dependent launch (fused_cuda.py):
+// it lets the next kernel start early, then waits for the previous one before it reads.
+__device__ __forceinline__ void pdl_enter() {
+  launch_dependents();
+  grid_dependency_wait();
+}
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
@@ -72,6 +81,7 @@ __global__ void rms_norm_kernel(T* out, T* __restrict__ residual, const T* x,
                                 const T* __restrict__ weight,
                                 long long out_stride, long long res_stride, long long x_stride,
                                 int hidden, float eps) {
+  pdl_enter();
   const long long row = blockIdx.x;
   const int packs = hidden / N;
   const T* xr = x + row * x_stride;
@@ -109,6 +119,7 @@ __global__ void add_layer_norm_kernel(T* __restrict__ x, T* __restrict__ residua
                                       const T* __restrict__ weight, const T* __restrict__ bias,
                                       long long x_stride, long long res_stride, int hidden,
                                       float eps) {
+  pdl_enter();
   const long long row = blockIdx.x;
   const int packs = hidden / N;
   T* xr = x + row * x_stride;
@@ -162,6 +173,7 @@ __global__ void rotary_embedding_kernel(T* __restrict__ q, T* __restrict__ k,
                                         const float* __restrict__ cos_table,
                                         const float* __restrict__ sin_table, long long q_stride,
                                         long long k_stride, int q_heads, int k_heads, int half) {
+  pdl_enter();
   const long long t = blockIdx.x;
   const long long pos = positions[t];
   const float* cr = cos_table + pos * half;
@@ -191,6 +203,7 @@ __global__ void rotary_embedding_kernel(T* __restrict__ q, T* __restrict__ k,
 template <typename T, int N>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x,
                                     long long out_stride, long long x_stride, int inter) {
+  pdl_enter();
   const long long t = blockIdx.x;
   const int p = blockIdx.y * blockDim.x + threadIdx.x;
   if (p >= inter / N) return;

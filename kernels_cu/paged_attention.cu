@@ -13,6 +13,7 @@
 // style) whose partial results are merged by the last CTA of the sequence to finish (or by
 // paged_attention_reduce_kernel), so the context length is bounded only by the block table.
 #include "dtypes.cuh"
+#include "pdl.cuh"
 
 namespace streamkv {
 
@@ -371,6 +372,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
     long long q_stride, int block_table_stride, int num_kv_heads, int group_size,
     int partition_size, int max_partitions) {
+  launch_dependents();  // the o projection after it may start loading its weights
+  grid_dependency_wait();  // launched with PDL: q and the cache come from the kernels before
   using R = RowShape<T, HEAD, STAGES>;
   using Tr = Traits<T>;
   static_assert(kMaxPartition % BLOCK == 0, "partition must hold whole blocks");
@@ -615,6 +618,8 @@ __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_att
     const int* __restrict__ context_lens, float scale, long long q_stride,
     int block_table_stride, int num_kv_heads, int group_size, int partition_size,
     int max_partitions) {
+  launch_dependents();  // the o projection after it may start loading its weights
+  grid_dependency_wait();  // launched with PDL: q and the cache come from the kernels before
   using Tr = Traits<T>;
   static_assert(HEAD % 64 == 0, "tensor-core decode needs a head size that is a multiple of 64");
   static_assert(Tr::VEC == 8, "tensor-core decode is for 16-bit caches");
@@ -840,6 +845,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(
     T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_max,
     const float* __restrict__ part_sum, const int* __restrict__ context_lens, int num_heads,
     int partition_size, int max_partitions) {
+  launch_dependents();  // the o projection after it may start loading its weights
+  grid_dependency_wait();  // launched with PDL: q and the cache come from the kernels before
   extern __shared__ float4 smem4[];
   float* w_s = reinterpret_cast<float*>(smem4);
   __shared__ float red[kWarps];

@@ -90,6 +90,7 @@ def reshape_and_cache(
             (INT, row_units),
         ],
         launch.stream(key.device),
+        pdl=launch.use_pdl(key.device),
     )
 
 

@@ -172,6 +172,7 @@ def paged_attention_decode(
         else None
     )
     stream = launch.stream(query.device)
+    pdl = launch.use_pdl(query.device)
     decode.launch(
         (max_parts, num_kv_heads * chunks, num_seqs),
         (ATTENTION_THREADS, 1, 1),
@@ -196,6 +197,8 @@ def paged_attention_decode(
         ],
         stream,
         smem(partition_size),
+        # The fused merge's counters are zeroed just before: no kernel to overlap with.
+        pdl=pdl and not fused,
     )
     if max_parts > 1 and not fused:
         reduce.launch(
@@ -213,5 +216,6 @@ def paged_attention_decode(
             ],
             stream,
             max_parts * 4,
+            pdl=pdl,
         )
     return out if query.dtype == dtype else out.to(query.dtype)

@@ -1,6 +1,8 @@
 """CUDA launches of the fused elementwise ops (``fused.py`` checks dtype, device and layout
 before it calls these). One program per dtype holds every kernel in both access widths: a
-16-byte vector per thread where the rows and pointers allow it, one element otherwise."""
+16-byte vector per thread where the rows and pointers allow it, one element otherwise.
+Launched with programmatic dependent launch where the device has it (``launch.use_pdl``):
+each kernel waits for the one before it at its start (kernels_cu/pdl.cuh)."""
 
 from __future__ import annotations
 
@@ -89,6 +91,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             (FLOAT, eps),
         ],
         launch.stream(x.device),
+        pdl=launch.use_pdl(x.device),
     )
     return out
 
@@ -116,6 +119,7 @@ def fused_add_rms_norm(
             (FLOAT, eps),
         ],
         launch.stream(x.device),
+        pdl=launch.use_pdl(x.device),
     )
 
 
@@ -146,6 +150,7 @@ def fused_add_layer_norm(
             (FLOAT, eps),
         ],
         launch.stream(x.device),
+        pdl=launch.use_pdl(x.device),
     )
 
 
@@ -179,6 +184,7 @@ def rotary_embedding(
             (INT, half),
         ],
         launch.stream(q.device),
+        pdl=launch.use_pdl(q.device),
     )
 
 
@@ -201,5 +207,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             (INT, inter),
         ],
         launch.stream(x.device),
+        pdl=launch.use_pdl(x.device),
     )
     return out

@@ -20,9 +20,24 @@ DTYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: 
 PTR, INT, LONG, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
+# Launch the kernels written for it (kernels_cu/pdl.cuh) with programmatic dependent launch
+# where the device has it: a kernel then starts while the one before it drains (the decode
+# step at batch 1 is ~400 short kernels; docs/kernels.md, "Decode GEMV").
+PDL = True
+
+
 def arch(device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
+    return _arch(device_index(device))
+
+
+@lru_cache(maxsize=64)
+def _arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
     return major * 10 + minor
+
+
+def use_pdl(device: torch.device) -> bool:
+    return PDL and arch(device) >= 90
 
 
 def device_index(device: torch.device) -> int:

@@ -226,11 +226,19 @@ class Kernel:
         args: Sequence[tuple[type, object]],
         stream: int,
         shared_mem: int = 0,
+        pdl: bool = False,
     ) -> None:
-        """``args`` are (ctypes type, value) pairs in the kernel's parameter order."""
+        """``args`` are (ctypes type, value) pairs in the kernel's parameter order.
+
+        ``pdl``: programmatic dependent launch (sm_90+; kernels_cu/pdl.cuh): the kernel may
+        start before the previous kernel on the stream ends, and must wait for it itself."""
         self._allow_shared_mem(shared_mem)
         holders = [ctype(value) for ctype, value in args]
         params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
+        if pdl:
+            check(driver.cuLaunchKernelEx(_pdl_config(grid, block, shared_mem, stream),
+                                          self.function, ctypes.addressof(params), 0))
+            return
         check(
             driver.cuLaunchKernel(
                 self.function, *grid, *block, shared_mem, stream, ctypes.addressof(params), 0
@@ -258,6 +266,20 @@ class Kernel:
                 )
             )
         return self._occupancy[key]
+
+
+def _pdl_config(grid, block, shared_mem: int, stream: int):
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(stream)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
 
 
 class Module:

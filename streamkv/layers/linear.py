@@ -5,8 +5,9 @@ the input features and sums partial results across ranks."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from streamkv.kernels import gemv
 
 
 class ParallelLinear(nn.Module):
@@ -106,11 +107,12 @@ class ParallelLinear(nn.Module):
             self.bias.data.copy_(torch.cat([self.shard(b, i) for i, b in enumerate(biases)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # gemv.linear is F.linear, with a kernel of our own for steps of a few tokens.
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return gemv.linear(x, self.weight, self.bias)
         import torch.distributed as dist
 
-        out = F.linear(x, self.weight, self.bias)
+        out = gemv.linear(x, self.weight, self.bias)
         if self.parallel == "row":
             dist.all_reduce(out)
             return out
@@ -124,3 +126,12 @@ class ParallelLinear(nn.Module):
         local = [o // self.tp_size for o in self.out_splits]
         pieces = [p.split(local, dim=-1) for p in parts]
         return torch.cat([pc[i] for i in range(len(local)) for pc in pieces], dim=-1)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this layer's output, where the layer is a fused gate/up
+        projection (two equal outputs, column-parallel, not gathered): [tokens, 2 I] is
+        never written for a few tokens, the product kernel applies the activation itself."""
+        if self.parallel != "column" or self.gather_output or len(self.out_splits) != 2 \
+                or self.out_splits[0] != self.out_splits[1]:
+            raise ValueError("silu_and_mul needs a column-parallel gate/up projection of two equal outputs")
+        return gemv.linear_silu_and_mul(x, self.weight, self.bias)

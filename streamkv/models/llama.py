@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from streamkv.layers.activation import SiluAndMul
+from streamkv.kernels import gemv
 from streamkv.layers.attention import AttentionMetadata, PagedAttention
 from streamkv.layers.linear import ParallelLinear
 from streamkv.layers.norm import RMSNorm
@@ -75,10 +74,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ParallelLinear(s.hidden_size, [s.intermediate_size] * 2, bias=bias, **kw)
         self.down_proj = ParallelLinear(s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # SiLU-and-mul inside the gate/up product for a few tokens, its own kernel otherwise.
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -132,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight)
+            return gemv.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

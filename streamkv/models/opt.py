@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamkv.kernels import gemv
 from streamkv.layers.attention import AttentionMetadata, PagedAttention
 from streamkv.layers.linear import ParallelLinear
 from streamkv.layers.norm import LayerNorm
@@ -136,7 +137,7 @@ class OPTForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight)
+            return gemv.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
