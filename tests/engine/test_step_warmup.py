@@ -232,3 +232,24 @@ def test_greedy_outputs_unchanged(tiny_llama_dir, counting, async_scheduling):
         finally:
             llm.shutdown()
     assert runs[1.5] == runs[0.0]
+
+
+@pytest.mark.slow
+def test_the_warm_up_runs_through_worker_processes(tiny_llama_dir):
+    """Over the multiprocess executor's wire (msgspec, negative ids, a step that only frees):
+    the plan runs, the worker process holds nothing after it, and outputs match in-process."""
+    ids = prompts(1000, lengths=(60, 9, 33, 80))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = _llm(tiny_llama_dir, 0.0)
+    want = reference.generate(None, params, prompt_token_ids=ids)
+    reference.shutdown()
+    llm = _llm(tiny_llama_dir, 2.0, distributed_executor_backend="mp")
+    try:
+        report = llm.engine.step_warmup
+        _, points = plan(WarmupShape(512, 8, 8, 400, 256, 1000))
+        assert report is not None and len(report.samples) == len(points)
+        got = llm.generate(None, params, prompt_token_ids=ids)
+        assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+        llm.engine.block_manager.check_no_leaks()
+    finally:
+        llm.shutdown()
