@@ -39,9 +39,10 @@ def test_chunked_prefill_matches_transformers_under_preemption(tiny_llama_dir, h
 
 
 def test_prefill_step_cap_limits_chunks_beside_decodes_and_keeps_outputs(tiny_llama_dir):
-    """max_prefill_step_ratio: once the step-time fit is usable, a step that carries decodes
-    takes fewer prompt tokens than the budget while prompts wait; outputs equal the uncapped
-    run. The engine reports every step to the fit (a modelled time here)."""
+    """max_prefill_step_ratio: with the step-time fit usable (seeded at start by the warm-up
+    steps, engine/step_warmup.py, timed on this machine), a step that carries decodes takes
+    fewer prompt tokens than the budget while prompts wait; outputs equal the uncapped run.
+    The engine reports every step to the fit (a modelled time here)."""
     from streamkv import SamplingParams
 
     ids = prompts(1000, lengths=(120, 90, 110, 100) * 8)
