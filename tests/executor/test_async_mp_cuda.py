@@ -1,0 +1,47 @@
+"""Async scheduling through worker processes on GPUs (run on the GPU host; skipped
+elsewhere): outputs equal the synchronous engine's with the mp executor at TP 1 (one GPU)
+and TP 2 (two GPUs: rank 0's pending tokens reach rank 1 by an NCCL broadcast queued
+behind the sampler), CUDA graphs on, and steps overlap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from streamkv.entrypoints.llm import LLM
+from tests.executor.conftest import tiny_prompts, tokens
+from tests.executor.test_async_mp import PARAMS
+from tests.models.hf_tiny import save_tiny
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def tiny64_dir(tmp_path_factory):
+    """4 query / 2 KV heads of 64 (a head size the CUDA kernels serve), untied lm_head."""
+    path = tmp_path_factory.mktemp("tiny-llama-mp-cuda")
+    save_tiny(LlamaConfig(
+        vocab_size=1000, max_position_embeddings=512, num_hidden_layers=2, hidden_size=256,
+        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        tie_word_embeddings=False,
+    ), path)
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_async_mp_on_gpus_equals_the_synchronous_engine(tiny64_dir, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
+    got = {}
+    for on in (True, False):
+        llm = LLM(str(tiny64_dir), device="cuda", dtype="float32", num_kv_blocks=64, num_swap_blocks=0,
+                  max_model_len=128, tensor_parallel_size=tp, distributed_executor_backend="mp",
+                  async_scheduling=on)
+        try:
+            got[on] = tokens(llm.generate(None, PARAMS, prompt_token_ids=tiny_prompts()))
+            llm.engine.block_manager.check_no_leaks()
+            assert (llm.engine.overlapped_steps > 5) == on
+        finally:
+            llm.shutdown()
+    assert got[True] == got[False]
