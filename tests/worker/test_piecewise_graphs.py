@@ -93,8 +93,9 @@ def test_greedy_piecewise_equals_eager(tiny_dir, mode):
     want = [list(o.outputs[0].token_ids)
             for o in LLM(str(tiny_dir), enforce_eager=True, **kw).generate(None, GREEDY, prompt_token_ids=prompts)]
     llm = LLM(str(tiny_dir), **kw)
+    warm_replays = _runner(llm).mixed_graphs.replays  # the prefill cap's warm-up steps at start
     got = [list(o.outputs[0].token_ids) for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
     assert got == want
-    assert _runner(llm).mixed_graphs.replays >= 10
+    assert _runner(llm).mixed_graphs.replays - warm_replays >= 10
     if mode == "recompute":
         assert llm.stats()["num_preemptions"] > 0
