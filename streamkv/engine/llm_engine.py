@@ -20,7 +20,7 @@ from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
-from streamkv.engine.step_pipeline import InFlight, attach_masks, masks_due, overlappable
+from streamkv.engine.step_pipeline import InFlight, masks_due, overlappable, send_masks
 from streamkv.engine.step_warmup import WarmupReport, WarmupShape, seed_step_cost
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor
@@ -195,8 +195,7 @@ class LLMEngine:
                 return self._complete(current, finished_only) + self._complete(following, finished_only)
             self._inflight = following
             outputs = self._complete(current, finished_only)
-            if following.masks_due:  # the matchers took this step's tokens: N+1 may sample
-                attach_masks(following, self.structured.fill_masks)
+            send_masks(following, self.structured)  # the matchers took this step's tokens
             return outputs
         return self._complete(current, finished_only)
 
@@ -207,10 +206,10 @@ class LLMEngine:
         step = InFlight(sched, started)
         if not sched.is_empty:
             inputs = self.step_builder.build(sched)
-            step.masks_due = masks_due(sched, inputs)
             step.submitted = time.perf_counter()
             try:
                 step.handle = self.executor.submit(inputs)
+                step.masks_due = masks_due(sched, inputs)
             except StepFailed as e:
                 step.error = e
         # Only a step that computes something can change what the next one finds.
@@ -221,6 +220,7 @@ class LLMEngine:
     def _complete(self, step: InFlight, finished_only: bool) -> list[RequestOutput]:
         """Wait for a step's samples and apply them."""
         sched = step.sched
+        send_masks(step, self.structured)  # a no-op: step() sent them (a safety net, not a path)
         try:
             if step.error is not None:
                 raise step.error

@@ -11,12 +11,17 @@ only right when nothing the host decides between the two steps changes N+1's inp
 Structured outputs: the host decides one thing between the steps, a structured row's token
 mask for N+1, which depends on the token N samples for it. But the mask is needed only at
 N+1's sampling, not at its forward pass. So N+1 is submitted with ``MASK_FOLLOWS`` for such
-rows (messages.py); once N's outputs are processed (the matchers have accepted N's tokens),
-``attach_masks`` fills every such row's mask in one batched call and hands them to N+1's
-handle, and the worker samples N+1 then:
+rows (messages.py). Once N's outputs are processed (the matchers have accepted N's tokens),
+``send_masks`` fills every such row's mask in one batched call (xgrammar's own threads) and
+hands them to N+1's handle; the worker samples N+1 while the host schedules N+2:
 
-    host:    submit N+1 (forward) | wait N | process N | masks -> N+1 | schedule N+2 ...
-    device:  -- N --|-- N+1 forward ------------------|-- N+1 sample --|-- N+2 ...
+    host:    submit N+1 (forward) | wait N | process N | N+1's masks | schedule N+2 ...
+    device:  -- N --|-- N+1 forward -----------------------|-- N+1 sample --|-- N+2 ...
+
+(Filling on a Python thread of our own while the engine thread schedules N+2 measured
+slower on the H200 host: 0.49x against 0.83x with async scheduling off. Most likely the
+thread needs the GIL to start and to end each fill, so it waited for the engine thread
+instead of running beside it; xgrammar's threads run inside one call, without the GIL.)
 
 That needs a handle with ``attach_masks`` (the in-process executor's); with any other, a
 step that samples a structured row runs synchronously. A structured row that ends in N
@@ -33,8 +38,8 @@ registered), so no cache hit can read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -71,10 +76,11 @@ def accepts_masks(handle: StepHandle | None) -> bool:
     return handle is not None and hasattr(handle, "attach_masks")
 
 
-def masks_due(sched: SchedulerOutput, step: StepInput) -> list[Sequence]:
+def masks_due(sched: SchedulerOutput, step: StepInput) -> list[Sequence] | None:
     """The sequences of a built step whose token masks follow it (StepBuilder sends one
-    SeqStep per scheduled sequence, in order)."""
-    return [s.seq for s, item in zip(sched.scheduled, step.seqs, strict=True) if item.token_mask == MASK_FOLLOWS]
+    SeqStep per scheduled sequence, in order); None when there are none."""
+    due = [s.seq for s, item in zip(sched.scheduled, step.seqs, strict=True) if item.token_mask == MASK_FOLLOWS]
+    return due or None
 
 
 @dataclass(slots=True)
@@ -88,7 +94,7 @@ class InFlight:
     error: StepFailed | None = None  # the executor refused it at submit
     submitted: float = 0.0  # time.perf_counter() at submit
     advanced: bool = False  # OutputProcessor.advance ran for it
-    masks_due: list[Sequence] = field(default_factory=list)  # structured rows whose masks follow
+    masks_due: list[Sequence] | None = None  # structured rows whose token masks follow (None: none, or sent)
 
     @property
     def live(self) -> bool:
@@ -97,15 +103,23 @@ class InFlight:
         return bool(self.sched.failed) or any(not s.seq.status.finished for s in self.sched.scheduled)
 
 
-def attach_masks(step: InFlight, fill: Callable[[list], np.ndarray]) -> None:
-    """Hand a submitted step the token masks of its rows that were sent with MASK_FOLLOWS,
-    now that the step before is processed: ``fill`` makes them from the grammars (one row
-    each, StructuredOutputManager.fill_masks). A row whose sequence has ended gets none: its
-    sample is discarded. A failure ends the step's requests when it is completed, which then
-    happens before the next step is planned (that one's pending tokens would not exist)."""
+class MaskSource(Protocol):
+    """What fills masks (engine/structured.py's StructuredOutputManager)."""
+
+    def fill_masks(self, grammars: list) -> np.ndarray: ...
+
+
+def send_masks(step: InFlight, source: MaskSource) -> None:
+    """Hand ``step`` the token masks of its rows that follow it, now that the step before is
+    processed (each row's matcher has taken its input token), so that its sampler runs:
+    before the next step is submitted and before this one's result is read. A row whose
+    sequence has ended gets none: its sample is discarded. A failure ends the step's
+    requests when it is completed."""
+    if step.masks_due is None:
+        return
     due = [seq for seq in step.masks_due if not seq.status.finished]
-    words = fill([seq.grammar for seq in due])
-    step.masks_due = []
+    step.masks_due = None
+    words = source.fill_masks([seq.grammar for seq in due])
     try:
         step.handle.attach_masks({seq.seq_id: words[i] for i, seq in enumerate(due)})
     except StepFailed as e:

@@ -40,10 +40,10 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (LRU): a server sees the same few schemas over and over.
 COMPILE_CACHE_SIZE = 256
-# Threads of the batched mask fill: a fill is ~3-6 us a row, so 64 rows gain from a few
-# threads on a host with cores to spare; on the 2-core CPU box, where threads only fight
-# the model for the cores, one (measured 28 us a row with two there, 4 us with one).
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
+# Threads of the batched mask fill (engine/step_pipeline.py): a row inside a string with a
+# maxLength costs xgrammar 20-70 us to fill (the CPU box, bench_structured's schemas), so a
+# batch of 64 gains from every core a GPU host has to spare; a 2-core box gets one.
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 class SequenceGrammar:
@@ -128,8 +128,6 @@ class StructuredOutputManager:
         masks are left as they are."""
         words = np.empty((len(grammars), -(-self.vocab_size // 32)), dtype=np.int32)
         if grammars:
-            if self._batch is None:
-                self._batch = self.xgrammar.get().BatchGrammarMatcher(max_threads=FILL_THREADS)
             self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], words)
         return words
 
@@ -179,6 +177,7 @@ class StructuredOutputManager:
             )
             # One compile thread: the engine's thread compiles on admission, on a shared host.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
             stop = np.full((1, -(-self.vocab_size // 32)), -1, dtype=np.int32)
             for t in self.eos_token_ids:
                 stop[0, t // 32] &= _clear_bit(t)

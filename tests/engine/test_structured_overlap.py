@@ -267,3 +267,59 @@ def test_handles_without_attach_masks_keep_structured_steps_synchronous(tiny_dir
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.overlapped_steps > 0
+
+
+class _MaskHandleExecutor(_NoMaskHandleExecutor):
+    """The same, with handles that take masks after the step, as the in-process executor's:
+    a row sent with MASK_FOLLOWS is answered once its mask is attached, and its scripted
+    token must be one the mask allows."""
+
+    def submit(self, step: StepInput):
+        n = len(self.inputs)
+        self.inputs.append(step)
+        self.calls.append(("submit", n))
+        out, calls = self.execute(step), self.calls
+        follow = {s.seq_id for s in step.seqs if s.sample and s.token_mask == MASK_FOLLOWS}
+
+        class Handle:
+            def attach_masks(self, masks) -> None:
+                calls.append(("attach", n))
+                assert set(masks) <= follow
+                for seq_id, words in masks.items():
+                    token = out.results[seq_id].token_ids[0]
+                    assert np.frombuffer(words, "<u4")[token // 32] >> (token % 32) & 1, "the mask bans the next token"
+
+            def result(self) -> StepOutput:
+                calls.append(("result", n))
+                return out
+
+        return Handle()
+
+
+def test_masks_are_sent_after_the_step_before_is_read_and_before_the_next_is_submitted(tiny_dir):
+    from streamkv.models.loader import load_tokenizer
+
+    script = load_tokenizer(tiny_dir).encode('{"n": "abc"}', add_special_tokens=False)
+    executor = _MaskHandleExecutor(script)
+    engine = LLMEngine(engine_config(str(tiny_dir), device="cpu", num_kv_blocks=256, num_swap_blocks=0,
+                                     async_scheduling=True), executor)
+    engine.add_request("s", "Name:", SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": NAME}))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].text == '{"n": "abc"}' and outs[-1].outputs[0].finish_reason == "stop"
+    calls, n = executor.calls, len(executor.inputs)
+    assert engine.overlapped_steps >= n - 1
+    # The last step ran after the grammar ended the output (its masks: none; its samples are
+    # discarded): nothing waits for it, so the next step() call reads it.
+    assert calls[-1] == ("attach", n - 1)
+    assert engine.step() == [] and calls[-1] == ("result", n - 1)
+    # Step 0 is the prompt (its mask inline); every later step's mask follows it, sent once
+    # step k-1's token was read, and before step k+1 was handed over.
+    assert executor.inputs[0].seqs[0].token_mask not in (None, MASK_FOLLOWS)
+    assert all(step.seqs[0].token_mask == MASK_FOLLOWS for step in executor.inputs[1:])
+    for k in range(1, n):
+        at = calls.index(("attach", k))
+        assert calls.index(("result", k - 1)) < at < calls.index(("result", k))
+        if ("submit", k + 1) in calls:
+            assert at < calls.index(("submit", k + 1))
