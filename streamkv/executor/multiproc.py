@@ -37,14 +37,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import subprocess
 import tempfile
-import time
 import weakref
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
-import msgspec
 import torch
 
 from streamkv.config import EngineConfig
@@ -53,6 +50,7 @@ from streamkv.executor.base import Executor
 from streamkv.executor.cluster import JoinTimeout, Placement, RemoteRank, rendezvous
 from streamkv.executor.local_ranks import spawn_rank, stop_ranks
 from streamkv.executor.piped_step import PipedStep, StepPipe
+from streamkv.executor.rank_replies import death_message, gather
 from streamkv.executor.supervisor import Supervisor
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
@@ -237,80 +235,12 @@ class MultiprocExecutor(Executor):
                 self._fail(self._death_message(rank))
 
     def _gather(self, reply: type, timeout: float | None) -> list:
-        """One ``reply`` message from each rank, in rank order (to a step, ranks other than 0
-        answer Ok); raises WorkerError as soon as any rank reports an error or dies, or at the
-        timeout. A step that some rank failed (StepError) raises StepFailed once every rank
-        answered, and the ranks that failed it may go on (Resume); ranks silent
-        ``diverge_timeout`` seconds after another failed it have diverged from it (stuck in a
-        collective it left): WorkerError. Only ranks yet to answer are read: the others'
-        next messages answer the next step."""
-        kind = ipc.kind(reply)
-        pending = set(range(self.tp))
-        replies: dict[int, ipc.FromWorker] = {}
-        failed: dict[int, str] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                if failed:
-                    self._fail(f"worker rank(s) {sorted(failed)} failed a step ({next(iter(failed.values()))}) "
-                               f"while rank(s) {sorted(pending)} did not finish it within {self.diverge_timeout:.0f}s:"
-                               " the ranks diverged")
-                self._fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
-            for conn in wait([self._conns[r] for r in pending], left):
-                rank = self._conns.index(conn)
-                try:
-                    msg = self._decoder.decode(conn.recv_bytes())
-                except (EOFError, OSError):  # its end of the pipe closed: the process is gone
-                    self._fail(self._death_message(rank))
-                except msgspec.DecodeError as e:
-                    self._fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
-                if isinstance(msg, ipc.Error):
-                    text = f"worker rank {rank} failed: {msg.message}\n--- worker traceback ---\n{msg.traceback}"
-                    cause = self._peer_death(rank)
-                    self._fail(f"{cause}; then {text}" if cause else text)
-                want = ipc.Ok if reply is ipc.Out and rank != 0 else reply
-                if isinstance(msg, ipc.StepError) and reply is ipc.Out and rank in pending:
-                    failed[rank] = msg.message
-                    end = time.monotonic() + self.diverge_timeout
-                    deadline = end if deadline is None else min(deadline, end)
-                elif not isinstance(msg, want) or rank not in pending:
-                    self._fail(f"worker rank {rank} sent {ipc.kind(msg)!r} while {ipc.kind(want)!r} was awaited")
-                replies[rank] = msg
-                pending.discard(rank)
-        if failed:
-            resume = ipc.encode(ipc.Resume())
-            for rank in sorted(failed):
-                try:
-                    self._conns[rank].send_bytes(resume)
-                except OSError:
-                    self._fail(self._death_message(rank))
-            rank, message = min(failed.items())
-            raise StepFailed(message if len(failed) == self.tp else f"{message} (on worker rank(s) {sorted(failed)})")
-        return [replies[r] for r in sorted(replies)]
-
-    def _peer_death(self, rank: int) -> str | None:
-        """A rank's error is often a peer's death seen from inside a collective: name the
-        death, the real cause, when another rank's pipe is closed too."""
-        others = [c for r, c in enumerate(self._conns) if r != rank]
-        for conn in wait(others, 0.5):
-            try:
-                conn.recv_bytes()
-            except (EOFError, OSError):
-                return self._death_message(self._conns.index(conn))
-        return None
+        """One ``reply`` from each rank, in rank order (executor/rank_replies.py)."""
+        return gather(self._conns, self._decoder, reply, timeout, self.diverge_timeout, self._fail,
+                      self._death_message)
 
     def _death_message(self, rank: int) -> str:
-        proc = self._procs[rank]
-        if isinstance(proc, RemoteRank):
-            return f"{proc.describe()} closed its connection"
-        try:
-            code = proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            return f"worker rank {rank} (pid {proc.pid}) closed its pipe"
-        if code < 0:
-            return f"worker rank {rank} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
-        return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
+        return death_message(self._procs[rank], rank)
 
     def _fail(self, message: str):
         why = self._supervisor.killed  # a kill by the supervisor: say why it was killed
