@@ -69,7 +69,9 @@ def harness_figures(records: list, duration: float) -> dict:
 
 def compare(runs: list[dict]) -> dict:
     """Per metric: each client's median over its runs, ours ÷ GuideLLM, and the ratio of
-    each adjacent pair (run i of GuideLLM with run i of ours) to show the spread."""
+    each adjacent pair (run i of GuideLLM with run i of ours) with their median: two runs side
+    by side see about the same machine, so on a drifting box the median pair ratio is the
+    robust reading (one pair that straddles a change of load cannot move it)."""
     out = {}
     for m in METRICS:
         g = [r[m] for r in runs if r["client"] == "guidellm"]
@@ -77,7 +79,7 @@ def compare(runs: list[dict]) -> dict:
         pairs = [b / a for a, b in zip(g, h) if a]
         out[m] = {"guidellm": _median(g), "harness": _median(h),
                   "ratio": _median(h) / _median(g) if g and h and _median(g) else float("nan"),
-                  "pair_ratios": pairs}
+                  "pair_ratios": pairs, "pair_ratio_median": _median(pairs)}
     return out
 
 
@@ -89,10 +91,11 @@ def format_table(runs: list[dict], summary: dict) -> str:
         lines.append(f"| {r['pair']} | {r['client']} | {r['completed']} | {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} "
                      f"| {r['ttft_sent_ms']:.0f} | {r['ttft_sched_ms']:.0f} | {r['itl_per_request_ms']:.0f} "
                      f"| {r['client_cpu_s']:.1f} | {r['server_cpu_s']:.1f} |")
-    lines += ["", "| metric (ms, median of runs) | GuideLLM | ours | ours ÷ GuideLLM | per pair |", "|---|---|---|---|---|"]
+    lines += ["", "| metric (ms, median of runs) | GuideLLM | ours | ours ÷ GuideLLM | per pair | median pair |",
+              "|---|---|---|---|---|---|"]
     for m, v in summary.items():
         lines.append(f"| {m} | {v['guidellm']:.0f} | {v['harness']:.0f} | {v['ratio']:.3f} "
-                     f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} |")
+                     f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} | {v['pair_ratio_median']:.3f} |")
     return "\n".join(lines)
 
 
@@ -142,3 +145,39 @@ def format_pooled(summary: dict) -> str:
                      f"| {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f} "
                      f"| {v['run_spread']['guidellm']:.2f} / {v['run_spread']['harness']:.2f} |")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-read saved cross-check JSON files (``guidellm_crosscheck --json-out``): each file's
+    median pair ratio and pooled ratio, and all their pairs together."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m load_tests.crosscheck_stats", description=main.__doc__)
+    p.add_argument("files", nargs="+")
+    args = p.parse_args(argv)
+    all_pairs: dict[str, list[float]] = {m: [] for m in METRICS}
+    print("| file | load avg | metric | median pair ratio | pair ratios | pooled ratio (95%) |")
+    print("|---|---|---|---|---|---|")
+    for path in args.files:
+        with open(path) as f:
+            data = json.load(f)
+        summary, pool = compare(data["runs"]), pooled(data["runs"])
+        load = data.get("load_average", [float("nan")])[0]
+        for m, key in (("ttft_ms", "ttft_sent"), ("itl_ms", "itl_per_request")):
+            v = summary[m]
+            all_pairs[m] += v["pair_ratios"]
+            pr = pool.get(key)
+            pooled_text = f"{pr['ratio']:.3f} ({pr['ci95'][0]:.2f}-{pr['ci95'][1]:.2f})" if pr else "-"
+            print(f"| {path} | {load:.1f} | {m} | {v['pair_ratio_median']:.3f} "
+                  f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} | {pooled_text} |")
+    for m in ("ttft_ms", "itl_ms"):
+        pairs = all_pairs[m]
+        within = sum(0.9 <= x <= 1.1 for x in pairs)
+        print(f"all {len(pairs)} pairs, {m}: median {_median(pairs):.3f}, range {min(pairs):.2f}-{max(pairs):.2f}, "
+              f"{within} within 10%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -56,6 +56,7 @@ def test_compare_takes_each_clients_median_and_pair_ratios():
     assert (s["guidellm"], s["harness"]) == (110.0, 110.0)
     assert s["ratio"] == pytest.approx(1.0)
     assert s["pair_ratios"] == pytest.approx([1.05, 0.9, 1.0])
+    assert s["pair_ratio_median"] == pytest.approx(1.0)
 
 
 def test_skips_with_a_message_without_guidellm(monkeypatch, capsys, tmp_path):
@@ -95,3 +96,20 @@ def test_pooled_ratio_interval_and_run_spread():
     lo, hi = cs.pooled(shifted)["ttft_sent"]["ci95"]
     assert lo > 1.5
     assert "ttft_sent" in cs.format_pooled(cs.pooled(runs))
+
+
+def test_saved_runs_are_summarized_across_files(tmp_path, capsys):
+    def run(client, pair, value):
+        return {"client": client, "pair": pair, **{m: value for m in cs.METRICS},
+                "ttft_sent_values": [value] * 3, "itl_per_request_values": [value] * 3}
+
+    # File 1: pairs agree (1.0, 1.0); file 2: one pair straddles a change of load (2.0).
+    files = []
+    for i, pairs in enumerate([[(100, 100), (200, 200)], [(100, 100), (100, 200)]]):
+        runs = [r for p, (g, h) in enumerate(pairs) for r in (run("guidellm", p, g), run("harness", p, h))]
+        path = tmp_path / f"c{i}.json"
+        path.write_text(json.dumps({"load_average": [1.0, 1.0, 1.0], "runs": runs}))
+        files.append(str(path))
+    assert cs.main(files) == 0
+    out = capsys.readouterr().out
+    assert "all 4 pairs, ttft_ms: median 1.000, range 1.00-2.00, 3 within 10%" in out
