@@ -54,7 +54,11 @@ if [[ " $PARTS " == *" speed "* ]]; then
   # Checks: graphs, sampler, prefill kernel, and async scheduling on CUDA (CUDA tests skip on CPU).
   step tests 150 python3 -m pytest -q -p no:cacheprovider tests/worker/test_piecewise_graphs.py \
     tests/worker/test_sampler.py tests/worker/test_cuda_graphs.py tests/kernels/test_prefill_attention.py \
-    tests/engine/test_async_scheduling_cuda.py tests/worker/test_async_cuda.py
+    tests/engine/test_async_scheduling_cuda.py tests/worker/test_async_cuda.py tests/executor/test_async_mp_cuda.py
+  # The decode GEMV (1-4 rows) and the kernels launched with programmatic dependent launch:
+  # every kernel test, the decode matrix in bf16 only (fp16/fp32 in FULL=1's kernel_tests).
+  step kernel_checks 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
+    tests/kernels/test_cuda_kernels.py -k "not test_paged_attention_decode or bfloat16"
   if [ "${FULL:-0}" = 1 ]; then
     step kernel_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
     # Decode steps with graphs: batch 1 and 256 at context 512, GPU time split by kernel kind.
