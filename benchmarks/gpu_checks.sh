@@ -102,9 +102,15 @@ if [[ " $PARTS " == *" eval "* ]]; then
     --max-tokens 64 --out "$OUT/kv_view_gpu.json" \
     --server-args bench_inputs/smollm2-tokenizer --load-format dummy --device cuda
   # Structured outputs: json_schema batch of 64 against the same batch unconstrained.
+  # Overlapped (the default on a GPU) and, in the same call, synchronous; then the overlap's
+  # token identity with graphs, eager and recompute on CUDA.
   step structured 80 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
-    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 \
+    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 --rounds 5 \
     --json-out "$OUT/structured_gpu.json"
+  step structured_sync 80 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
+    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 --rounds 5 \
+    --no-async-scheduling --json-out "$OUT/structured_gpu_sync.json"
+  step structured_tests 90 python3 -m pytest -q -p no:cacheprovider tests/engine/test_structured_overlap_cuda.py
   # Fig 12's GPU point: OPT-13B, an A100-40GB's KV pool (983 blocks), 200 ShareGPT requests a rate.
   step fig12_paged 170 env OUT="$OUT" RATES=${FIG12_RATES:-6,12} MAX_DURATION=50 \
     bash load_tests/gpu_point.sh paged
