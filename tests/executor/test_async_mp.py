@@ -27,17 +27,21 @@ PARAMS = [
     GREEDY,
     SamplingParams(temperature=1.0, seed=11, top_k=20, max_tokens=12, ignore_eos=True),
     SamplingParams(temperature=0.9, seed=12, top_p=0.8, repetition_penalty=1.2, max_tokens=12, ignore_eos=True),
+    # Forks after its first sample (that step runs synchronously), then overlaps.
+    SamplingParams(n=2, temperature=0.8, seed=3, logprobs=2, max_tokens=10, ignore_eos=True),
 ]
 
 
-def _outputs(llm: LLM) -> list[list[int]]:
-    outs = tokens(llm.generate(None, PARAMS, prompt_token_ids=tiny_prompts()))
+def _outputs(llm: LLM) -> list:
+    outs = [[(c.token_ids, c.logprobs) for c in o.outputs]
+            for o in llm.generate(None, PARAMS, prompt_token_ids=tiny_prompts() + tiny_prompts()[:1])]
     llm.engine.block_manager.check_no_leaks()
     assert not llm.engine.has_unfinished_requests()
     return outs
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
 def test_async_outputs_equal_the_synchronous_ones(tiny4_dir, tp):
     got = {}
     for on in (True, False):

@@ -10,8 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from streamkv.entrypoints.llm import LLM
-from tests.executor.conftest import tiny_prompts, tokens
-from tests.executor.test_async_mp import PARAMS
+from tests.executor.test_async_mp import _outputs
 from tests.models.hf_tiny import save_tiny
 
 pytestmark = pytest.mark.cuda
@@ -39,8 +38,7 @@ def test_async_mp_on_gpus_equals_the_synchronous_engine(tiny64_dir, tp):
                   max_model_len=128, tensor_parallel_size=tp, distributed_executor_backend="mp",
                   async_scheduling=on)
         try:
-            got[on] = tokens(llm.generate(None, PARAMS, prompt_token_ids=tiny_prompts()))
-            llm.engine.block_manager.check_no_leaks()
+            got[on] = _outputs(llm)
             assert (llm.engine.overlapped_steps > 5) == on
         finally:
             llm.shutdown()
