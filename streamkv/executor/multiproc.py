@@ -39,6 +39,7 @@ import logging
 import os
 import subprocess
 import tempfile
+import time
 import weakref
 from multiprocessing.connection import Connection
 
@@ -155,6 +156,7 @@ class MultiprocExecutor(Executor):
 
     def submit(self, step: StepInput) -> PipedStep:
         """Write the step to every rank and return: ``result()`` of the handle reads its reply."""
+        start = time.perf_counter()  # before the ranks can start it (the IPC statistics)
         payload = ipc.encode(ipc.Step(step))
         try:
             self._broadcast(payload)
@@ -163,7 +165,7 @@ class MultiprocExecutor(Executor):
         except BaseException:  # half sent, which the engine counts as held by the workers
             self._retire("a step was interrupted while being sent to the workers")
             raise
-        return self._pipe.sent()
+        return self._pipe.sent(start)
 
     def shutdown(self) -> None:
         self._dead = self._dead or "the executor was shut down"

@@ -25,7 +25,7 @@ class PipedStep:
 
     def __init__(self, pipe: StepPipe, sent: float) -> None:
         self._pipe = pipe
-        self.sent = sent  # time.perf_counter() once written
+        self.sent = sent  # time.perf_counter() when its sending began
         self.done = False
         self.output: StepOutput | None = None
         self.error: StepFailed | None = None
@@ -53,9 +53,10 @@ class StepPipe:
         self._unread: deque[PipedStep] = deque()  # oldest first
         self.steps, self.roundtrip_s, self.worker_s = 0, 0.0, 0.0
 
-    def sent(self) -> PipedStep:
-        """The handle of the step just written."""
-        handle = PipedStep(self, time.perf_counter())
+    def sent(self, start: float) -> PipedStep:
+        """The handle of the step just written, whose sending began at ``start``
+        (time.perf_counter())."""
+        handle = PipedStep(self, start)
         self._unread.append(handle)
         return handle
 
