@@ -258,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                     cpu0 = _cpu_seconds(pid)
                     fig = (_timed(run_guidellm, exe, url, args, tok_dir, i, gl_out) if client == "guidellm"
                            else _timed(run_harness, url, args, vocab, i))
+                    fig["load_average_1m_after"] = os.getloadavg()[0]
                     pair.append((client, fig, _cpu_seconds(pid) - cpu0))
             for client, fig, server_cpu in pair:
-                runs.append({"pair": i, "client": client, **fig, "server_cpu_s": server_cpu,
-                             "load_average_1m_after": os.getloadavg()[0]})
+                runs.append({"pair": i, "client": client, **fig, "server_cpu_s": server_cpu})
                 print(f"pair {i} {client}: TTFT p50 {fig['ttft_ms']:.0f} ms, ITL p50 {fig['itl_ms']:.0f} ms "
                       f"({fig['completed']} done)", flush=True)
     summary, pooled_summary = compare(runs), pooled(runs)
