@@ -76,6 +76,11 @@ if [[ " $PARTS " == *" speed "* ]]; then
     --json-out "$OUT/throughput_sync.json"
   step throughput_nocap 80 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --max-prefill-step-ratio 0 \
     --json-out "$OUT/throughput_nocap.json"
+  # The multiprocess executor (a worker process at TP 1, pipelined steps) against the in-process
+  # one, 400 ShareGPT requests x <= 256 tokens, same call, greedy outputs compared.
+  step throughput_mp 150 python3 benchmarks/bench_throughput.py --compare-executors $M8B \
+    --workload-file bench_inputs/sharegpt_1000.json --num-requests 400 --max-output-len 256 \
+    --max-num-seqs 256 --num-kv-blocks 20000 --rounds 1 --json-out "$OUT/executors_async.json"
   # Engine decode steps at batch 256 and 1, context ~512 (448-token prompts, 128 outputs).
   step decode_b256 60 python3 benchmarks/bench_throughput.py $M8B --random-input-len 448 --max-output-len 128 \
     --num-requests 256 --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
