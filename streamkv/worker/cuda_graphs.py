@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from streamkv.layers.attention import AttentionMetadata
+from streamkv.worker.capture_guard import collector_paused
 from streamkv.worker.input_batch import SeqInput
 
 logger = logging.getLogger(__name__)
@@ -214,17 +215,18 @@ class DecodeGraphs:
             free_before = torch.cuda.mem_get_info(self.device)[0]
             pool = torch.cuda.graph_pool_handle()
             # Largest first: the smaller ones fit in its memory.
-            for b in reversed(self.sizes):
-                for c in reversed(self.buckets):
-                    args = self.model_args(b, c)
-                    # Warm-up (every slot is padding, so the KV pools are untouched): compiles
-                    # and loads the kernels and caches occupancy and shared-memory attributes,
-                    # none of which may happen while capturing.
-                    self.model(*args)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = self.model(*args)
-                    self._graphs[(b, c)] = (graph, out)
+            with collector_paused():
+                for b in reversed(self.sizes):
+                    for c in reversed(self.buckets):
+                        args = self.model_args(b, c)
+                        # Warm-up (every slot is padding, so the KV pools are untouched): compiles
+                        # and loads the kernels and caches occupancy and shared-memory attributes,
+                        # none of which may happen while capturing.
+                        self.model(*args)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            out = self.model(*args)
+                        self._graphs[(b, c)] = (graph, out)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]

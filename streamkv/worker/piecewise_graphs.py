@@ -38,6 +38,7 @@ from dataclasses import replace
 import torch
 
 from streamkv.layers.attention import AttentionMetadata, PagedAttention
+from streamkv.worker.capture_guard import collector_paused
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +134,11 @@ class PiecewiseGraphs:
             torch.cuda.empty_cache()
             free_before = torch.cuda.mem_get_info(self.device)[0]
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
-            for t in reversed(self.sizes):  # largest first: the smaller fit in its memory
-                bucket = _Bucket(t, pool, stream)
-                bucket.capture(self.model, self.input_ids[:t], self.positions[:t], self.kv_caches, self.slots[:t])
-                self._buckets[t] = bucket
+            with collector_paused():
+                for t in reversed(self.sizes):  # largest first: the smaller fit in its memory
+                    bucket = _Bucket(t, pool, stream)
+                    bucket.capture(self.model, self.input_ids[:t], self.positions[:t], self.kv_caches, self.slots[:t])
+                    self._buckets[t] = bucket
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
