@@ -57,8 +57,8 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
         wall, last[0] = now - last[0], now
         if step.handle is not None and step.error is None and step.sched.scheduled:
             out = step.sched
-            prompt = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
-            decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+            decode = out.num_decodes  # a prompt's one-token last chunk is a prompt token
+            prompt = out.num_batched_tokens - decode
             timed = getattr(step.handle, "device_seconds", None)
             ms = 1e3 * (timed() if timed is not None else time.perf_counter() - step.submitted)
             # wall: since the step before was completed (one step's share of the run's time)

@@ -188,6 +188,8 @@ class Scheduler:
         for seq, n in want:
             out.copies.extend(self.bm.ensure_slots(seq, n))
             out.scheduled.append(ScheduledSeq(group, seq, n))
+            if n == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids):
+                out.num_decodes += 1
         self.running.append(group)
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int, num_seqs: int) -> tuple[int, int]:

@@ -30,6 +30,10 @@ class SchedulerOutput:
     failed: list[SequenceGroup] = field(default_factory=list)  # ended with an error
     num_preempted: int = 0
 
+    # Rows that decode: one token past a computed prompt (set as the step is planned; a
+    # prompt's last one-token chunk is not a decode, though it samples too).
+    num_decodes: int = 0
+
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)

@@ -240,7 +240,7 @@ class LLMEngine:
     def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
         """Feeds the scheduler's step-cost fit (core/step_budget.py): decode rows, prompt
         tokens and the step's time on the device."""
-        decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+        decodes = sched.num_decodes
         self.scheduler.step_cost.observe(decodes, sched.num_batched_tokens - decodes, seconds)
 
     def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[RequestOutput]:

@@ -206,3 +206,18 @@ def test_random_arrivals_aborts_and_finishes_always_drain(events, mode, caching,
     for group in sim.finished.values():
         assert group.error is None or (mode == "swap" and "swap space" in group.error), group.error
     bm.check_no_leaks()
+
+
+def test_num_decodes_counts_decoding_rows_not_a_prompts_one_token_chunk():
+    """A prompt whose last chunk is one token samples like a decode but is prompt work: the
+    step-cost fit and the step report must not count it as a decode row."""
+    sim = Sim(make_scheduler(make_bm(num_blocks=64), budget=8))
+    sim.add("a", 3, max_tokens=4)
+    sim.add("b", 6, max_tokens=4)  # 5 of its 6 prompt tokens fit the first step's budget of 8
+    first = sim.step()
+    assert [s.num_new_tokens for s in first.scheduled] == [3, 5] and first.num_decodes == 0
+    second = sim.step()  # a decodes; b computes its last prompt token
+    assert sorted(s.num_new_tokens for s in second.scheduled) == [1, 1]
+    assert second.num_decodes == 1
+    third = sim.step()  # both decode
+    assert third.num_decodes == 2
