@@ -108,7 +108,7 @@ class LLMEngine:
         self._inflight: InFlight | None = None
         self.overlapped_steps = 0  # steps whose successor was submitted before their outputs were read
         self.step_warmup: WarmupReport | None = None  # the prefill cap's fit, seeded before any request
-        if self.scheduler.step_cost.enabled:
+        if self.scheduler.step_cost.enabled and sched.seed_prefill_cap:
             shape = WarmupShape(sched.token_budget, sched.max_num_seqs, bm.block_size, bm.device.num_blocks,
                                 info.max_model_len, info.vocab_size)
             self.step_warmup = seed_step_cost(executor, self.scheduler.step_cost, shape, bm.device.num_used)

@@ -50,7 +50,8 @@ def test_prefill_step_cap_limits_chunks_beside_decodes_and_keeps_outputs(tiny_ll
     runs = {}
     for ratio in (0.0, 1.2):
         llm = LLM(str(tiny_llama_dir), device="cpu", block_size=8, num_kv_blocks=400, num_swap_blocks=0,
-                  max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256, max_prefill_step_ratio=ratio)
+                  max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256, max_prefill_step_ratio=ratio,
+                  seed_prefill_cap=True)
         try:
             engine, seen = llm.engine, []
             schedule = engine.scheduler.schedule

@@ -131,7 +131,7 @@ def counting(monkeypatch):
 
 def _llm(tiny_llama_dir, ratio: float | None, **kw) -> LLM:
     args = dict(device="cpu", block_size=8, num_kv_blocks=400, num_swap_blocks=0, max_num_batched_tokens=512,
-                max_num_seqs=8, max_model_len=256, max_prefill_step_ratio=ratio)
+                max_num_seqs=8, max_model_len=256, max_prefill_step_ratio=ratio, seed_prefill_cap=True)
     return LLM(str(tiny_llama_dir), **(args | kw))
 
 
@@ -213,6 +213,18 @@ def test_no_warm_up_with_the_cap_off(tiny_llama_dir, counting):
             assert not llm.engine.scheduler.step_cost.enabled
         finally:
             llm.shutdown()
+
+
+def test_no_warm_up_unless_asked(tiny_llama_dir, counting):
+    """The cap on but seed_prefill_cap off (the default): no synthetic steps, and the fit
+    waits for real steps."""
+    made = counting()
+    llm = _llm(tiny_llama_dir, 2.0, seed_prefill_cap=False)
+    try:
+        assert made[-1].submits == 0 and llm.engine.step_warmup is None
+        assert llm.engine.scheduler.step_cost.enabled and not llm.engine.scheduler.step_cost.seeded
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
