@@ -101,12 +101,11 @@ class SchedulerConfig:
         None, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
               "times a decode-only step (fitted online from step times; 0 = no cap, the whole token "
               f"budget; default {DEFAULT_GPU_PREFILL_STEP_RATIO} on a GPU, 0 on a CPU)")
-    # Off by default: seeded, the cap holds from the first step, and while many requests
-    # arrive at once it then admits their prompts in small chunks beside the first decodes
-    # (on the H200, 400 ShareGPT requests at once ran ~1.8x slower seeded; docs/benchmarks.md).
-    seed_prefill_cap: bool = arg(False, "time ~10 synthetic steps at start to seed the prefill cap's step-time "
-                                        "fit, so the cap holds from the first step (unseeded it holds once ~32 "
-                                        "steps are timed); engine/step_warmup.py")
+    # With the cap on (a GPU's default), the warm-up costs ~0.2 s at start on the H200; it
+    # runs nothing when the cap is off (a CPU's default). docs/benchmarks.md "Session 6".
+    seed_prefill_cap: bool = arg(True, "time ~10 synthetic steps at start to seed the prefill cap's step-time "
+                                       "fit, so the cap holds from the first step (unseeded it holds once ~32 "
+                                       "steps are timed); engine/step_warmup.py")
     async_scheduling: bool | None = arg(
         None, "schedule and submit the next step while the device runs this one, and process its outputs "
               "while the next runs (engine/step_pipeline.py; default: on a GPU, off on a CPU)")

@@ -216,8 +216,8 @@ def test_no_warm_up_with_the_cap_off(tiny_llama_dir, counting):
 
 
 def test_no_warm_up_unless_asked(tiny_llama_dir, counting):
-    """The cap on but seed_prefill_cap off (the default): no synthetic steps, and the fit
-    waits for real steps."""
+    """The cap on but seed_prefill_cap off: no synthetic steps, and the fit waits for real
+    steps."""
     made = counting()
     llm = _llm(tiny_llama_dir, 2.0, seed_prefill_cap=False)
     try:
