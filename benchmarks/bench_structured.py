@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"])
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step N+1 while step N runs (default: the engine's: on for a GPU, off for a CPU)")
+    ap.add_argument("--overlap-structured", action="store_true",
+                    help="let structured steps overlap the next one (their masks follow; off by default)")
     ap.add_argument("--json-out", default="bench_results/structured.json")
     args = ap.parse_args()
 
@@ -130,6 +132,7 @@ def main() -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, max_num_seqs=max(n, 8),
               num_kv_blocks=n * (-(-(48 + args.output_len) // 16) + 1) + 16 if on_cpu else None, num_swap_blocks=0,
               distributed_executor_backend=args.distributed_executor_backend,
+              overlap_structured=args.overlap_structured,
               **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}))
     tok = llm.get_tokenizer()
     prompts = [tok.encode(f"Reply with one JSON object only. Record number {i} of the user table:") for i in range(n)]

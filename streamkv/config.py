@@ -106,6 +106,11 @@ class SchedulerConfig:
     seed_prefill_cap: bool = arg(True, "time ~10 synthetic steps at start to seed the prefill cap's step-time "
                                        "fit, so the cap holds from the first step (unseeded it holds once ~32 "
                                        "steps are timed); engine/step_warmup.py")
+    # Off by default: measured slower on the H200 (json_schema / unconstrained 0.48x overlapped
+    # against 0.74x with structured steps in turn, same call; docs/benchmarks.md "Session 6").
+    overlap_structured: bool = arg(False, "with async scheduling, let a step that samples structured-output rows "
+                                          "overlap the next one (the next step's token masks follow its forward; "
+                                          "in-process executor only)")
     async_scheduling: bool | None = arg(
         None, "schedule and submit the next step while the device runs this one, and process its outputs "
               "while the next runs (engine/step_pipeline.py; default: on a GPU, off on a CPU)")

@@ -214,7 +214,7 @@ class LLMEngine:
                 step.error = e
         # Only a step that computes something can change what the next one finds.
         step.overlaps = (self.async_scheduling and step.error is None and bool(sched.scheduled)
-                         and overlappable(sched, step.handle))
+                         and overlappable(sched, step.handle if self.config.scheduler.overlap_structured else None))
         return step
 
     def _complete(self, step: InFlight, finished_only: bool) -> list[RequestOutput]:

@@ -49,7 +49,8 @@ def tiny_dir(tmp_path_factory):
 def _pair(tiny_dir, **kwargs):
     base = dict(device="cpu", max_model_len=256, num_swap_blocks=0, block_size=4, num_kv_blocks=512)
     base.update(kwargs)
-    return LLM(str(tiny_dir), async_scheduling=True, **base), LLM(str(tiny_dir), async_scheduling=False, **base)
+    return (LLM(str(tiny_dir), async_scheduling=True, overlap_structured=True, **base),
+            LLM(str(tiny_dir), async_scheduling=False, **base))
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,22 @@ def test_structured_only_batch_overlaps(pair):
     assert on.engine.overlapped_steps - before >= steps - 1
     _check_valid(got, params)
     assert all(r[1] == "stop" for r in got)
+
+
+def test_structured_steps_run_in_turn_by_default(tiny_dir):
+    """overlap_structured off (the default): async scheduling overlaps plain steps only; a
+    step that samples a structured row waits for its tokens before the next is scheduled."""
+    base = dict(device="cpu", max_model_len=256, num_swap_blocks=0, block_size=4, num_kv_blocks=512)
+    llm = LLM(str(tiny_dir), async_scheduling=True, **base)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": REGEX})] * 2
+        got = _run(llm, ["Phone:", "Code:"], params)
+        assert llm.engine.async_scheduling and llm.engine.overlapped_steps == 0
+        _check_valid(got, params)
+        plain = _run(llm, ["Hello there"], [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+        assert len(plain[0][0]) == 12 and llm.engine.overlapped_steps > 0
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.slow
@@ -252,7 +269,7 @@ def test_handles_without_attach_masks_keep_structured_steps_synchronous(tiny_dir
     script = load_tokenizer(tiny_dir).encode('{"n": "abc"}', add_special_tokens=False)
     executor = _NoMaskHandleExecutor(script)
     engine = LLMEngine(engine_config(str(tiny_dir), device="cpu", num_kv_blocks=256, num_swap_blocks=0,
-                                     async_scheduling=True), executor)
+                                     async_scheduling=True, overlap_structured=True), executor)
     engine.add_request("s", "Name:", SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": NAME}))
     outs = []
     while engine.has_unfinished_requests():
@@ -302,7 +319,7 @@ def test_masks_are_sent_after_the_step_before_is_read_and_before_the_next_is_sub
     script = load_tokenizer(tiny_dir).encode('{"n": "abc"}', add_special_tokens=False)
     executor = _MaskHandleExecutor(script)
     engine = LLMEngine(engine_config(str(tiny_dir), device="cpu", num_kv_blocks=256, num_swap_blocks=0,
-                                     async_scheduling=True), executor)
+                                     async_scheduling=True, overlap_structured=True), executor)
     engine.add_request("s", "Name:", SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": NAME}))
     outs = []
     while engine.has_unfinished_requests():
