@@ -263,11 +263,13 @@ class _NoMaskHandleExecutor(Executor):
         return Handle()
 
 
-def test_handles_without_attach_masks_keep_structured_steps_synchronous(tiny_dir):
+def _scripted_run(tiny_dir, executor_cls):
+    """One json request through a scripted executor, overlap on: the engine, the executor,
+    and the script's length (one step per scripted token)."""
     from streamkv.models.loader import load_tokenizer
 
     script = load_tokenizer(tiny_dir).encode('{"n": "abc"}', add_special_tokens=False)
-    executor = _NoMaskHandleExecutor(script)
+    executor = executor_cls(script)
     engine = LLMEngine(engine_config(str(tiny_dir), device="cpu", num_kv_blocks=256, num_swap_blocks=0,
                                      async_scheduling=True, overlap_structured=True), executor)
     engine.add_request("s", "Name:", SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": NAME}))
@@ -275,6 +277,11 @@ def test_handles_without_attach_masks_keep_structured_steps_synchronous(tiny_dir
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].outputs[0].text == '{"n": "abc"}' and outs[-1].outputs[0].finish_reason == "stop"
+    return engine, executor, script
+
+
+def test_handles_without_attach_masks_keep_structured_steps_synchronous(tiny_dir):
+    engine, executor, script = _scripted_run(tiny_dir, _NoMaskHandleExecutor)
     n = len(executor.inputs)
     assert n == len(script) and engine.overlapped_steps == 0
     assert executor.calls == [(c, k) for k in range(n) for c in ("submit", "result")]
@@ -314,17 +321,7 @@ class _MaskHandleExecutor(_NoMaskHandleExecutor):
 
 
 def test_masks_are_sent_after_the_step_before_is_read_and_before_the_next_is_submitted(tiny_dir):
-    from streamkv.models.loader import load_tokenizer
-
-    script = load_tokenizer(tiny_dir).encode('{"n": "abc"}', add_special_tokens=False)
-    executor = _MaskHandleExecutor(script)
-    engine = LLMEngine(engine_config(str(tiny_dir), device="cpu", num_kv_blocks=256, num_swap_blocks=0,
-                                     async_scheduling=True, overlap_structured=True), executor)
-    engine.add_request("s", "Name:", SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": NAME}))
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    assert outs[-1].outputs[0].text == '{"n": "abc"}' and outs[-1].outputs[0].finish_reason == "stop"
+    engine, executor, _ = _scripted_run(tiny_dir, _MaskHandleExecutor)
     calls, n = executor.calls, len(executor.inputs)
     assert engine.overlapped_steps >= n - 1
     # The last step ran after the grammar ended the output (its masks: none; its samples are
