@@ -209,7 +209,8 @@ class LLMEngine:
             step.submitted = time.perf_counter()
             try:
                 step.handle = self.executor.submit(inputs)
-                step.masks_due = masks_due(sched, inputs)
+                if self.config.scheduler.overlap_structured:  # only then do masks follow a step
+                    step.masks_due = masks_due(sched, inputs)
             except StepFailed as e:
                 step.error = e
         # Only a step that computes something can change what the next one finds.
