@@ -44,8 +44,8 @@ class InstantExecutor(Executor):
 
     resolves_pending_tokens = True
 
-    def __init__(self, num_blocks: int, seed: int) -> None:
-        self.model_dir = resolve_model_dir(None)
+    def __init__(self, num_blocks: int, seed: int, model: str | None = None) -> None:
+        self.model_dir = resolve_model_dir(model)
         self.hf_config = load_config(self.model_dir)
         self.num_blocks = num_blocks
         self.rng = random.Random(seed)
@@ -73,8 +73,8 @@ class SlowDeviceExecutor(InstantExecutor):
     later, and ``result()`` sleeps until it ends. A timeline, not a thread: a Python thread
     would need the GIL to say it is done, which the engine holds while it works."""
 
-    def __init__(self, num_blocks: int, seed: int, gpu_s: float) -> None:
-        super().__init__(num_blocks, seed)
+    def __init__(self, num_blocks: int, seed: int, gpu_s: float, model: str | None = None) -> None:
+        super().__init__(num_blocks, seed, model)
         self.gpu_s = gpu_s
         self._free_at = 0.0  # when the device ends the last step handed to it
         self.waited_s = 0.0  # the engine's time blocked in result()
@@ -99,7 +99,7 @@ class _TimedStep:
 
 def _engine(args, executor: Executor, async_scheduling: bool) -> LLMEngine:
     blocks = executor.num_blocks
-    cfg = engine_config(None, device="cpu", max_num_seqs=args.num_seqs, num_kv_blocks=blocks,
+    cfg = engine_config(args.model, device="cpu", max_num_seqs=args.num_seqs, num_kv_blocks=blocks,
                         num_swap_blocks=0, enable_prefix_caching=False, async_scheduling=async_scheduling)
     engine = LLMEngine(cfg, executor)
     rng = random.Random(args.seed)
@@ -113,7 +113,8 @@ def _engine(args, executor: Executor, async_scheduling: bool) -> LLMEngine:
 def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
     blocks = args.num_seqs * -(-(args.max_prompt_len + args.output_len) // 16) + 16
     gpu_s = args.gpu_ms / 1e3
-    executor = InstantExecutor(blocks, args.seed) if mode == "instant" else SlowDeviceExecutor(blocks, args.seed, gpu_s)
+    executor = (InstantExecutor(blocks, args.seed, args.model) if mode == "instant"
+                else SlowDeviceExecutor(blocks, args.seed, gpu_s, args.model))
     engine = _engine(args, executor, async_scheduling)
     prof = cProfile.Profile() if profile else None
     steps, wall, cpu = 0, time.perf_counter(), time.thread_time()
@@ -146,6 +147,8 @@ def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="a local model directory whose tokenizer and config to use (default: the embedded model)")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-prompt-len", type=int, default=1000)

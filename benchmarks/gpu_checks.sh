@@ -30,6 +30,7 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-/tmp/gpu_checks}
+export OUT
 mkdir -p "$OUT"
 nvidia-smi -L
 LOG=$OUT/gpu.log
@@ -88,12 +89,28 @@ if [[ " $PARTS " == *" speed "* ]]; then
     --num-requests 256 --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
     --max-prefill-step-ratio 0 \
     --json-out "$OUT/decode_b256.json"
+  # The same batch at the context the issue's 17.6 ms was measured at (ShareGPT's ~110-token
+  # prompts): 96-token prompts + 64 outputs, contexts 96-160.
+  step decode_b256_short 50 python3 benchmarks/bench_throughput.py $M8B --random-input-len 96 --max-output-len 64 \
+    --num-requests 256 --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
+    --max-prefill-step-ratio 0 \
+    --json-out "$OUT/decode_b256_short.json"
   step decode_b1 40 python3 benchmarks/bench_throughput.py $M8B --random-input-len 448 --max-output-len 128 \
     --num-requests 1 --max-num-seqs 1 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
     --json-out "$OUT/decode_b1.json"
   # Sampling modes against greedy, 400 requests x 256 tokens, one engine.
   step sampling 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
     --max-num-seqs 256 --json-out "$OUT/sampling.json"
+  # The engine's host time per step without a model (issue 12's before/after), on this host's
+  # quiet cores: 256 sequences x 256 tokens, alternating the tree before issue 12's work
+  # (ae49365, unpacked by `git archive` into bench_inputs/before12 with its bench pointed at
+  # $BENCH_MODEL) and this tree, three pairs.
+  step engine_overhead 150 bash -c 'for i in 1 2 3; do
+      (cd bench_inputs/before12 && BENCH_MODEL=$OLDPWD/bench_inputs/smollm2-tokenizer python3 \
+        benchmarks/bench_engine_overhead.py --num-seqs 256 --output-len 256 --out "$OUT/overhead_before_$i.json")
+      python3 benchmarks/bench_engine_overhead.py --model bench_inputs/smollm2-tokenizer --num-seqs 256 \
+        --output-len 256 --modes instant --out "$OUT/overhead_after_$i.json"
+    done'
   # Prefill against transformers' contiguous forward (64 x 4000, 256 x 500).
   step prefill_e2e 100 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
 fi
