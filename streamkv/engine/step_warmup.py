@@ -5,7 +5,7 @@ cannot give one at first: while a burst of requests waits, every step is a full 
 and the terms cannot be told apart, so the worst steps of a run (a 2,048-token chunk beside a
 handful of decodes, 8.6x a decode-only step on the H200) went uncapped. So before the first
 request the engine runs a few deliberate steps through the real executor that span the terms
-(decode-only at several batch sizes, mixed steps, prefill-only), times each as it times real
+(decode-only and mixed at several batch sizes, two without decodes), times each as it times real
 steps (the handle's ``device_seconds``), and seeds the fit with them.
 
 The steps are synthetic and leave nothing behind:
@@ -84,15 +84,20 @@ def blocks_needed(shape: WarmupShape, point: WarmupPoint, context: int) -> int:
 
 def plan(shape: WarmupShape) -> tuple[int, list[WarmupPoint]]:
     """The decode rows' context and the steps: decode-only steps pin the intercept and the
-    per-decode cost, prompt-bearing ones at several sizes (two without decodes, so a
-    max_num_seqs of 1 still separates the terms) the per-token and fixed mixed costs. Points
-    that do not fit the pool are left out (the context is halved first)."""
+    per-decode cost, mixed ones at several decode batches and prompt sizes the per-token,
+    fixed and per-decode-row mixed costs, and two without decodes keep the terms apart when
+    max_num_seqs is 1. Every prompt size is one a capped step carries (a few hundred tokens
+    at most): the fit is linear, and a full budget's prefill runs its matmuls more cheaply per
+    token than capped steps do. Points that do not fit the pool are left out (the context is
+    halved first)."""
     s, b = shape.max_num_seqs, shape.token_budget
     few, many = max(1, s // 8), max(1, s // 2)
     points = [WarmupPoint(d, 0) for d in (1, few, many, s)]
-    # Small prompt counts beside decodes most: a capped step carries a few hundred at most.
-    points += [WarmupPoint(d, max(1, b // k)) for d, k in ((1, 8), (few, 16), (few, 4), (many, 8))]
-    points += [WarmupPoint(0, max(1, b // 4)), WarmupPoint(0, b)]
+    # Mixed steps at the largest batch too: their decode rows cost what the fit's
+    # decodes-beside-prompts term says (session 6 missed there by up to 28% without it).
+    mixed = ((1, 8), (few, 16), (few, 4), (many, 8), (s, 16), (s, 4))
+    points += [WarmupPoint(d, max(1, b // k)) for d, k in mixed]
+    points += [WarmupPoint(0, max(1, b // 8)), WarmupPoint(0, max(1, b // 4))]
     points = [p for p in dict.fromkeys(points) if p.decodes + p.prompt_tokens <= b]
     bs = shape.block_size
     context = min(DECODE_CONTEXT, shape.max_model_len - 1) // bs * bs

@@ -20,13 +20,14 @@ from streamkv.engine.step_warmup import (
 )
 from tests.models.hf_tiny import prompts
 
-A, B, C, E = 4e-3, 30e-6, 25e-6, 1e-3  # a modelled device: t = A + B*decodes + C*prompt + E*[prompt]
+# A modelled device: t = A + B*decodes + C*prompt + [prompt] * (E + F*decodes) (core/step_budget.py).
+A, B, C, E, F = 4e-3, 30e-6, 25e-6, 1e-3, 12e-6
 SHAPE = WarmupShape(token_budget=2048, max_num_seqs=256, block_size=16, num_blocks=20000, max_model_len=4096,
                     vocab_size=128256)
 
 
 def modelled(decodes: int, prompt_tokens: int) -> float:
-    return A + B * decodes + C * prompt_tokens + (E if prompt_tokens else 0.0)
+    return A + B * decodes + C * prompt_tokens + ((E + F * decodes) if prompt_tokens else 0.0)
 
 
 # -- the plan (no model) -------------------------------------------------------------------
@@ -44,10 +45,25 @@ def test_the_plan_seeds_a_usable_fit_within_the_engines_limits(shape):
         assert blocks_needed(shape, p, context) <= shape.num_blocks
     model = StepCostModel(ratio=2.0)
     assert model.seed([(p.decodes, p.prompt_tokens, modelled(p.decodes, p.prompt_tokens)) for p in points])
-    a, b, c, e = model.coefficients()
-    assert a == pytest.approx(A, rel=1e-6) and c == pytest.approx(C, rel=1e-6) and e == pytest.approx(E, rel=1e-5)
     if shape.max_num_seqs > 1:
-        assert b == pytest.approx(B, rel=1e-6)
+        a, b, c, e, f = model.coefficients()
+        assert a == pytest.approx(A, rel=1e-6) and c == pytest.approx(C, rel=1e-6) and e == pytest.approx(E, rel=1e-5)
+        assert b == pytest.approx(B, rel=1e-6) and f == pytest.approx(F, rel=1e-5)
+    else:  # one decode batch: the model without F, right where the steps will be
+        assert model.coefficients()[4] == 0.0
+        for p in (0, 1, shape.token_budget - 1):
+            assert model.predict(1, p) == pytest.approx(modelled(1, p), rel=0.01)
+
+
+def test_the_plan_times_mixed_steps_at_the_largest_batch_and_capped_prompt_sizes():
+    """Session 6's misses were mixed steps at ~250 decodes, which the plan did not time; and a
+    full budget's prefill would set the per-token cost below what capped steps pay."""
+    _, points = plan(SHAPE)
+    mixed = [p for p in points if p.decodes and p.prompt_tokens]
+    assert {p.decodes for p in mixed} >= {1, SHAPE.max_num_seqs}
+    assert len({p.decodes for p in mixed}) >= 3  # the per-decode-row mixed cost is told apart
+    assert all(p.prompt_tokens <= SHAPE.token_budget // 4 for p in points)
+    assert sum(1 for p in points if not p.decodes) == 2
 
 
 def test_a_small_pool_shortens_the_decode_context_first():
@@ -182,8 +198,9 @@ def test_the_cap_holds_from_the_first_step(tiny_llama_dir, counting):
         assert made[0].submits == len(first_of_each_path(points)) + len(points) + 1 == len(points) + 3
         cost = engine.scheduler.step_cost
         assert cost.steps == 0 and cost.seeded and engine.step_warmup.usable
-        a, b, c, e = cost.coefficients()
+        a, b, c, e, f = cost.coefficients()
         assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-5) and c == pytest.approx(C, rel=1e-6)
+        assert f == pytest.approx(F, rel=1e-4)
         assert cost.budget(1, 512) < 512 and cost.budget(8, 512) < 512
 
         seen = []
@@ -199,7 +216,8 @@ def test_the_cap_holds_from_the_first_step(tiny_llama_dir, counting):
         llm.generate(None, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), prompt_token_ids=ids)
         # The first step that carries decodes comes while prompts still wait, and it is cut.
         decodes, tokens = next((d, n) for d, n in seen if d)
-        assert tokens < 512 and tokens - decodes <= max(16, int((0.5 * (A + B * decodes) - E) / C)) + 1
+        slack = 0.5 * (A + B * decodes) - E - F * decodes
+        assert tokens < 512 and tokens - decodes <= max(16, int(slack / C)) + 1
     finally:
         llm.shutdown()
 
