@@ -3,7 +3,7 @@
 - ``decode_attention``: paged decode launches and the partition rule;
 - ``decode_variants``: the decode kernels' names, the ``DecodeVariant`` record of the
   experimental variants (tests and benchmarks), shared memory sizes;
-- ``cache_ops``: reshape-and-cache, copy-on-write block copies, swaps;
+- ``cache_ops``: reshape-and-cache, copy-on-write block copies; ``block_swap``: swaps;
 - ``launch``: what every launch module shares (dtype names, device facts, streams);
 - ``fused`` / ``fused_cuda``: the elementwise kernels around the matmuls.
 
@@ -15,6 +15,7 @@ variants are passed as a ``DecodeVariant`` record (``variant=``).
 from __future__ import annotations
 
 from streamkv.kernels import launch
+from streamkv.kernels.block_swap import swap_blocks  # noqa: F401
 from streamkv.kernels.cache_ops import (  # noqa: F401
     CACHE_OPS_SOURCE,
     COPY_UNITS,
@@ -22,7 +23,6 @@ from streamkv.kernels.cache_ops import (  # noqa: F401
     copy_blocks,
     move_blocks,
     reshape_and_cache,
-    swap_blocks,
 )
 from streamkv.kernels.decode_attention import (  # noqa: F401
     CUDA_CORE_LONG_WAVES,
