@@ -135,6 +135,11 @@ if [[ " $PARTS " == *" eval "* ]]; then
   step structured_sync 80 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
     --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 --rounds 5 \
     --no-async-scheduling --json-out "$OUT/structured_gpu_sync.json"
+  # The same comparison on this host's CPU (16 quiet cores; the 2-core box is shared and noisy):
+  # float32, the CPU defaults (in turn, no async scheduling).
+  step structured_cpu 150 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
+    --load-format dummy --device cpu --num-requests 64 --output-len 32 --rounds 2 \
+    --json-out "$OUT/structured_cpu.json"
   step structured_tests 90 python3 -m pytest -q -p no:cacheprovider tests/engine/test_structured_overlap_cuda.py
   # Fig 12's GPU point: OPT-13B, an A100-40GB's KV pool (983 blocks), 200 ShareGPT requests a rate.
   step fig12_paged 170 env OUT="$OUT" RATES=${FIG12_RATES:-6,12} MAX_DURATION=50 \
