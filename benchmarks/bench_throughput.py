@@ -20,6 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.step_report import print_step_report, run_streamkv_steps  # noqa: E402
+
 
 def run_streamkv(llm, requests, keep: list | None = None) -> float:
     from streamkv import SamplingParams
@@ -33,126 +35,6 @@ def run_streamkv(llm, requests, keep: list | None = None) -> float:
     if keep is not None:
         keep.extend(list(o.outputs[0].token_ids) for o in outs)
     return elapsed
-
-
-def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
-    """The same run as ``run_streamkv``, every request arriving at once, each engine step
-    timed: its time on the device (CUDA events around the step's work, which start when the
-    step before it is done; on a CPU the step's wall time) split by whether the step carried
-    prompt tokens (a sequence computing more than one token), with the decode batch beside
-    it, and each request's time to first token. With async scheduling a step's host work
-    overlaps the step before it, so the device time is the step's own cost."""
-    import statistics
-
-    from streamkv import SamplingParams
-
-    engine = llm.engine
-    steps: list[dict] = []
-    complete = engine._complete
-    last = [time.perf_counter()]
-
-    def timed_complete(step, finished_only):
-        outputs = complete(step, finished_only)
-        now = time.perf_counter()
-        wall, last[0] = now - last[0], now
-        if step.handle is not None and step.error is None and step.sched.scheduled:
-            out = step.sched
-            decode = out.num_decodes  # a prompt's one-token last chunk is a prompt token
-            prompt = out.num_batched_tokens - decode
-            timed = getattr(step.handle, "device_seconds", None)
-            ms = 1e3 * (timed() if timed is not None else time.perf_counter() - step.submitted)
-            # wall: since the step before was completed (one step's share of the run's time)
-            steps.append({"step": len(steps), "prompt_tokens": prompt, "decodes": decode, "ms": ms,
-                          "wall_ms": 1e3 * wall})
-        return outputs
-
-    engine._complete = timed_complete
-    done = {}
-    try:
-        start = time.perf_counter()
-        for i, r in enumerate(requests):
-            engine.add_request(f"s{i}", None, SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len),
-                               list(r.prompt_ids))
-        while engine.has_unfinished_requests():
-            for out in engine.step(finished_only=True):
-                done[out.request_id] = out
-        elapsed = time.perf_counter() - start
-    finally:
-        engine._complete = complete
-    ttft = sorted(o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in done.values())
-
-    def pct(xs: list[float], q: float) -> float:
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-    mixed = [s for s in steps if s["prompt_tokens"]]
-    pure = [s for s in steps if not s["prompt_tokens"] and s["decodes"]]
-    # A prompt-bearing step against decode-only steps of about the same decode batch (+-16).
-    # A step without decodes has no decode-only step of its batch, and no request waits on it
-    # for a token (the cap leaves it the whole budget): it is reported apart. Session 5's
-    # ratios counted such steps against batches <= 16; "max_with_prefill_only" does too.
-    compared = []
-    for s in mixed:
-        peers = [p["ms"] for p in pure if abs(p["decodes"] - s["decodes"]) <= 16]
-        if peers:
-            peer = statistics.median(peers)
-            compared.append({**s, "decode_step_ms": peer, "ratio": s["ms"] / peer})
-    prefill_only = [c for c in compared if not c["decodes"]]
-    compared = [c for c in compared if c["decodes"]]
-    ratios = sorted(c["ratio"] for c in compared)
-    warmup = engine.step_warmup
-    report = {
-        "steps": len(steps), "prompt_steps": len(mixed), "decode_steps": len(pure),
-        "wall_ms_per_step": 1e3 * elapsed / max(len(steps), 1),
-        "prompt_step_ms": {q: pct(sorted(s["ms"] for s in mixed), q) for q in (0.5, 0.9, 0.99)},
-        "decode_step_ms": {q: pct(sorted(s["ms"] for s in pure), q) for q in (0.5, 0.9, 0.99)},
-        "decode_step_wall_ms": {q: pct(sorted(s["wall_ms"] for s in pure), q) for q in (0.5, 0.9, 0.99)},
-        # Issue 18's target: every prompt-bearing step <= 2x a decode-only step of its batch.
-        "prompt_vs_decode_step": {
-            "p50": pct(ratios, 0.5), "p90": pct(ratios, 0.9), "p99": pct(ratios, 0.99),
-            "max": ratios[-1] if ratios else None, "compared": len(ratios),
-            "over_2x": sum(1 for r in ratios if r > 2.0),
-            "no_peer": sum(1 for s in mixed if s["decodes"]) - len(compared),  # none within +-16 decodes
-            "worst": sorted(compared, key=lambda c: -c["ratio"])[:8],
-            "prefill_only_steps": sum(1 for s in mixed if not s["decodes"]),
-            "max_with_prefill_only": max((c["ratio"] for c in compared + prefill_only), default=None),
-        },
-        "prefill_cap": {"ratio": engine.config.scheduler.max_prefill_step_ratio,
-                        "seeded": bool(warmup and warmup.usable),
-                        "warmup_ms": 1e3 * warmup.seconds if warmup else 0.0,
-                        "warmup_steps": len(warmup.samples) if warmup else 0,
-                        # how far below the ratio the cap aimed at the end (core/step_budget.py)
-                        "margin": engine.scheduler.step_cost.margin},
-        "prompt_step_share_of_time": sum(s["ms"] for s in mixed) / max(sum(s["ms"] for s in steps), 1e-9),
-        "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
-        "max_prompt_tokens_per_step": max((s["prompt_tokens"] for s in steps), default=0),
-    }
-    return elapsed, report
-
-
-def print_step_report(rep: dict) -> None:
-    print(f"steps {rep['steps']}: {rep['prompt_steps']} with prompt tokens "
-          f"({100 * rep['prompt_step_share_of_time']:.0f}% of step time), {rep['decode_steps']} decode-only")
-    print(f"  (ms: a step's time on the device; wall: since the step before it completed; "
-          f"{rep['wall_ms_per_step']:.2f} ms per step over the run)")
-    for name in ("prompt_step_ms", "decode_step_ms", "decode_step_wall_ms"):
-        q = rep[name]
-        print(f"  {name:<19} p50 {q[0.5]:8.2f}  p90 {q[0.9]:8.2f}  p99 {q[0.99]:8.2f}")
-    r, cap = rep["prompt_vs_decode_step"], rep["prefill_cap"]
-    top = f"{r['max']:.2f}x" if r["max"] is not None else "-"
-    print(f"  prompt step / decode step of the same batch (+-16): p50 {r['p50']:.2f}x, p90 {r['p90']:.2f}x, "
-          f"p99 {r['p99']:.2f}x, max {top}; {r['over_2x']} of {r['compared']} over 2x "
-          f"({r['no_peer']} had no decode-only peer)")
-    extra = r["max_with_prefill_only"]
-    print(f"    ({r['prefill_only_steps']} prompt steps without decodes left out: nobody waits on them; "
-          f"max counting them against batches <= 16: {extra:.2f}x)" if extra is not None else "")
-    for w in r["worst"][:5]:
-        print(f"    step {w['step']:>5}: {w['decodes']:>3} decodes + {w['prompt_tokens']:>4} prompt tokens "
-              f"{w['ms']:7.2f} ms vs {w['decode_step_ms']:6.2f} ms = {w['ratio']:.2f}x")
-    print(f"  prefill cap {cap['ratio']}: fit seeded at start: {'yes' if cap['seeded'] else 'no'} "
-          f"({cap['warmup_steps']} timed warm-up steps, {cap['warmup_ms']:.0f} ms in all); "
-          f"aimed at ratio / {cap['margin']:.3f} at the end (the fit's misses)")
-    print(f"  time to first token (all arrive at once): p50 {rep['ttft_s']['p50']:.2f} s, "
-          f"p99 {rep['ttft_s']['p99']:.2f} s")
 
 
 def compare_executors(args, kwargs: dict, requests, out_tokens: int, on_cpu: bool) -> dict:
