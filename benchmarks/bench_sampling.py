@@ -18,7 +18,9 @@ figures with each other, or use --sampler-only for the sampler alone.
     python benchmarks/bench_sampling.py --sampler-only --device cuda --vocab-size 128256
 
 With --sampler-only it times the Sampler alone instead, on random logits of --max-num-seqs
-rows (each penalised row with a 110-token prompt and 128 outputs counted): ms per call.
+rows (each penalised row with a 110-token prompt and 128 outputs counted): ms per call (the
+tokens read back), and on CUDA the GPU time per call (torch.profiler) for the kernel path
+(kernels_cu/sampling.cu) and the torch reference path.
     python benchmarks/bench_sampling.py --model llama3-8b --load-format dummy --dtype bfloat16 --device cuda
 """
 
@@ -53,16 +55,18 @@ def mode_params(mode: str, num: int, output_len: int) -> list:
 
 class SamplerClock:
     """Stands in for the in-process worker's sampler and times its calls (each ends in a
-    host sync, so wall time is the sampler's whole cost)."""
+    host sync, so wall time is the sampler's whole cost). ``path``: "auto" calls the Sampler
+    (its own dispatch: the kernel on CUDA), "torch" its torch reference path."""
 
     def __init__(self, sampler) -> None:
         self.sampler = sampler
+        self.path = "auto"
         self.seconds, self.calls = 0.0, 0
 
     def __call__(self, logits, reqs):
         start = time.perf_counter()
         try:
-            return self.sampler(logits, reqs)
+            return (self.sampler._in_torch if self.path == "torch" else self.sampler)(logits, reqs)
         finally:
             self.seconds += time.perf_counter() - start
             self.calls += 1
@@ -73,8 +77,28 @@ class SamplerClock:
         return out
 
 
+def _gpu_ms(fn, calls: int) -> tuple[float, float]:
+    """GPU time per call of ``fn`` from torch.profiler: every kernel and copy, and the
+    sampling kernel (kernels_cu/sampling.cu) alone."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = ours = 0.0
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
+        total += us
+        ours += us if "sample_kernel" in e.key else 0.0
+    return total / 1e3 / calls, ours / 1e3 / calls
+
+
 def sampler_only(args, modes: list[str]) -> list[dict]:
-    """ms per Sampler call on random logits, each mode over the same rows."""
+    """ms per Sampler call on random logits, each mode over the same rows; on CUDA for the
+    kernel path and the torch reference path (``Sampler._in_torch``), with GPU time per call."""
     import torch
 
     from streamkv.layers.penalties import TokenCounts
@@ -92,24 +116,36 @@ def sampler_only(args, modes: list[str]) -> list[dict]:
     count_rows = [counts.allocate([rng.randrange(vocab) for _ in range(110)], [rng.randrange(vocab) for _ in range(128)])
                   for _ in range(rows)]
     sampler = Sampler(args.seed, dev)
+    paths = {"kernel": sampler, "torch": sampler._in_torch} if dev.type == "cuda" else {"torch": sampler}
     out = []
-    for mode in modes:
-        p = dict(MODES[mode])
-        seeded = p.pop("seed", None) is not None
-        reqs = [SampleRequest(**p, seed=i if seeded else None, output_pos=128, counts=counts, counts_row=count_rows[i])
-                for i in range(rows)]
-        for _ in range(3):
-            sampler(logits, reqs)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            sampler(logits, reqs)  # returns host lists: every call ends in a sync
-        out.append({"mode": mode, "params": MODES[mode], "ms_per_call": 1e3 * (time.perf_counter() - start) / args.calls})
-    print(f"\nsampler alone on {dev}: {rows} rows x {vocab} vocabulary, mean of {args.calls} calls")
-    print(f"{'mode':<14}{'ms/call':>10}")
+    for path, call in paths.items():
+        for mode in modes:
+            p = dict(MODES[mode])
+            seeded = p.pop("seed", None) is not None
+            reqs = [SampleRequest(**p, seed=i if seeded else None, output_pos=128, counts=counts,
+                                  counts_row=count_rows[i]) for i in range(rows)]
+
+            def step(call=call, reqs=reqs) -> None:
+                call(logits, reqs).results()  # reads the tokens: every call ends in a sync
+
+            for _ in range(3):
+                step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                step()
+            row = {"mode": mode, "path": path, "params": MODES[mode],
+                   "ms_per_call": 1e3 * (time.perf_counter() - start) / args.calls}
+            if dev.type == "cuda":
+                row["gpu_ms_per_call"], row["kernel_ms_per_call"] = _gpu_ms(step, args.calls)
+            out.append(row)
+    print(f"\nsampler alone on {dev}: {rows} rows x {vocab} vocabulary (bf16 logits), mean of {args.calls} calls")
+    print(f"{'mode':<14}{'path':<8}{'ms/call':>10}{'GPU ms/call':>13}{'kernel ms':>11}")
     for r in out:
-        print(f"{r['mode']:<14}{r['ms_per_call']:>10.3f}")
+        gpu = f"{r['gpu_ms_per_call']:.3f}" if "gpu_ms_per_call" in r else "-"
+        ker = f"{r['kernel_ms_per_call']:.3f}" if "kernel_ms_per_call" in r else "-"
+        print(f"{r['mode']:<14}{r['path']:<8}{r['ms_per_call']:>10.3f}{gpu:>13}{ker:>11}")
     return out
 
 
@@ -142,6 +178,10 @@ def main() -> int:
     ap.add_argument("--sampler-only", action="store_true", help="time the Sampler alone on random logits")
     ap.add_argument("--vocab-size", type=int, default=None, help="--sampler-only: default the model's")
     ap.add_argument("--calls", type=int, default=20, help="--sampler-only: timed calls per mode")
+    ap.add_argument("--sampler-paths", default="auto", help="comma list: auto (the Sampler's dispatch: the "
+                    "kernel on CUDA), torch (its torch reference path); in-process executor only")
+    ap.add_argument("--profile-steps", type=int, default=0, help="then per case, GPU ms per step over a run of "
+                    "this many output tokens (torch.profiler)")
     ap.add_argument("--json-out", default="bench_results/sampling.json")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -176,45 +216,74 @@ def main() -> int:
     if clock is not None:
         worker.runner.sampler = clock
 
+    paths = args.sampler_paths.split(",") if clock is not None else ["auto"]
+    cases = [(m, p) for p in paths for m in modes]
+    name = {c: c[0] if len(paths) == 1 else f"{c[0]}/{c[1]}" for c in cases}
     for mode in modes:  # warm-up: kernels, graphs, allocator
         run_mode(llm, prompts[:8], mode_params(mode, 8, min(args.output_len, 8)))
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    sampler_ms: dict[str, list[float]] = {m: [] for m in modes}
+    times: dict[tuple, list[float]] = {c: [] for c in cases}
+    sampler_ms: dict[tuple, list[float]] = {c: [] for c in cases}
+    step_ms: dict[tuple, list[float]] = {c: [] for c in cases}
+    overlap: dict[tuple, list[float]] = {c: [] for c in cases}
     for _ in range(args.rounds):
-        for mode in modes:
+        for case in cases:
+            mode, path = case
+            overlapped = llm.engine.overlapped_steps
             if clock is not None:
                 clock.reset()
-            times[mode].append(run_mode(llm, prompts, mode_params(mode, args.num_requests, args.output_len)))
+                clock.path = path
+            times[case].append(run_mode(llm, prompts, mode_params(mode, args.num_requests, args.output_len)))
             if clock is not None:
                 seconds, calls = clock.reset()
-                sampler_ms[mode].append(1e3 * seconds / max(calls, 1))
-            print(f"{mode}: {times[mode][-1]:.2f}s", flush=True)
+                sampler_ms[case].append(1e3 * seconds / max(calls, 1))
+                step_ms[case].append(1e3 * times[case][-1] / max(calls, 1))
+                overlap[case].append((llm.engine.overlapped_steps - overlapped) / max(calls, 1))
+            print(f"{name[case]}: {times[case][-1]:.2f}s", flush=True)
+    gpu_ms: dict[tuple, float] = {}
+    if args.profile_steps and clock is not None and not on_cpu:
+        batch = min(args.num_requests, args.max_num_seqs)
+        for case in cases:  # GPU time per step, every kernel and copy (torch.profiler)
+            clock.reset()
+            clock.path = case[1]
+            params = mode_params(case[0], batch, args.profile_steps)
+            total, _ = _gpu_ms(lambda params=params: run_mode(llm, prompts[:batch], params), 1)
+            gpu_ms[case] = total / max(clock.reset()[1], 1)
 
     out_tokens = args.num_requests * args.output_len
     rows = []
-    for mode in modes:
-        t = statistics.median(times[mode])
-        row = {"mode": mode, "params": MODES[mode], "seconds": t, "output_tok_s": out_tokens / t}
-        if sampler_ms[mode]:
-            row["sampler_ms_per_step"] = statistics.median(sampler_ms[mode])
+    for case in cases:
+        t = statistics.median(times[case])
+        row = {"mode": case[0], "path": case[1], "params": MODES[case[0]], "seconds": t, "output_tok_s": out_tokens / t}
+        if sampler_ms[case]:
+            row["sampler_ms_per_step"] = statistics.median(sampler_ms[case])
+            row["wall_ms_per_step"] = statistics.median(step_ms[case])
+            row["overlapped_fraction"] = statistics.median(overlap[case])
+        if case in gpu_ms:
+            row["gpu_ms_per_step"] = gpu_ms[case]
         rows.append(row)
-    greedy = next((r["output_tok_s"] for r in rows if r["mode"] == "greedy"), None)
     for r in rows:
+        greedy = next((g["output_tok_s"] for g in rows if g["mode"] == "greedy" and g["path"] == r["path"]), None)
         r["vs_greedy"] = r["output_tok_s"] / greedy if greedy else None
     ex = llm.engine.executor
     print(f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}), "
           f"{llm.engine.config.model.executor_backend} executor; {args.num_requests} requests x "
           f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
           f"median of {args.rounds}")
-    print(f"{'mode':<14}{'seconds':>10}{'out tok/s':>12}{'vs greedy':>11}{'sampler ms/step':>17}")
+    print(f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
+          f"{'overlap':>8}{'GPU ms/step':>12}")
     for r in rows:
         ratio = f"{r['vs_greedy']:.3f}" if r["vs_greedy"] is not None else "-"
-        sm = f"{r['sampler_ms_per_step']:.2f}" if "sampler_ms_per_step" in r else "-"
-        print(f"{r['mode']:<14}{r['seconds']:>10.2f}{r['output_tok_s']:>12.1f}{ratio:>11}{sm:>17}")
+
+        def f(key: str, fmt: str = ".2f", r=r) -> str:
+            return format(r[key], fmt) if key in r else "-"
+
+        print(f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}{r['output_tok_s']:>11.1f}{ratio:>10}"
+              f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('overlapped_fraction'):>8}"
+              f"{f('gpu_ms_per_step'):>12}")
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"args": vars(args), "device": str(ex.device), "dtype": str(ex.dtype),
-                   "times": times, "rows": rows}, f, indent=2)
+                   "times": {name[c]: t for c, t in times.items()}, "rows": rows}, f, indent=2)
     llm.shutdown()
     return 0
 

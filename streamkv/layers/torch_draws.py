@@ -1,0 +1,129 @@
+"""The sampler's draws in torch: the reference path (CPU, and what the CPU tests exercise)
+and, on CUDA too, the top-k rows. ``part`` holds (draw, row, request, sample index) per draw;
+layers/sampler.py's docstring gives the semantics. kernels_cu/sampling.cu draws the greedy
+and full-vocabulary rows on CUDA with the same keys and the same rounds."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from streamkv.layers.host_copy import on_device as _on
+from streamkv.layers.stream_hash import hashed_exponentials, stream_keys
+
+
+def top_k_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generator) -> torch.Tensor:
+    """The draws of ``part`` among each row's ``torch.topk`` candidates (the top-p and
+    min-p cuts exact on the sorted candidates); logits of any float dtype."""
+    vocab = logits.shape[1]
+    params = _draw_params(part, logits.device, vocab)
+    rows = logits if _every_row(part, logits) else logits[params[:, 0].long()]
+    vals, ids = rows.topk(min(max(p[2].top_k for p in part), vocab), dim=-1)
+    vals = vals.float()  # a no-op for float32 logits
+    vals /= params[:, 1:2]
+    cut = torch.arange(vals.shape[1], device=vals.device) >= params[:, 4:5]
+    probs = vals.masked_fill_(cut, -math.inf).softmax(-1)
+    if any(p[2].top_p < 1.0 for p in part):
+        # Drop a token when the mass before it already reaches top_p (keeps at least one).
+        probs = probs.masked_fill((probs.cumsum(-1) - probs) >= params[:, 2:3], 0.0)
+    probs = _min_p(probs, part, params)
+    q = exponentials(part, ids, 0, generator)
+    return ids.gather(1, (probs / q).argmax(-1, keepdim=True)).squeeze(1)
+
+def full_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generator,
+               defer: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """The draws of ``part`` over the whole vocabulary, and (top-p with ``defer``) a
+    function that finishes them in place: its rounds read on the host which rows were
+    rejected, so they wait for the device. Without ``defer`` they run here."""
+    dev, vocab = logits.device, logits.shape[1]
+    params = _draw_params(part, dev, vocab)
+    if _every_row(part, logits):  # no gather: one pass less over the vocabulary
+        x = logits / params[:, 1:2]
+    else:
+        x = logits[params[:, 0].long()]
+        x /= params[:, 1:2]
+    probs = x.softmax(-1)
+    weights = _min_p(probs, part, params)
+    token_ids = torch.arange(vocab, device=dev)
+    if all(p[2].top_p >= 1.0 for p in part):
+        return (weights / exponentials(part, token_ids, 0, generator)).argmax(-1), None
+    top_p = params[:, 2]
+    # Round 0 over every row, on the device: a draw is kept when the mass of the tokens
+    # more likely than it is below top_p (it lies in the nucleus).
+    pick = (weights / exponentials(part, token_ids, 0, generator)).argmax(-1, keepdim=True)
+    score = x.gather(1, pick)
+    above = torch.where(x > score, probs, 0.0).sum(-1)
+    ok = (above < top_p) | (top_p >= 1.0)
+    chosen = pick.squeeze(1).clone()
+    # The seeded streams' keys as of this step: by the time deferred rounds run, the
+    # worker may have moved its requests on to the next step.
+    frozen = [(p[0], p[1], _StreamKey(p[2].seed, p[2].output_pos), p[3]) for p in part]
+
+    def rounds() -> None:
+        w, xs, ps, score_, ok_, active, live, round_ = weights, x, probs, score, ok, None, frozen, 0
+        while True:
+            rejected = (~ok_).nonzero().squeeze(1)  # the round's one host sync
+            if rejected.numel() == 0:
+                return
+            # Redraw among the tokens more likely than the rejected one: the nucleus is inside.
+            w = torch.where(xs[rejected] > score_[rejected], w[rejected], 0.0)
+            xs, ps = xs[rejected], ps[rejected]
+            live = [live[j] for j in rejected.tolist()]
+            active = rejected if active is None else active[rejected]
+            round_ += 1
+            pick_ = (w / exponentials(live, token_ids, round_, generator)).argmax(-1, keepdim=True)
+            score_ = xs.gather(1, pick_)
+            tp = top_p[active]
+            ok_ = (torch.where(xs > score_, ps, 0.0).sum(-1) < tp) | (tp >= 1.0)
+            chosen[active] = torch.where(ok_, pick_.squeeze(1), chosen[active])
+
+    if defer:
+        return chosen, rounds
+    rounds()
+    return chosen, None
+
+def exponentials(part: list[tuple], token_ids: torch.Tensor, round_: int, generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) per (draw, token id): hashed for seeded draws, else from the generator."""
+    dev = token_ids.device
+    shape = (len(part), token_ids.shape[-1])
+    seeded = [j for j, p in enumerate(part) if p[2].seed is not None]
+    if not seeded:
+        return torch.empty(shape, device=dev).exponential_(generator=generator)
+    keys = _on(dev, stream_keys(
+        [part[j][2].seed for j in seeded], [part[j][3] for j in seeded],
+        [part[j][2].output_pos for j in seeded], round_,
+    ))
+    if len(seeded) == len(part):
+        return hashed_exponentials(keys, token_ids)
+    q = torch.empty(shape, device=dev).exponential_(generator=generator)
+    sel = _on(dev, seeded)
+    q[sel] = hashed_exponentials(keys, token_ids[sel] if token_ids.dim() == 2 else token_ids)
+    return q
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamKey:
+    """What a draw's seeded noise is keyed by (``exponentials`` reads these)."""
+
+    seed: int | None
+    output_pos: int
+
+
+def _draw_params(part: list[tuple], device: torch.device, vocab: int) -> torch.Tensor:
+    """Per draw (row, temperature, top_p, min_p, top_k clamped to the vocabulary), float32
+    on the device in one copy (row ids and k stay exact below 2**24)."""
+    rows = [(p[1], p[2].temperature, p[2].top_p, p[2].min_p, min(p[2].top_k, vocab)) for p in part]
+    return _on(device, torch.tensor(rows, dtype=torch.float32))
+
+
+def _every_row(part: list[tuple], logits: torch.Tensor) -> bool:
+    return len(part) == logits.shape[0] and all(p[1] == i for i, p in enumerate(part))
+
+
+def _min_p(probs: torch.Tensor, part: list[tuple], params: torch.Tensor) -> torch.Tensor:
+    if all(p[2].min_p <= 0 for p in part):
+        return probs
+    return probs.masked_fill(probs < params[:, 3:4] * probs.amax(-1, keepdim=True), 0.0)
