@@ -7,11 +7,13 @@ constraint, each request held to exactly the number of tokens its structured twi
 (EOS ignored). Both halves therefore run the same batch shapes step for step, and the ratio
 is the cost of the grammar alone: compile (cached after the warm-up), the host's matcher
 work and masks, and the masked sampler. (With async scheduling a structured step overlaps
-the next one as a plain step does; its masks follow it: engine/step_pipeline.py.) Rounds alternate which half runs first (ABBA), so a machine whose
-speed drifts favours neither; the median is kept. The grammar's own host time (matchers,
-masks on the wire, the sampler's mask step) is also clocked directly, a figure that the
-noise of a shared machine does not blur. Prints a table and writes JSON, including how
-many structured outputs parsed and validated.
+the next one as a plain step does; its masks follow it: engine/step_pipeline.py.) Rounds
+alternate which half runs first (ABBA), so a machine whose speed drifts favours neither; the
+median is kept. ``--phases`` then runs each half once more with the step's phases clocked
+(benchmarks/step_phases.py: schedule, build, submit, wait, process, accept, mask fills,
+attach, sampler, mask step; ``--sync-debug`` adds torch's count of host-device syncs), apart
+from the timed rounds, whose time the clock's wrappers would inflate. Prints a table and
+writes JSON, including how many structured outputs parsed and validated.
 
     python benchmarks/bench_structured.py --device cpu --num-requests 64 --output-len 64
     python benchmarks/bench_structured.py --device cpu --async-scheduling ...   (off by default on a CPU)
@@ -69,34 +71,6 @@ def valid(text: str, schema: dict) -> bool:
     return True
 
 
-class GrammarClock:
-    """Wraps the grammar's host work (matcher advance, mask fill: per row for the wire or
-    batched for a step whose masks follow, the sampler's mask step) with a timer; ``take()`` returns and resets the seconds."""
-
-    def __init__(self) -> None:
-        import streamkv.engine.structured as st
-        import streamkv.layers.sampler as sm
-
-        self.seconds = 0.0
-        for owner, name in ((st.SequenceGrammar, "accept"), (st.SequenceGrammar, "mask_bytes"),
-                            (st.StructuredOutputManager, "new_grammar"), (st.StructuredOutputManager, "fill_masks"),
-                            (sm, "apply_token_masks")):
-            setattr(owner, name, self._timed(getattr(owner, name)))
-
-    def _timed(self, fn):
-        def timed(*a, **kw):
-            start = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds += time.perf_counter() - start
-        return timed
-
-    def take(self) -> float:
-        out, self.seconds = self.seconds, 0.0
-        return out
-
-
 def run(llm, prompts: list[list[int]], params: list) -> tuple[float, list]:
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -116,8 +90,10 @@ def main() -> int:
     ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"])
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="schedule step N+1 while step N runs (default: the engine's: on for a GPU, off for a CPU)")
-    ap.add_argument("--overlap-structured", action="store_true",
-                    help="let structured steps overlap the next one (their masks follow; off by default)")
+    ap.add_argument("--overlap-structured", action=argparse.BooleanOptionalAction, default=None,
+                    help="let structured steps overlap the next one (their masks follow; default: the engine's)")
+    ap.add_argument("--phases", action="store_true", help="after the timed rounds, one profiled run of each half")
+    ap.add_argument("--sync-debug", action="store_true", help="with --phases on CUDA: count host-device syncs")
     ap.add_argument("--json-out", default="bench_results/structured.json")
     args = ap.parse_args()
 
@@ -132,8 +108,8 @@ def main() -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, max_num_seqs=max(n, 8),
               num_kv_blocks=n * (-(-(48 + args.output_len) // 16) + 1) + 16 if on_cpu else None, num_swap_blocks=0,
               distributed_executor_backend=args.distributed_executor_backend,
-              overlap_structured=args.overlap_structured,
-              **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}))
+              **{k: v for k, v in (("async_scheduling", args.async_scheduling),
+                                   ("overlap_structured", args.overlap_structured)) if v is not None})
     tok = llm.get_tokenizer()
     prompts = [tok.encode(f"Reply with one JSON object only. Record number {i} of the user table:") for i in range(n)]
 
@@ -144,48 +120,68 @@ def main() -> int:
     tokens = sum(lengths)
     ok = sum(valid(o.outputs[0].text, SCHEMAS[i % len(SCHEMAS)]) for i, o in enumerate(outs))
     run(llm, prompts[:8], plain_params(lengths[:8]))
-    clock = GrammarClock()
     times: dict[str, list[float]] = {"json_schema": [], "unconstrained": []}
-    grammar_s: list[float] = []
     overlapped = {mode: 0 for mode in times}  # steps whose successor was submitted before they were read
     engine = llm.engine
     for r in range(args.rounds):
         for mode in ("json_schema", "unconstrained")[:: 1 if r % 2 == 0 else -1]:
-            clock.take()
             params = structured_params(n, args.output_len) if mode == "json_schema" else plain_params(lengths)
             before = engine.overlapped_steps
             t, outs = run(llm, prompts, params)
             overlapped[mode] += engine.overlapped_steps - before
-            if mode == "json_schema":
-                grammar_s.append(clock.take())
             assert [len(o.outputs[0].token_ids) for o in outs] == lengths, "a length changed between runs"
             times[mode].append(t)
             print(f"round {r}: {mode} {t:.2f}s, {tokens} tokens", flush=True)
+
+    phases = profile(llm, prompts, args, lengths) if args.phases else {}
 
     rows = []
     for mode, ts in times.items():
         t = statistics.median(ts)
         rows.append({"mode": mode, "seconds": t, "output_tokens": tokens, "output_tok_s": tokens / t})
     ratio = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
-    g = statistics.median(grammar_s)
     ex = llm.engine.executor
     print(f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}); batch {n}, "
           f"structured max_tokens {args.output_len}, median of {args.rounds}; {ok}/{n} structured outputs "
           "parse and validate (the rest hit max_tokens)")
     print(f"{'mode':<15}{'seconds':>10}{'tokens':>9}{'out tok/s':>12}")
     for r in rows:
-        print(f"{r['mode']:<15}{r['seconds']:>10.2f}{r['output_tokens']:>9}{r['output_tok_s']:>12.1f}")
-    print(f"json_schema / unconstrained: {ratio:.3f}x; the grammar's host time {g:.2f}s of the "
-          f"json_schema run's {rows[0]['seconds']:.2f}s ({100 * g / rows[0]['seconds']:.1f}%)")
-    print(f"async scheduling {'on' if engine.async_scheduling else 'off'}; steps overlapped over the rounds: "
+        print(f"{r['mode']:<15}{r['seconds']:>10.3f}{r['output_tokens']:>9}{r['output_tok_s']:>12.1f}")
+    print(f"json_schema / unconstrained: {ratio:.3f}x")
+    if phases:
+        g = phases["json_schema"]["grammar_s"]
+        print(f"the grammar's host time (profiled run): {g:.3f}s of {phases['json_schema']['seconds']:.3f}s")
+    print(f"async scheduling {'on' if engine.async_scheduling else 'off'}, overlap_structured "
+          f"{'on' if engine.config.scheduler.overlap_structured else 'off'}; steps overlapped over the rounds: "
           + ", ".join(f"{mode} {k}" for mode, k in overlapped.items()))
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"args": vars(args), "device": str(ex.device), "dtype": str(ex.dtype), "times": times,
-                   "rows": rows, "ratio": ratio, "grammar_host_s": grammar_s,
-                   "async_scheduling": engine.async_scheduling, "overlapped_steps": overlapped, "valid": ok, "lengths": lengths}, f, indent=2)
+                   "rows": rows, "ratio": ratio, "phases": phases, "async_scheduling": engine.async_scheduling,
+                   "overlap_structured": engine.config.scheduler.overlap_structured,
+                   "overlapped_steps": overlapped, "valid": ok, "lengths": lengths}, f, indent=2)
     llm.shutdown()
     return 0
+
+
+def profile(llm, prompts: list[list[int]], args, lengths: list[int]) -> dict:
+    """One run of each half with the step's phases clocked (benchmarks/step_phases.py)."""
+    from step_phases import PhaseClock, print_report
+
+    out = {}
+    engine = llm.engine
+    for mode in ("json_schema", "unconstrained"):
+        params = structured_params(len(prompts), args.output_len) if mode == "json_schema" else plain_params(lengths)
+        before = engine.overlapped_steps
+        with PhaseClock(sync_debug=args.sync_debug) as clock:
+            t, _ = run(llm, prompts, params)
+        steps = clock.calls["step"]
+        overlapped = engine.overlapped_steps - before
+        report = clock.report(steps)
+        print_report(f"{mode} ({t:.3f}s, {overlapped} steps overlapped)", report, steps, clock.syncs)
+        out[mode] = {"seconds": t, "steps": steps, "overlapped_steps": overlapped,
+                     "grammar_s": clock.grammar_seconds(), "phases": report, "syncs": dict(clock.syncs)}
+    return out
 
 
 if __name__ == "__main__":

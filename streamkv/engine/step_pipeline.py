@@ -44,6 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from streamkv.core.scheduler import SchedulerOutput
+from streamkv.engine.mask_filler import MaskFill
 from streamkv.executor.base import StepHandle
 from streamkv.messages import MASK_FOLLOWS, StepFailed, StepInput
 from streamkv.sequence import Sequence, SequenceGroup
@@ -95,6 +96,7 @@ class InFlight:
     submitted: float = 0.0  # time.perf_counter() at submit
     advanced: bool = False  # OutputProcessor.advance ran for it
     masks_due: list[Sequence] | None = None  # structured rows whose token masks follow (None: none, or sent)
+    mask_fill: MaskFill | None = None  # their masks being filled (start_masks), for masks_due
 
     @property
     def live(self) -> bool:
@@ -106,20 +108,38 @@ class InFlight:
 class MaskSource(Protocol):
     """What fills masks (engine/structured.py's StructuredOutputManager)."""
 
+    fill_background: bool
+
     def fill_masks(self, grammars: list) -> np.ndarray: ...
+
+    def start_fill(self, grammars: list) -> MaskFill: ...
+
+
+def start_masks(step: InFlight, source: MaskSource) -> None:
+    """Start filling the masks that follow ``step`` on the filler's thread, now that the step
+    before is processed (each row's matcher has taken its input token); ``send_masks`` hands
+    them over. A row whose sequence has ended gets none: its sample is discarded."""
+    if step.masks_due is None or not source.fill_background:
+        return
+    step.masks_due = [seq for seq in step.masks_due if not seq.status.finished]
+    if step.masks_due:
+        step.mask_fill = source.start_fill([seq.grammar for seq in step.masks_due])
 
 
 def send_masks(step: InFlight, source: MaskSource) -> None:
-    """Hand ``step`` the token masks of its rows that follow it, now that the step before is
-    processed (each row's matcher has taken its input token), so that its sampler runs:
-    before the next step is submitted and before this one's result is read. A row whose
-    sequence has ended gets none: its sample is discarded. A failure ends the step's
-    requests when it is completed."""
+    """Hand ``step`` the token masks of its rows that follow it (those ``start_masks`` began,
+    or filled now), so that its sampler runs: before the next step is submitted and before
+    this one's result is read. A failure ends the step's requests when it is completed."""
     if step.masks_due is None:
         return
-    due = [seq for seq in step.masks_due if not seq.status.finished]
-    step.masks_due = None
-    words = source.fill_masks([seq.grammar for seq in due])
+    if step.mask_fill is not None:
+        due, fill = step.masks_due, step.mask_fill
+        step.masks_due = step.mask_fill = None
+        words = fill.words()
+    else:
+        due = [seq for seq in step.masks_due if not seq.status.finished]
+        step.masks_due = None
+        words = source.fill_masks([seq.grammar for seq in due])
     try:
         step.handle.attach_masks({seq.seq_id: words[i] for i, seq in enumerate(due)})
     except StepFailed as e:

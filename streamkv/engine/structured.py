@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from streamkv.engine.background_import import BackgroundImport
+from streamkv.engine.mask_filler import MaskFill, MaskFiller
 from streamkv.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,13 @@ FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 class SequenceGrammar:
     """One sequence's matcher and the mask of its next token, filled when first asked for."""
 
-    __slots__ = ("matcher", "mask", "stop_words", "_stop_free", "_filled")
+    __slots__ = ("matcher", "mask", "stop_words", "stop_ids", "_stop_free", "_filled")
 
-    def __init__(self, matcher: Any, mask: np.ndarray, stop_words: np.ndarray) -> None:
+    def __init__(self, matcher: Any, mask: np.ndarray, stop_words: np.ndarray, stop_ids: frozenset[int]) -> None:
         self.matcher = matcher
         self.mask = mask  # int32 [1, words]
         self.stop_words = stop_words  # the mask's words with every stop token's bit cleared
+        self.stop_ids = stop_ids  # the matcher's stop tokens (TokenizerInfo's stop_token_ids)
         self._stop_free = np.empty_like(mask)
         self._filled = False  # ``mask`` is of the matcher's current state
 
@@ -78,7 +80,9 @@ class SequenceGrammar:
             logger.warning("structured output: token %d is outside its grammar; ending the sequence", token)
             return True
         self._filled = False
-        if m.is_terminated():
+        # A matcher terminates exactly when it accepts one of its stop tokens: asking it
+        # (is_terminated) would cost a native call a row and step (~1 us).
+        if token in self.stop_ids:
             return True
         if m.is_completed():  # the mask is needed now only when the grammar could end here
             np.bitwise_and(self.next_mask(), self.stop_words, out=self._stop_free)
@@ -87,7 +91,7 @@ class SequenceGrammar:
         return False
 
     def fork(self) -> SequenceGrammar:
-        child = SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words)
+        child = SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words, self.stop_ids)
         child._filled = self._filled
         return child
 
@@ -102,9 +106,14 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: the mask covers every row entry
         self.eos_token_ids = sorted(eos_token_ids)
+        self._stop_ids = frozenset(eos_token_ids)
         self.xgrammar = BackgroundImport("xgrammar") if tokenizer is not None else None
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fill_masks
+        self._filler: MaskFiller | None = None  # start_fill's thread
+        # Overlapped steps' masks filled on the filler's thread while the engine schedules
+        # the next step (step_pipeline.start_masks), else at once when they are sent.
+        self.fill_background = True
         self._stop_words: np.ndarray | None = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
@@ -120,7 +129,8 @@ class StructuredOutputManager:
         compiled = self._compiled(spec)  # sets xgrammar up
         xgr = self.xgrammar.get()
         matcher = xgr.GrammarMatcher(compiled)
-        return SequenceGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size).numpy(), self._stop_words)
+        return SequenceGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size).numpy(), self._stop_words,
+                               self._stop_ids)
 
     def fill_masks(self, grammars: list[SequenceGrammar]) -> np.ndarray:
         """The next-token masks of ``grammars``, row i of int32 [len, words] for grammar i,
@@ -130,6 +140,14 @@ class StructuredOutputManager:
         if grammars:
             self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], words)
         return words
+
+    def start_fill(self, grammars: list[SequenceGrammar]) -> MaskFill:
+        """``fill_masks`` on a thread of its own (engine/mask_filler.py): returns at once;
+        the grammars' matchers must not move until the fill's ``words()`` returned."""
+        words = np.empty((len(grammars), -(-self.vocab_size // 32)), dtype=np.int32)
+        if self._filler is None:
+            self._filler = MaskFiller(self._batch.batch_fill_next_token_bitmask)
+        return self._filler.start([g.matcher for g in grammars], words)
 
     def _compiled(self, spec: StructuredOutputs) -> Any:
         key = spec.key()

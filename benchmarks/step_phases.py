@@ -1,0 +1,117 @@
+"""Host time of an engine step's phases, for a benchmark to print beside its figure.
+
+``PhaseClock`` wraps the methods that make up a step (schedule, build, submit, wait, output
+processing, the grammar's accept and mask fills, the masks' attach, the sampler and its mask
+step) with timers while it is installed, and counts their calls. Times are inclusive (a
+sampler run inside an attach counts in both) and on the host: on a GPU, ``submit`` is the
+launch and ``wait`` the time spent blocked on the device. The wrappers cost ~1 us a call,
+which is why benchmarks install the clock only for a profiled run apart from the timed ones.
+With ``sync_debug`` on CUDA it also counts the operations that synchronise the host with the
+device (torch's sync debug mode), by the innermost streamkv line that made them.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from collections import Counter
+
+
+def _targets():
+    import streamkv.engine.llm_engine as le
+    import streamkv.engine.structured as st
+    import streamkv.layers.sampler as sm
+    from streamkv.core.scheduler import Scheduler
+    from streamkv.engine.output_processor import OutputProcessor
+    from streamkv.engine.step_builder import StepBuilder
+    from streamkv.executor.inprocess import InProcessExecutor
+    from streamkv.worker.worker import LaunchedStep
+
+    return [
+        ("step", le.LLMEngine, "step"), ("schedule", Scheduler, "schedule"), ("build", StepBuilder, "build"),
+        ("submit", InProcessExecutor, "submit"), ("wait", LaunchedStep, "result"),
+        ("process", OutputProcessor, "process"), ("accept", st.SequenceGrammar, "accept"),
+        ("mask bytes", st.SequenceGrammar, "mask_bytes"), ("batch fill", st.StructuredOutputManager, "fill_masks"),
+        ("send masks", le, "send_masks"), ("attach", LaunchedStep, "attach_masks"),
+        ("sampler", sm.Sampler, "__call__"), ("mask apply", sm, "apply_token_masks"),
+        ("new grammar", st.StructuredOutputManager, "new_grammar"),
+    ]
+
+
+# The grammar's own host work, disjoint phases: matcher advance (with the fill a completed
+# grammar needs), the builder's per-row fill for the wire, the batched fill of masks that
+# follow a step, the sampler's mask step, and a request's new matcher.
+GRAMMAR_PHASES = ("accept", "mask bytes", "batch fill", "mask apply", "new grammar")
+
+
+class PhaseClock:
+    def __init__(self, sync_debug: bool = False) -> None:
+        self.seconds: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
+        self._sync_debug = sync_debug
+        self._saved: list[tuple[object, str, object]] = []
+        self._warnings = None
+
+    def __enter__(self) -> PhaseClock:
+        for phase, owner, name in _targets():
+            fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, self._timed(phase, fn))
+        if self._sync_debug:
+            import torch
+
+            if torch.cuda.is_available():
+                self._warnings = warnings.catch_warnings()
+                self._warnings.__enter__()
+                warnings.simplefilter("always")
+                warnings.showwarning = self._record_sync
+                torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
+        if self._warnings is not None:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
+            self._warnings = None
+
+    def _timed(self, phase: str, fn):
+        seconds, calls = self.seconds, self.calls
+
+        def timed(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                seconds[phase] += time.perf_counter() - start
+                calls[phase] += 1
+
+        return timed
+
+    def _record_sync(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack() if "/streamkv/" in f.filename and "step_phases" not in f.filename]
+        where = f"{frames[-1].filename.rsplit('/streamkv/', 1)[-1]}:{frames[-1].lineno}" if frames else filename
+        self.syncs[where] += 1
+
+    def grammar_seconds(self) -> float:
+        return sum(self.seconds[p] for p in GRAMMAR_PHASES)
+
+    def report(self, steps: int) -> dict:
+        """Per phase: total ms, calls, and ms per engine step."""
+        return {phase: {"ms": round(1e3 * s, 3), "calls": self.calls[phase], "ms_per_step": round(1e3 * s / max(steps, 1), 4)}
+                for phase, s in self.seconds.items()}
+
+
+def print_report(title: str, report: dict, steps: int, syncs: Counter | None = None) -> None:
+    print(f"\n{title}: host time by phase over {steps} engine steps (inclusive)")
+    print(f"{'phase':<12}{'ms':>10}{'calls':>8}{'ms/step':>10}")
+    for phase, r in report.items():
+        print(f"{phase:<12}{r['ms']:>10.2f}{r['calls']:>8}{r['ms_per_step']:>10.3f}")
+    if syncs:
+        print("host-device syncs: " + ", ".join(f"{where} x{n}" for where, n in syncs.most_common(8)))
