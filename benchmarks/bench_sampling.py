@@ -178,6 +178,8 @@ def main() -> int:
     ap.add_argument("--sampler-only", action="store_true", help="time the Sampler alone on random logits")
     ap.add_argument("--vocab-size", type=int, default=None, help="--sampler-only: default the model's")
     ap.add_argument("--calls", type=int, default=20, help="--sampler-only: timed calls per mode")
+    ap.add_argument("--max-prefill-step-ratio", type=float, default=None, help="the prefill cap (0 = off; "
+                    "default: the engine's): it admits prompts by the step times it measures")
     ap.add_argument("--sampler-paths", default="auto", help="comma list: auto (the Sampler's dispatch: the "
                     "kernel on CUDA), torch (its torch reference path); in-process executor only")
     ap.add_argument("--profile-steps", type=int, default=0, help="then per case, GPU ms per step over a run of "
@@ -205,9 +207,10 @@ def main() -> int:
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     per_seq = -(-(args.prompt_len + args.output_len) // 16) + 1
     blocks = args.num_kv_blocks or (min(args.num_requests, args.max_num_seqs) * per_seq + 16 if on_cpu else None)
+    extra = {} if args.max_prefill_step_ratio is None else {"max_prefill_step_ratio": args.max_prefill_step_ratio}
     llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks, num_swap_blocks=0,
-              distributed_executor_backend=args.distributed_executor_backend)
+              distributed_executor_backend=args.distributed_executor_backend, **extra)
     vocab = load_config(resolve_model_dir(args.model))["vocab_size"]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
@@ -220,11 +223,13 @@ def main() -> int:
     cases = [(m, p) for p in paths for m in modes]
     name = {c: c[0] if len(paths) == 1 else f"{c[0]}/{c[1]}" for c in cases}
     for mode in modes:  # warm-up: kernels, graphs, allocator
-        run_mode(llm, prompts[:8], mode_params(mode, 8, min(args.output_len, 8)))
+        warm = min(8, len(prompts))
+        run_mode(llm, prompts[:warm], mode_params(mode, warm, min(args.output_len, 8)))
     times: dict[tuple, list[float]] = {c: [] for c in cases}
     sampler_ms: dict[tuple, list[float]] = {c: [] for c in cases}
     step_ms: dict[tuple, list[float]] = {c: [] for c in cases}
     overlap: dict[tuple, list[float]] = {c: [] for c in cases}
+    steps: dict[tuple, list[int]] = {c: [] for c in cases}
     for _ in range(args.rounds):
         for case in cases:
             mode, path = case
@@ -238,6 +243,7 @@ def main() -> int:
                 sampler_ms[case].append(1e3 * seconds / max(calls, 1))
                 step_ms[case].append(1e3 * times[case][-1] / max(calls, 1))
                 overlap[case].append((llm.engine.overlapped_steps - overlapped) / max(calls, 1))
+                steps[case].append(calls)
             print(f"{name[case]}: {times[case][-1]:.2f}s", flush=True)
     gpu_ms: dict[tuple, float] = {}
     if args.profile_steps and clock is not None and not on_cpu:
@@ -258,6 +264,7 @@ def main() -> int:
             row["sampler_ms_per_step"] = statistics.median(sampler_ms[case])
             row["wall_ms_per_step"] = statistics.median(step_ms[case])
             row["overlapped_fraction"] = statistics.median(overlap[case])
+            row["steps"] = statistics.median(steps[case])
         if case in gpu_ms:
             row["gpu_ms_per_step"] = gpu_ms[case]
         rows.append(row)
@@ -270,7 +277,7 @@ def main() -> int:
           f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
           f"median of {args.rounds}")
     print(f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
-          f"{'overlap':>8}{'GPU ms/step':>12}")
+          f"{'steps':>7}{'overlap':>8}{'GPU ms/step':>12}")
     for r in rows:
         ratio = f"{r['vs_greedy']:.3f}" if r["vs_greedy"] is not None else "-"
 
@@ -278,7 +285,7 @@ def main() -> int:
             return format(r[key], fmt) if key in r else "-"
 
         print(f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}{r['output_tok_s']:>11.1f}{ratio:>10}"
-              f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('overlapped_fraction'):>8}"
+              f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('steps', '.0f'):>7}{f('overlapped_fraction'):>8}"
               f"{f('gpu_ms_per_step'):>12}")
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:

@@ -39,6 +39,13 @@ def _kernel(dtype: str, device: int) -> nvrtc.Kernel:
     return module.kernel(kernel_name(dtype))
 
 
+def load(device: torch.device) -> None:
+    """Compile (or fetch from the disk cache) and load the program now, so that no step pays
+    for it: a first compile takes seconds, and step times feed the prefill cap's fit."""
+    for t in DTYPES:
+        _kernel(launch.DTYPE_NAMES[t], launch.device_index(device))
+
+
 def draw_table(rows: list[int], modes: list[int], temperatures: list[float], top_ps: list[float],
                min_ps: list[float], bases: np.ndarray) -> torch.Tensor:
     """The kernel's per-draw records (int32 [draws, 8], on the host): ``bases`` are uint64

@@ -85,6 +85,10 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        if torch.device(device).type == "cuda":
+            from streamkv.kernels import sampling_cuda
+
+            sampling_cuda.load(torch.device(device))  # at start-up, not in the first step
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> SampledBatch:
         if logits.is_cuda and logits.dtype in _KERNEL_DTYPES and logits.stride(-1) == 1:
