@@ -78,7 +78,9 @@ class SampleRequest:
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.has_penalties or self.logit_bias or self.banned_token_ids or self.token_mask is not None)
+        """Whether the sampler changes this row's logits before drawing (then in float32)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.banned_token_ids or self.token_mask is not None)
 
 
 class Sampler:
@@ -145,14 +147,12 @@ class Sampler:
         every draw is final on the device when this returns (no deferred rounds)."""
         from streamkv.kernels import sampling_cuda as kernel
 
-        if any(r.adjusts_logits for r in reqs):
+        vocab, dev = logits.shape[1], logits.device
+        draws, modes, table, adjust = _kernel_plan(reqs, vocab)
+        if adjust:
             logits = logits.float()  # penalties, bias and masks in float32, as in the torch path
             _adjust(logits, reqs)
-        vocab, dev = logits.shape[1], logits.device
-        draws = _draws(reqs)
         chosen = torch.empty(len(draws), dtype=torch.long, device=dev)
-        modes = [kernel.GREEDY if r.temperature <= 0 else kernel.SCORE if 0 < r.top_k < vocab
-                 else kernel.SAMPLE if r.seed is not None else kernel.SAMPLE | kernel.UNSEEDED for _, r, _ in draws]
         top_k = [(k, *d) for k, (d, m) in enumerate(zip(draws, modes)) if m == kernel.SCORE]
         if top_k:
             picked = top_k_draws(logits, top_k, self.generator)
@@ -160,17 +160,10 @@ class Sampler:
                 chosen = picked
             else:
                 chosen[_on(dev, [p[0] for p in top_k])] = picked
-        seeded = [k for k, m in enumerate(modes) if m == kernel.SAMPLE]
-        bases = np.zeros(len(draws), dtype=np.uint64)
-        if seeded:
-            bases[seeded] = stream_bases([draws[k][1].seed for k in seeded], [draws[k][2] for k in seeded],
-                                         [draws[k][1].output_pos for k in seeded])
         random_bases = None
         if kernel.SAMPLE | kernel.UNSEEDED in modes:
             random_bases = torch.randint(0, 2**62, (len(draws),), dtype=torch.int64, device=dev,
                                          generator=self.generator)
-        table = kernel.draw_table([d[0] for d in draws], modes, [d[1].temperature for d in draws],
-                                  [d[1].top_p for d in draws], [d[1].min_p for d in draws], bases)
         chosen_lp = kernel.sample(logits, _on(dev, table), chosen, random_bases)
         asks, top = _top_logprobs(logits, reqs, torch.float32)
         return SampledBatch(list(reqs), chosen, chosen_lp, asks, top)
@@ -182,6 +175,38 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _draws(reqs: Sequence[SampleRequest]) -> list[tuple[int, SampleRequest, int]]:
     """One draw per output sample: (row, request, sample index)."""
     return [(i, r, r.sample_index + j) for i, r in enumerate(reqs) for j in range(r.num_samples)]
+
+
+def _kernel_plan(reqs: Sequence[SampleRequest], vocab: int) -> tuple[list[tuple], list[int], torch.Tensor, bool]:
+    """One pass over the requests for the kernel path: the draws (row, request, sample
+    index), each draw's kernel mode, the kernel's draw table (on the host) and whether any
+    row adjusts its logits first."""
+    from streamkv.kernels import sampling_cuda as kernel
+
+    draws, modes, temperatures, top_ps, min_ps, seeded = [], [], [], [], [], []
+    adjust = False
+    for i, r in enumerate(reqs):
+        adjust = adjust or r.adjusts_logits
+        if r.temperature <= 0:
+            mode = kernel.GREEDY
+        elif 0 < r.top_k < vocab:
+            mode = kernel.SCORE  # torch.topk draws it; the kernel scores its logprob
+        else:
+            mode = kernel.SAMPLE if r.seed is not None else kernel.SAMPLE | kernel.UNSEEDED
+        for j in range(r.num_samples):
+            if mode == kernel.SAMPLE:
+                seeded.append(len(draws))
+            draws.append((i, r, r.sample_index + j))
+            modes.append(mode)
+            temperatures.append(r.temperature)
+            top_ps.append(r.top_p)
+            min_ps.append(r.min_p)
+    bases = np.zeros(len(draws), dtype=np.uint64)
+    if seeded:
+        bases[seeded] = stream_bases([draws[k][1].seed for k in seeded], [draws[k][2] for k in seeded],
+                                     [draws[k][1].output_pos for k in seeded])
+    table = kernel.draw_table([d[0] for d in draws], modes, temperatures, top_ps, min_ps, bases)
+    return draws, modes, table, adjust
 
 
 def _top_logprobs(x: torch.Tensor, reqs: Sequence[SampleRequest], dtype: torch.dtype | None):

@@ -50,6 +50,26 @@ def test_draw_table_layout() -> None:
     assert sampling_cuda.threads_for(8, torch.float32) == 32
 
 
+def test_kernel_plan_modes_draws_and_keys() -> None:
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from streamkv.kernels import sampling_cuda as k
+    from streamkv.layers.sampler import _kernel_plan
+
+    reqs = [SampleRequest(), SampleRequest(temperature=0.8, top_p=0.9, seed=5, output_pos=7, num_samples=2,
+                                           sample_index=1),
+            SampleRequest(temperature=1.0, top_k=40), SampleRequest(temperature=0.5, top_k=10**6, min_p=0.1),
+            SampleRequest(temperature=0.7, seed=3)]
+    draws, modes, table, adjust = _kernel_plan(reqs, 1000)
+    assert [(d[0], d[2]) for d in draws] == [(0, 0), (1, 1), (1, 2), (2, 0), (3, 0), (4, 0)]
+    assert modes == [k.GREEDY, k.SAMPLE, k.SAMPLE, k.SCORE, k.SAMPLE | k.UNSEEDED, k.SAMPLE] and not adjust
+    t = table.numpy()
+    assert t[:, 0].tolist() == [0, 1, 1, 2, 3, 4] and t[:, 1].tolist() == modes
+    bases = t[:, 2:4].copy().view(np.uint64).ravel()
+    assert bases[[1, 2, 5]].tolist() == stream_bases([5, 5, 3], [1, 2, 0], [7, 7, 0]).tolist()
+    np.testing.assert_array_equal(t[4, 4:7].view(np.float32), np.float32([0.5, 1.0, 0.1]))
+    assert _kernel_plan([SampleRequest(), SampleRequest(banned_token_ids=[3])], 1000)[3]
+
+
 def test_round_keys_from_a_base_are_stream_keys() -> None:
     # What the kernel computes per round (round_key): fold(mix64(base ^ round)).
     seeds, samples, positions = [1, -7, 2**64 + 3, 42], [0, 1, 2, 0], [0, 5, 9, 1000]
