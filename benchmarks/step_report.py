@@ -10,20 +10,25 @@ of steps later, with contexts several times longer (at 256 rows a decode-only st
 7.3 ms at p50 and 12.3 at p99 over session 6's run: the context, not the batch). So the
 ratio's denominator is the decode-only step time at the prompt step's own decode rows and
 context tokens, from a least-squares fit of the run's decode-only steps,
-``t = alpha + beta*decodes + gamma*context_tokens`` (the decode graph reads the weights once,
-each row's K/V once; its misses are reported). Session 6's figure, the median of decode-only
-steps within +-16 decodes anywhere in the run, is kept beside it as ``run_wide``.
+``t = alpha + beta*batch + gamma*context_tokens + delta_k*[context bucket k]`` over the decode
+graphs' shapes (worker/cuda_graphs.py: the batch padded to a captured size, the longest
+context's bucket sizing the attention grid), which read the weights once and each row's K/V
+once; its misses are reported. Session 6's figure, the median of decode-only steps within
++-16 decodes anywhere in the run, is kept beside it as ``run_wide``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from bisect import bisect_left
 
 # One record per step, in this order (the JSON's "records"): decode rows, prompt tokens, prompt
-# spans, context tokens behind the decode rows, device ms, wall ms since the step before, and
-# the cap's fit's prediction for the step in ms (None while the fit is not usable).
-RECORD_FIELDS = ("decodes", "prompt_tokens", "spans", "context_tokens", "ms", "wall_ms", "fit_ms")
+# spans, context tokens behind the decode rows and the longest of them, device ms, wall ms since
+# the step before, and the cap's fit's prediction in ms for the step and for a decode-only step
+# of its decode rows (None while the fit is not usable).
+RECORD_FIELDS = ("decodes", "prompt_tokens", "spans", "context_tokens", "max_context", "ms", "wall_ms", "fit_ms",
+                 "fit_decode_ms")
 
 
 def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
@@ -43,10 +48,11 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
     def timed_complete(step, finished_only):
         out = step.sched
         rows = [s for s in out.scheduled if s.num_new_tokens == 1]
-        context = sum(len(s.seq) for s in rows)  # before this step's token is appended
+        lengths = [len(s.seq) for s in rows]  # before this step's token is appended
         decode = out.num_decodes  # a prompt's one-token last chunk is a prompt token
         prompt = out.num_batched_tokens - decode
         fit = cost.predict(decode, prompt) if decode else None  # the fit as the cap last saw it
+        fit_decode = cost.predict(decode, 0) if decode else None
         outputs = complete(step, finished_only)
         now = time.perf_counter()
         wall, last[0] = now - last[0], now
@@ -56,7 +62,9 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
             # wall: since the step before was completed (one step's share of the run's time)
             steps.append({"step": len(steps), "prompt_tokens": prompt, "decodes": decode, "ms": ms,
                           "wall_ms": 1e3 * wall, "spans": len(out.scheduled) - len(rows),
-                          "context_tokens": context, "fit_ms": None if fit is None else 1e3 * fit})
+                          "context_tokens": sum(lengths), "max_context": max(lengths, default=0),
+                          "fit_ms": None if fit is None else 1e3 * fit,
+                          "fit_decode_ms": None if fit_decode is None else 1e3 * fit_decode})
         return outputs
 
     engine._complete = timed_complete
@@ -76,22 +84,43 @@ def run_streamkv_steps(llm, requests) -> tuple[float, dict]:
     return elapsed, summarize(steps, ttft, engine, elapsed)
 
 
+def _graph_shape(engine):
+    """The decode graphs' batch sizes and context buckets on this engine (worker/cuda_graphs.py)."""
+    from streamkv.worker.cuda_graphs import capture_sizes, context_buckets
+
+    return capture_sizes(engine.config.scheduler.max_num_seqs), context_buckets(engine.model_info.max_model_len)
+
+
 def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def decode_only_fit(pure: list[dict]) -> tuple[tuple[float, float, float], dict] | None:
-    """(alpha, beta, gamma) of the decode-only steps' ms against (1, decodes, context tokens),
-    and the spread of their misses; None with too few steps to fit."""
+def decode_only_fit(pure: list[dict], sizes: list[int], buckets: list[int]):
+    """A function (decodes, context tokens, longest context) -> ms of a decode-only step,
+    fitted on the run's decode-only steps over the graphs' shapes (see the module docstring),
+    its coefficients and the spread of its misses; None with too few steps to fit."""
     import numpy as np
 
     if len(pure) < 8:
         return None
-    x = np.array([[1.0, s["decodes"], s["context_tokens"]] for s in pure])
+
+    def features(decodes: int, context: int, longest: int) -> list[float]:
+        batch = sizes[min(bisect_left(sizes, decodes), len(sizes) - 1)]
+        bucket = min(bisect_left(buckets, longest), len(buckets) - 1)
+        return [1.0, float(batch), float(context)] + [float(bucket == k) for k in range(1, len(buckets))]
+
+    x = np.array([features(s["decodes"], s["context_tokens"], s["max_context"]) for s in pure])
     t = np.array([s["ms"] for s in pure])
-    coef, *_ = np.linalg.lstsq(x, t, rcond=None)
+    coef, *_ = np.linalg.lstsq(x, t, rcond=None)  # a bucket no step reached gets 0 (least norm)
     miss = sorted((t / (x @ coef)).tolist())
-    return tuple(float(c) for c in coef), {"p1": _pct(miss, 0.01), "p50": _pct(miss, 0.5), "p99": _pct(miss, 0.99)}
+
+    def predict(decodes: int, context: int, longest: int) -> float:
+        return float(np.dot(coef, features(decodes, context, longest)))
+
+    named = {"alpha": coef[0], "beta_per_batch_row": coef[1], "gamma_per_context_token": coef[2],
+             **{f"delta_bucket_{b}": coef[2 + k] for k, b in enumerate(buckets[1:], start=1)}}
+    return predict, {k: float(v) for k, v in named.items()}, {
+        "p1": _pct(miss, 0.01), "p50": _pct(miss, 0.5), "p99": _pct(miss, 0.99)}
 
 
 def _ratio_summary(compared: list[dict]) -> dict:
@@ -108,17 +137,15 @@ def summarize(steps: list[dict], ttft: list[float], engine, elapsed: float) -> d
     # A step without decodes has no decode-only step of its batch, and no request waits on it
     # for a token (the cap leaves it the whole budget): it is reported apart.
     beside = [s for s in mixed if s["decodes"]]
-    fit = decode_only_fit(pure)
+    fit = decode_only_fit(pure, *_graph_shape(engine))
     same_batch = None
     if fit is not None:
-        (alpha, beta, gamma), misses = fit
+        predict, coefficients, misses = fit
         rows = []
         for s in beside:
-            peer = alpha + beta * s["decodes"] + gamma * s["context_tokens"]
+            peer = predict(s["decodes"], s["context_tokens"], s["max_context"])
             rows.append({**s, "decode_step_ms": peer, "ratio": s["ms"] / peer})
-        same_batch = {**_ratio_summary(rows), "fit_ms": {"alpha": alpha, "beta_per_decode": beta,
-                                                         "gamma_per_context_token": gamma},
-                      "fit_misses": misses}
+        same_batch = {**_ratio_summary(rows), "fit_ms": coefficients, "fit_misses": misses}
     # Session 6's: the median decode-only step within +-16 decodes, anywhere in the run.
     run_wide, prefill_only = [], []
     for s in mixed:
@@ -145,7 +172,9 @@ def summarize(steps: list[dict], ttft: list[float], engine, elapsed: float) -> d
                         "warmup_ms": 1e3 * warmup.seconds if warmup else 0.0,
                         "warmup_steps": len(warmup.samples) if warmup else 0,
                         # how far below the ratio the cap aimed at the end, per decode band
-                        "margins": cost.margins(), "coefficients": cost.coefficients()},
+                        "margins": cost.margins(), "coefficients": cost.coefficients(),
+                        "padded_fit": cost.padded,
+                        "warmup_samples": [[d, p, 1e3 * t] for d, p, t in warmup.samples] if warmup else []},
         "prompt_step_share_of_time": sum(s["ms"] for s in mixed) / max(sum(s["ms"] for s in steps), 1e-9),
         "ttft_s": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99)},
         "max_prompt_tokens_per_step": max((s["prompt_tokens"] for s in steps), default=0),
@@ -173,10 +202,11 @@ def print_step_report(rep: dict) -> None:
     same, wide, cap = rep["prompt_vs_decode_step"], rep["prompt_vs_decode_step_run_wide"], rep["prefill_cap"]
     if same is not None:
         f, m = same["fit_ms"], same["fit_misses"]
+        buckets = ", ".join(f"+{v:.2f} at {k[13:]}" for k, v in f.items() if k.startswith("delta_bucket_"))
         _print_ratios("decode-only step of the same rows and contexts", same,
-                      f"\n    (decode-only ms = {f['alpha']:.3f} + {f['beta_per_decode']:.5f} * decodes + "
-                      f"{f['gamma_per_context_token']:.3e} * context tokens; measured / fitted p1 {m['p1']:.3f}, "
-                      f"p50 {m['p50']:.3f}, p99 {m['p99']:.3f})")
+                      f"\n    (decode-only ms = {f['alpha']:.3f} + {f['beta_per_batch_row']:.5f} * graph batch + "
+                      f"{f['gamma_per_context_token']:.3e} * context tokens, by the longest context's bucket: "
+                      f"{buckets}; measured / fitted p1 {m['p1']:.3f}, p50 {m['p50']:.3f}, p99 {m['p99']:.3f})")
         for w in same["worst"][:5]:
             print(f"    step {w['step']:>5}: {w['decodes']:>3} decodes ({w['context_tokens']:>6} context) + "
                   f"{w['prompt_tokens']:>4} prompt tokens in {w['spans']:>2} spans {w['ms']:7.2f} ms vs "
@@ -187,6 +217,7 @@ def print_step_report(rep: dict) -> None:
     margins = ", ".join(f"{k} {v:.3f}" for k, v in cap["margins"].items() if v is not None) or "none yet"
     print(f"  prefill cap {cap['ratio']}: fit seeded at start: {'yes' if cap['seeded'] else 'no'} "
           f"({cap['warmup_steps']} timed warm-up steps, {cap['warmup_ms']:.0f} ms in all); "
-          f"aimed at ratio / margin at the end, by decode band: {margins}")
+          f"aimed at ratio / margin at the end, by decode band: {margins}; mixed steps fitted by "
+          f"{'their graph size' if cap['padded_fit'] else 'their tokens'}")
     print(f"  time to first token (all arrive at once): p50 {rep['ttft_s']['p50']:.2f} s, "
           f"p99 {rep['ttft_s']['p99']:.2f} s")

@@ -11,7 +11,7 @@ decode-only step of the same decode batch. A step with no decodes keeps the whol
 The prediction is a linear model of the step's time on the device, fitted online from the
 steps with decodes that the engine has run (the only ones it caps):
 
-    t = a + b*decodes + c*prompt_tokens + [prompt_tokens > 0] * (e + f*decodes)
+    t = a + b*decodes + c*prompt_rows + [prompt_tokens > 0] * (e + f*decodes)
 
 Weights are read once a step and each row costs its share of the matmuls; a step with prompt
 tokens runs the piecewise-graph path with eager attention (a fixed cost, e), and its decode
@@ -24,6 +24,16 @@ out of the fit: a full 2,048-token prefill runs its matmuls more efficiently per
 the few hundred tokens of a capped step, and would pull c below what capped steps cost. It
 is a least-squares fit over exponentially weighted past steps, so it follows the device,
 the model and the run's growing contexts without constants.
+
+A mixed step's matmuls run in a piecewise graph of the smallest captured token count that
+holds the step (worker/piecewise_graphs.py: 16, 32, 64, then multiples of 128), so the step
+costs as many rows as that size: 25 decodes + 235 prompt tokens ran as 384 rows (session 7:
+the fit's misses correlated 0.67 with those padding rows, and half of their spread was
+them). Given those sizes (``token_sizes``, from the warm-up), a second fit counts a mixed
+step's prompt rows as ``size - decodes``, and the cap takes prompt tokens up to the end of a
+size: the padding rows do prompt work for free. Which fit predicts is decided by their misses
+(the seed's own residuals first): without graphs (a CPU, ``enforce_eager``) the sizes explain
+nothing and the unpadded fit stays.
 
 Seeded at start (engine/step_warmup.py): the engine times a few deliberate steps that span
 the terms (decode-only and mixed at several batches, two without decodes) and hands them to
@@ -54,84 +64,14 @@ Torch-free: the scheduler imports it.
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_right
+from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-# Each new step weighs 1, older ones decay: ~200 steps of memory, so the fit follows a
-# shift in context lengths over a run but is not thrown by a single slow step.
-DECAY = 0.995
+from streamkv.core.step_cost_fit import BANDS, Features, LinearFit, band_of
+
 MIN_STEPS = 32  # observations before the cap applies, without a seed
-# The seed's weight in steps: at start, and the least it decays to (see the module docstring).
-PRIOR_WEIGHT = 32.0
-PRIOR_FLOOR = 1.0
-# The margin covers misses up to this many spreads above their mean (~99.9% of normal
-# misses): issue 18 asks for every prompt step within the ratio, not 98% of them.
-TAIL_Z = 3.0
-MIN_MISSES = 8.0  # weighted mixed steps a band must have seen before its own margin applies
-MARGIN_RANGE = (0.5, 2.0)  # a margin outside says the fit is wrong, not noisy: clipped
-BANDS = (16, 64, 128, 192)  # decode batches whose misses are kept apart: [1, 16), [16, 64), ...
 MAX_HELD_STEPS = 8  # steps with decodes that may carry no prompt tokens in a row (see above)
-TERMS = 5  # intercept, decodes, prompt tokens, "has prompt tokens", decodes * "has prompt tokens"
-
-
-def _features(decodes: int, prompt_tokens: int) -> tuple[float, ...]:
-    mixed = 1.0 if prompt_tokens else 0.0
-    return (1.0, float(decodes), float(prompt_tokens), mixed, decodes * mixed)
-
-
-def _accumulate(xx: list[list[float]], xt: list[float], x: tuple[float, ...], t: float, keep: float,
-                weight: float = 1.0) -> None:
-    """xx = keep * xx + weight * x x^T, xt = keep * xt + weight * x t."""
-    for i, xi in enumerate(x):
-        xt[i] = keep * xt[i] + weight * xi * t
-        row = xx[i]
-        for j, xj in enumerate(x):
-            row[j] = keep * row[j] + weight * xi * xj
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solves m x = v (m symmetric, positive semi-definite) by Gaussian elimination with
-    partial pivoting; None when m is near singular (the observations cannot tell the terms
-    apart). The terms' scales differ by ~10^6 (a prompt-token count against the 0/1 mixed
-    term), so m is first scaled to a unit diagonal: near singular then means a condition of
-    about 10^9 whatever the units, not a pivot small against the largest entry."""
-    n = len(v)
-    d = [m[i][i] ** 0.5 if m[i][i] > 0 else 0.0 for i in range(n)]
-    if not all(d):
-        return None  # a term never seen
-    a = [[m[i][j] / (d[i] * d[j]) for j in range(n)] + [v[i] / d[i]] for i in range(n)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-9:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            for k in range(col, n + 1):
-                a[r][k] -= f * a[col][k]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
-    return [x[i] / d[i] for i in range(n)]
-
-
-def _fit(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """The model's coefficients from its normal equations; where the steps cannot tell the
-    decode rows' mixed-step cost apart (one decode batch only, as with max_num_seqs 1), the
-    model without it (f = 0, session 6's); None when neither can be solved."""
-    coef = _solve(m, v)
-    if coef is None:
-        k = TERMS - 1
-        coef = _solve([row[:k] for row in m[:k]], v[:k])
-        if coef is not None:
-            coef.append(0.0)
-    return coef
-
-
-def _zeros() -> list[list[float]]:
-    return [[0.0] * TERMS for _ in range(TERMS)]
 
 
 @dataclass(slots=True)
@@ -140,18 +80,12 @@ class StepCostModel:
 
     ratio: float  # allowed (step with prompts) / (decode-only step); <= 1 disables the cap
     min_chunk: int = 16  # the least a prompt advances by in a step that carries any of it
+    # The token counts a mixed step's matmuls are padded to (sorted; empty: unknown).
+    token_sizes: tuple[int, ...] = ()
     steps: int = 0  # real steps with decodes observed
-    _xx: list[list[float]] = field(default_factory=_zeros)
-    _xt: list[float] = field(default_factory=lambda: [0.0] * TERMS)
-    # The seed (``seed``): its sums with weights summing to 1, and its weight now, in steps.
-    _prior_xx: list[list[float]] = field(default_factory=_zeros)
-    _prior_xt: list[float] = field(default_factory=lambda: [0.0] * TERMS)
-    _prior_weight: float = 0.0
-    # Per band of decode batch (BANDS): log(measured / predicted) of steps with decodes and
-    # prompt tokens, as [weighted count, sum, sum of squares].
-    _misses: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0] for _ in range(len(BANDS) + 1)])
+    _raw: LinearFit = field(default_factory=lambda: LinearFit(MIN_STEPS))
+    _padded: LinearFit = field(default_factory=lambda: LinearFit(MIN_STEPS))
     _since_prompt: int = 0  # steps with decodes since one last carried prompt tokens
-    _coef: list[float] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -159,24 +93,47 @@ class StepCostModel:
 
     @property
     def seeded(self) -> bool:
-        return self._prior_weight > 0
+        return self._raw.prior_weight > 0
 
-    def seed(self, samples: Iterable[tuple[int, int, float]]) -> bool:
+    @property
+    def padded(self) -> bool:
+        """Whether the fit that predicts counts mixed steps' rows padded to ``token_sizes``."""
+        return bool(self.token_sizes) and self._padded.mean_square_miss < self._raw.mean_square_miss
+
+    def _rows(self, decodes: int, prompt_tokens: int) -> int:
+        """The prompt rows a mixed step's matmuls run: its tokens padded to a size, less its decodes."""
+        sizes = self.token_sizes
+        i = bisect_left(sizes, decodes + prompt_tokens)
+        return sizes[i] - decodes if prompt_tokens and i < len(sizes) else prompt_tokens
+
+    def _features(self, decodes: int, prompt_tokens: int, padded: bool) -> Features:
+        mixed = 1.0 if prompt_tokens else 0.0
+        rows = self._rows(decodes, prompt_tokens) if padded else prompt_tokens
+        return (1.0, float(decodes), float(rows), mixed, decodes * mixed)
+
+    def _fits(self) -> tuple[tuple[LinearFit, bool], ...]:
+        return ((self._raw, False), (self._padded, True)) if self.token_sizes else ((self._raw, False),)
+
+    def _fit(self) -> tuple[LinearFit, bool]:
+        return (self._padded, True) if self.padded else (self._raw, False)
+
+    def seed(self, samples: Iterable[tuple[int, int, float]], token_sizes: Iterable[int] = ()) -> bool:
         """Timed warm-up steps, (decodes, prompt tokens, seconds) each, as the fit's prior
-        (see the module docstring). Returns whether they make the fit usable on their own;
-        if they do not (too few kinds of step, or the prompt tokens seem free), they are
-        dropped and the cap waits for ``MIN_STEPS`` real steps as without a seed."""
-        rows = [(_features(d, p), t) for d, p, t in samples if t > 0]
-        if not self.enabled or not rows:
+        (see the module docstring), and the token counts mixed steps are padded to if known.
+        Returns whether they make the fit usable on their own; if they do not (too few kinds
+        of step, or the prompt tokens seem free), they are dropped and the cap waits for
+        ``MIN_STEPS`` real steps as without a seed."""
+        samples = [(d, p, t) for d, p, t in samples if t > 0]
+        if not self.enabled or not samples:
             return False
-        xx, xt = _zeros(), [0.0] * TERMS
-        for x, t in rows:
-            _accumulate(xx, xt, x, t, 1.0, 1.0 / len(rows))
-        coef = _fit(xx, xt)
-        if coef is None or coef[2] <= 0:
+        self.token_sizes = tuple(sorted(set(token_sizes)))
+        usable = [fit.seed([(self._features(d, p, padded), t) for d, p, t in samples])
+                  for fit, padded in self._fits()]
+        if not usable[0]:
+            self.token_sizes, self._raw, self._padded = (), LinearFit(MIN_STEPS), LinearFit(MIN_STEPS)
             return False
-        self._prior_xx, self._prior_xt, self._prior_weight = xx, xt, PRIOR_WEIGHT
-        self._coef = None
+        if not usable[-1]:
+            self.token_sizes, self._padded = (), LinearFit(MIN_STEPS)
         return True
 
     def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
@@ -184,47 +141,27 @@ class StepCostModel:
         Steps without decodes are not capped, so they do not enter the fit."""
         if not self.enabled or seconds <= 0 or not decodes:
             return
-        if prompt_tokens:
-            self._observe_miss(decodes, prompt_tokens, seconds)
-            self._since_prompt = 0
-        else:
-            self._since_prompt += 1
-        _accumulate(self._xx, self._xt, _features(decodes, prompt_tokens), seconds, DECAY)
-        if self._prior_weight:
-            self._prior_weight = max(PRIOR_FLOOR, self._prior_weight * DECAY)
+        self._since_prompt = 0 if prompt_tokens else self._since_prompt + 1
+        for fit, padded in self._fits():
+            fit.observe(self._features(decodes, prompt_tokens, padded), seconds, decodes)
         self.steps += 1
-        self._coef = None
 
     def predict(self, decodes: int, prompt_tokens: int) -> float | None:
         """The fit's time for a step, or None while it is not usable."""
-        coef = self.coefficients()
-        if coef is None:
-            return None
-        return sum(k * x for k, x in zip(coef, _features(decodes, prompt_tokens)))
+        fit, padded = self._fit()
+        return fit.predict(self._features(decodes, prompt_tokens, padded))
 
-    def _observe_miss(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        predicted = self.predict(decodes, prompt_tokens)
-        if predicted is None or predicted <= 0:
-            return
-        x = math.log(seconds / predicted)
-        for band, m in enumerate(self._misses):  # every band ages with each miss, so stale ones fade
-            hit = band == bisect_right(BANDS, decodes)
-            m[0], m[1], m[2] = DECAY * m[0] + hit, DECAY * m[1] + hit * x, DECAY * m[2] + hit * x * x
-
-    def _band_margin(self, band: int) -> float | None:
-        n, total, squares = self._misses[band]
-        if n < MIN_MISSES:
-            return None
-        mean = total / n
-        spread = max(squares / n - mean * mean, 0.0) ** 0.5
-        lo, hi = MARGIN_RANGE
-        return min(hi, max(lo, math.exp(mean + TAIL_Z * spread)))
+    def coefficients(self) -> tuple[float, ...] | None:
+        """(a, b, c, e, f) of the model in the module docstring, or None while not usable."""
+        coef = self._fit()[0].coefficients()
+        return None if coef is None else tuple(coef)
 
     def margin(self, decodes: int) -> float:
         """How far above its prediction a mixed step beside ``decodes`` decode rows runs, at
         the tail of the fit's misses in its band; the largest band's where its own has seen
         too few (1.0 until any band has enough)."""
-        own = self._band_margin(bisect_right(BANDS, decodes))
+        fit = self._fit()[0]
+        own = fit.band_margin(band_of(decodes))
         if own is not None:
             return own
         return max((m for m in self.margins().values() if m is not None), default=1.0)
@@ -233,27 +170,16 @@ class StepCostModel:
         """Each band's margin (None: too few misses seen there), by its decode range."""
         edges = (1, *BANDS)
         names = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, BANDS)] + [f"{BANDS[-1]}+"]
-        return {name: self._band_margin(i) for i, name in enumerate(names)}
-
-    def coefficients(self) -> tuple[float, ...] | None:
-        """(a, b, c, e, f) of the model in the module docstring, or None while not usable."""
-        if self.steps < MIN_STEPS and not self.seeded:
-            return None
-        if self._coef is None:
-            w = self._prior_weight
-            m = [[self._xx[i][j] + w * self._prior_xx[i][j] for j in range(TERMS)] for i in range(TERMS)]
-            v = [self._xt[i] + w * self._prior_xt[i] for i in range(TERMS)]
-            self._coef = _fit(m, v) or []
-        if len(self._coef) != TERMS or self._coef[2] <= 0:
-            return None
-        return tuple(self._coef)
+        fit = self._fit()[0]
+        return {name: fit.band_margin(i) for i, name in enumerate(names)}
 
     def prompt_cap(self, decodes: int) -> int | None:
         """The most prompt tokens a step with ``decodes`` decode rows may carry, or None for
         no cap (no decodes, cap disabled, or the fit not usable yet)."""
         if decodes == 0 or not self.enabled:
             return None
-        coef = self.coefficients()
+        fit, padded = self._fit()
+        coef = fit.coefficients()
         if coef is None:
             return None
         a, b, c, e, f = coef
@@ -262,9 +188,12 @@ class StepCostModel:
             return None
         mixed_fixed = max(e + f * decodes, 0.0)  # what any prompt token beside these decodes adds
         slack = (self.ratio / self.margin(decodes) - 1.0) * decode_only - mixed_fixed
-        tokens = int(slack / c)
-        if tokens >= self.min_chunk:
-            return tokens
+        rows = int(slack / c)
+        if padded:  # up to the end of the largest size that fits: its padding rows come free
+            fitting = [s - decodes for s in self.token_sizes if decodes < s <= decodes + rows]
+            rows = fitting[-1] if fitting else -1  # none: one prompt token pads past the bound
+        if rows >= self.min_chunk:
+            return rows
         return self.min_chunk if self._since_prompt >= MAX_HELD_STEPS else 0
 
     def budget(self, decodes: int, token_budget: int) -> int:

@@ -18,6 +18,10 @@ The steps are synthetic and leave nothing behind:
   as with every freed block (engine/step_pipeline.py);
 - they bypass the scheduler, the output processor and the stats: no request, no counter.
 
+The seed also hands the fit the token counts that the piecewise graphs pad a mixed step to
+(worker/piecewise_graphs.py): the fit counts a step's matmul rows as those of its graph's
+size where that explains the steps' times better (core/step_budget.py).
+
 The timed steps follow two untimed ones (the plan's first decode-only and first mixed steps):
 the first step down a path may pay one-off costs (allocator growth, lazy set-up) that real
 steps do not. Every graph the steps replay was captured, and so run, at start already.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from streamkv.core.step_budget import StepCostModel
 from streamkv.executor.base import Executor
 from streamkv.messages import NewSeq, SeqParams, SeqStep, StepFailed, StepInput
+from streamkv.worker.piecewise_graphs import token_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +169,9 @@ def seed_step_cost(executor: Executor, model: StepCostModel, shape: WarmupShape,
         samples = []
     if held:  # the workers forget the last step's sequences and its pending-token rows
         _run(executor, StepInput(finished_ids=held))
-    usable = model.seed(samples)
+    # The sizes the piecewise graphs pad a mixed step to, if the workers run them (on a GPU
+    # without enforce_eager): the fit tells from the steps' times whether they do.
+    usable = model.seed(samples, token_buckets(shape.token_budget))
     report = WarmupReport(samples, time.perf_counter() - start, usable)
     logger.info("prefill cap: %d warm-up steps in %.0f ms; the step-cost fit is %s", len(primers + points),
                 1e3 * report.seconds, "usable from the first step" if usable else "not seeded")

@@ -196,7 +196,7 @@ def _capped_run(noise: float, margin: bool, steps: int = 1500, **device) -> floa
     for i in range(steps):
         d = rng.randint(16, 256)
         if not margin:
-            m._misses = [[0.0, 0.0, 0.0] for _ in m._misses]  # what the cap did before it kept its misses
+            m._raw.misses = [[0.0, 0.0, 0.0] for _ in m._raw.misses]  # the cap before it kept its misses
         p = m.prompt_cap(d)
         t = cost(d, p, **device) * math.exp(rng.gauss(0.0, noise))
         m.observe(d, p, t)
@@ -242,3 +242,57 @@ def test_one_decode_batch_only_fits_the_model_without_the_mixed_row_term():
     assert m.coefficients()[4] == 0.0
     assert all(abs(m.predict(1, p) - cost(1, p)) < 0.01 * cost(1, p) for p in (0, 2, 8))
     assert m.prompt_cap(1) is not None
+
+
+# -- mixed steps padded to the piecewise graphs' token counts -------------------------------
+SIZES = (16, 32, 64, *range(128, 2049, 128))  # worker/piecewise_graphs.token_buckets(2048)
+
+
+def padded_cost(d: int, p: int) -> float:
+    """The modelled device running a mixed step at the smallest size that holds it."""
+    return cost(d, next(s for s in SIZES if s >= d + p) - d) if p else cost(d, 0)
+
+
+def test_a_padded_device_is_fitted_by_its_padded_rows_and_capped_at_a_size():
+    m = StepCostModel(ratio=2.0)
+    assert m.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
+    assert m.padded  # the seed's padding rows told the fits apart
+    for d in (20, 100, 139, 250):
+        cap = m.prompt_cap(d)
+        assert d + cap in SIZES  # the padding rows carry prompt tokens
+        assert padded_cost(d, cap) <= 2.0 * cost(d, 0) * (1 + 1e-9)
+        assert padded_cost(d, cap + 1) > 2.0 * cost(d, 0)  # the next size is over
+    # The unpadded fit of the same steps misses them by up to the padding rows' cost.
+    raw = StepCostModel(ratio=2.0)
+    assert raw.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP]) and not raw.padded
+    over = [padded_cost(d, raw.prompt_cap(d)) / (2.0 * cost(d, 0)) for d in range(16, 257, 8)]
+    assert max(over) > 1.05
+
+
+def test_without_padding_the_sizes_explain_nothing_and_the_plain_fit_stays():
+    m = StepCostModel(ratio=2.0)
+    assert m.seed([(d, p, cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
+    assert not m.padded and m.prompt_cap(100) == seeded().prompt_cap(100)
+    feed(m)
+    assert not m.padded
+
+
+def test_real_steps_choose_between_the_fits():
+    """Seeded on a padded device, then run on one that pads no more (graphs off): the misses
+    of the padded fit grow and the plain fit takes over."""
+    m = StepCostModel(ratio=2.0)
+    assert m.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
+    assert m.padded
+    feed(m, n=300)
+    assert not m.padded
+
+
+def test_when_no_size_fits_the_prompt_waits():
+    m = StepCostModel(ratio=1.3)
+    assert m.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
+    m.observe(250, 6, padded_cost(250, 6))
+    # 250 decodes: 6 tokens would fill 256, but even that is over 1.3x.
+    assert padded_cost(250, 6) > 1.3 * cost(250, 0) and m.prompt_cap(250) == 0
+    for _ in range(MAX_HELD_STEPS):
+        m.observe(250, 0, cost(250, 0))
+    assert m.prompt_cap(250) == 16  # waited long enough
