@@ -55,7 +55,8 @@ if [[ " $PARTS " == *" speed "* ]]; then
   # Checks: graphs, sampler, prefill kernel, and async scheduling on CUDA (CUDA tests skip on CPU).
   step tests 150 python3 -m pytest -q -p no:cacheprovider tests/worker/test_piecewise_graphs.py \
     tests/worker/test_sampler.py tests/worker/test_cuda_graphs.py tests/kernels/test_prefill_attention.py \
-    tests/engine/test_async_scheduling_cuda.py tests/worker/test_async_cuda.py tests/executor/test_async_mp_cuda.py
+    tests/engine/test_async_scheduling_cuda.py tests/worker/test_async_cuda.py tests/executor/test_async_mp_cuda.py \
+    tests/kernels/test_sampling_kernel.py
   # The decode GEMV (1-4 rows) and the kernels launched with programmatic dependent launch:
   # every kernel test, the decode matrix in bf16 only (fp16/fp32 in FULL=1's kernel_tests).
   step kernel_checks 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
@@ -111,6 +112,14 @@ if [[ " $PARTS " == *" speed "* ]]; then
       python3 benchmarks/bench_engine_overhead.py --model bench_inputs/smollm2-tokenizer --num-seqs 256 \
         --output-len 256 --modes instant --out "$OUT/overhead_after_$i.json"
     done'
+  # The sampler alone at batch 256 x 128k bf16: the CUDA kernel path against the torch path.
+  step sampler_only 40 python3 benchmarks/bench_sampling.py --sampler-only --device cuda --vocab-size 128256 \
+    --max-num-seqs 256 --calls 20 --json-out "$OUT/sampler_only.json"
+  # Sampling against greedy with the prefill cap off (admission then cannot differ between
+  # modes), the kernel and the torch path in one engine.
+  step sampling_nocap 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
+    --max-num-seqs 256 --max-prefill-step-ratio 0 --sampler-paths auto,torch --modes greedy,temp_top_p \
+    --json-out "$OUT/sampling_nocap.json"
   # Prefill against transformers' contiguous forward (64 x 4000, 256 x 500).
   step prefill_e2e 100 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
 fi
