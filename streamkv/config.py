@@ -106,11 +106,13 @@ class SchedulerConfig:
     seed_prefill_cap: bool = arg(True, "time ~10 synthetic steps at start to seed the prefill cap's step-time "
                                        "fit, so the cap holds from the first step (unseeded it holds once ~32 "
                                        "steps are timed); engine/step_warmup.py")
-    # Off by default: measured slower on the H200 (json_schema / unconstrained 0.48x overlapped
-    # against 0.74x with structured steps in turn, same call; docs/benchmarks.md "Session 6").
-    overlap_structured: bool = arg(False, "with async scheduling, let a step that samples structured-output rows "
-                                          "overlap the next one (the next step's token masks follow its forward; "
-                                          "in-process executor only)")
+    # On a GPU by default: with one fill thread and the one-kernel mask step the H200 ran
+    # json_schema at 0.72x of unconstrained overlapped against 0.57x in turn (batch 64, same
+    # call; docs/benchmarks.md "Session 7"). Off on a CPU, where async scheduling is off too.
+    overlap_structured: bool | None = arg(
+        None, "with async scheduling, let a step that samples structured-output rows overlap the next one "
+              "(the next step's token masks follow its forward; in-process executor only; default: on a GPU, "
+              "off on a CPU)")
     async_scheduling: bool | None = arg(
         None, "schedule and submit the next step while the device runs this one, and process its outputs "
               "while the next runs (engine/step_pipeline.py; default: on a GPU, off on a CPU)")
@@ -141,10 +143,12 @@ class SchedulerConfig:
         gpu = device_type == "cuda"
         ratio = self.max_prefill_step_ratio
         overlap = self.async_scheduling
+        structured = self.overlap_structured
         return replace(
             self,
             max_prefill_step_ratio=(DEFAULT_GPU_PREFILL_STEP_RATIO if gpu else 0.0) if ratio is None else ratio,
             async_scheduling=gpu if overlap is None else overlap,
+            overlap_structured=gpu if structured is None else structured,
         )
 
     @property

@@ -20,7 +20,7 @@ from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
-from streamkv.engine.step_pipeline import InFlight, masks_due, overlappable, send_masks, start_masks
+from streamkv.engine.step_pipeline import InFlight, masks_due, overlappable, send_masks
 from streamkv.engine.step_warmup import WarmupReport, WarmupShape, seed_step_cost
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor
@@ -190,27 +190,22 @@ class LLMEngine:
             self.overlapped_steps += 1
             self.outputs.advance(current.sched, pending=True)
             current.advanced = True
-            following = self._launch(current)
+            following = self._launch()
             if following.handle is None:  # refused, or nothing to run: no need to wait a step
                 return self._complete(current, finished_only) + self._complete(following, finished_only)
             self._inflight = following
             outputs = self._complete(current, finished_only)
-            # The matchers took this step's tokens: the next masks are filled while the next
-            # step is scheduled and built, and sent before it is submitted.
-            start_masks(following, self.structured)
+            send_masks(following, self.structured)  # the matchers took this step's tokens
             return outputs
         return self._complete(current, finished_only)
 
-    def _launch(self, before: InFlight | None = None) -> InFlight:
-        """Schedule a step and hand it to the executor, after the masks that follow the step
-        ``before`` it (still in flight), if any."""
+    def _launch(self) -> InFlight:
+        """Schedule a step and hand it to the executor."""
         started = time.monotonic()  # the requests' first-scheduled time (engine/request_metrics.py)
         sched = self.scheduler.schedule()
         step = InFlight(sched, started)
         if not sched.is_empty:
             inputs = self.step_builder.build(sched)
-            if before is not None:
-                send_masks(before, self.structured)
             step.submitted = time.perf_counter()
             try:
                 step.handle = self.executor.submit(inputs)
@@ -226,7 +221,7 @@ class LLMEngine:
     def _complete(self, step: InFlight, finished_only: bool) -> list[RequestOutput]:
         """Wait for a step's samples and apply them."""
         sched = step.sched
-        send_masks(step, self.structured)  # those the next step's launch did not send (none ran)
+        send_masks(step, self.structured)  # a no-op: step() sent them (a safety net, not a path)
         try:
             if step.error is not None:
                 raise step.error

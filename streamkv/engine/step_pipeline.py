@@ -12,16 +12,18 @@ Structured outputs: the host decides one thing between the steps, a structured r
 mask for N+1, which depends on the token N samples for it. But the mask is needed only at
 N+1's sampling, not at its forward pass. So N+1 is submitted with ``MASK_FOLLOWS`` for such
 rows (messages.py). Once N's outputs are processed (the matchers have accepted N's tokens),
-``send_masks`` fills every such row's mask in one batched call (xgrammar's own threads) and
-hands them to N+1's handle; the worker samples N+1 while the host schedules N+2:
+``send_masks`` fills every such row's mask in one batched xgrammar call (one thread:
+structured.FILL_THREADS) and hands them to N+1's handle; the worker samples N+1 while the
+host schedules N+2 (the default on a GPU, SchedulerConfig.overlap_structured):
 
     host:    submit N+1 (forward) | wait N | process N | N+1's masks | schedule N+2 ...
     device:  -- N --|-- N+1 forward -----------------------|-- N+1 sample --|-- N+2 ...
 
-(Filling on a Python thread of our own while the engine thread schedules N+2 measured
-slower on the H200 host: 0.49x against 0.83x with async scheduling off. Most likely the
-thread needs the GIL to start and to end each fill, so it waited for the engine thread
-instead of running beside it; xgrammar's threads run inside one call, without the GIL.)
+What was measured on the H200 (docs/benchmarks.md, "Session 7"): xgrammar's thread pool
+(8 threads) made a step's fill ~1.6 ms slower than one thread, which is why this path once
+ran 0.48x of unconstrained; filling on a Python thread of ours while the engine schedules
+and builds N+2 (the native fill releases the GIL) was no faster than filling in place
+(0.71x against 0.72x), the thread's wake-ups costing what the overlap saved.
 
 That needs a handle with ``attach_masks`` (the in-process executor's); with any other, a
 step that samples a structured row runs synchronously. A structured row that ends in N
@@ -44,7 +46,6 @@ from typing import Protocol
 import numpy as np
 
 from streamkv.core.scheduler import SchedulerOutput
-from streamkv.engine.mask_filler import MaskFill
 from streamkv.executor.base import StepHandle
 from streamkv.messages import MASK_FOLLOWS, StepFailed, StepInput
 from streamkv.sequence import Sequence, SequenceGroup
@@ -96,7 +97,6 @@ class InFlight:
     submitted: float = 0.0  # time.perf_counter() at submit
     advanced: bool = False  # OutputProcessor.advance ran for it
     masks_due: list[Sequence] | None = None  # structured rows whose token masks follow (None: none, or sent)
-    mask_fill: MaskFill | None = None  # their masks being filled (start_masks), for masks_due
 
     @property
     def live(self) -> bool:
@@ -108,38 +108,20 @@ class InFlight:
 class MaskSource(Protocol):
     """What fills masks (engine/structured.py's StructuredOutputManager)."""
 
-    fill_background: bool
-
     def fill_masks(self, grammars: list) -> np.ndarray: ...
-
-    def start_fill(self, grammars: list) -> MaskFill: ...
-
-
-def start_masks(step: InFlight, source: MaskSource) -> None:
-    """Start filling the masks that follow ``step`` on the filler's thread, now that the step
-    before is processed (each row's matcher has taken its input token); ``send_masks`` hands
-    them over. A row whose sequence has ended gets none: its sample is discarded."""
-    if step.masks_due is None or not source.fill_background:
-        return
-    step.masks_due = [seq for seq in step.masks_due if not seq.status.finished]
-    if step.masks_due:
-        step.mask_fill = source.start_fill([seq.grammar for seq in step.masks_due])
 
 
 def send_masks(step: InFlight, source: MaskSource) -> None:
-    """Hand ``step`` the token masks of its rows that follow it (those ``start_masks`` began,
-    or filled now), so that its sampler runs: before the next step is submitted and before
-    this one's result is read. A failure ends the step's requests when it is completed."""
+    """Hand ``step`` the token masks of its rows that follow it, now that the step before is
+    processed (each row's matcher has taken its input token), so that its sampler runs:
+    before the next step is submitted and before this one's result is read. A row whose
+    sequence has ended gets none: its sample is discarded. A failure ends the step's
+    requests when it is completed."""
     if step.masks_due is None:
         return
-    if step.mask_fill is not None:
-        due, fill = step.masks_due, step.mask_fill
-        step.masks_due = step.mask_fill = None
-        words = fill.words()
-    else:
-        due = [seq for seq in step.masks_due if not seq.status.finished]
-        step.masks_due = None
-        words = source.fill_masks([seq.grammar for seq in due])
+    due = [seq for seq in step.masks_due if not seq.status.finished]
+    step.masks_due = None
+    words = source.fill_masks([seq.grammar for seq in due])
     try:
         step.handle.attach_masks({seq.seq_id: words[i] for i, seq in enumerate(due)})
     except StepFailed as e:

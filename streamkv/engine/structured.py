@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections import OrderedDict
 from typing import Any
@@ -34,17 +33,17 @@ from typing import Any
 import numpy as np
 
 from streamkv.engine.background_import import BackgroundImport
-from streamkv.engine.mask_filler import MaskFill, MaskFiller
 from streamkv.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (LRU): a server sees the same few schemas over and over.
 COMPILE_CACHE_SIZE = 256
-# Threads of the batched mask fill (engine/step_pipeline.py): a row inside a string with a
-# maxLength costs xgrammar 20-70 us to fill (the CPU box, bench_structured's schemas), so a
-# batch of 64 gains from every core a GPU host has to spare; a 2-core box gets one.
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+# Threads of the batched mask fill (engine/step_pipeline.py): one. On the H200's 16-core host
+# xgrammar's pool cost more than it saved: a step's fill (up to 64 rows) took ~1.6 ms more
+# with 8 threads than with 1, where a row's own fill takes ~5 us (docs/benchmarks.md,
+# "Session 7").
+FILL_THREADS = 1
 
 
 class SequenceGrammar:
@@ -110,10 +109,6 @@ class StructuredOutputManager:
         self.xgrammar = BackgroundImport("xgrammar") if tokenizer is not None else None
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fill_masks
-        self._filler: MaskFiller | None = None  # start_fill's thread
-        # Overlapped steps' masks filled on the filler's thread while the engine schedules
-        # the next step (step_pipeline.start_masks), else at once when they are sent.
-        self.fill_background = True
         self._stop_words: np.ndarray | None = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
@@ -140,14 +135,6 @@ class StructuredOutputManager:
         if grammars:
             self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], words)
         return words
-
-    def start_fill(self, grammars: list[SequenceGrammar]) -> MaskFill:
-        """``fill_masks`` on a thread of its own (engine/mask_filler.py): returns at once;
-        the grammars' matchers must not move until the fill's ``words()`` returned."""
-        words = np.empty((len(grammars), -(-self.vocab_size // 32)), dtype=np.int32)
-        if self._filler is None:
-            self._filler = MaskFiller(self._batch.batch_fill_next_token_bitmask)
-        return self._filler.start([g.matcher for g in grammars], words)
 
     def _compiled(self, spec: StructuredOutputs) -> Any:
         key = spec.key()

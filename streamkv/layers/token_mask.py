@@ -28,6 +28,9 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -
     if not rows:
         return
     vocab, dev = logits.shape[1], logits.device
+    if dev.type == "cuda" and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        _ban_with_kernel(logits, [masks[i] for i in rows], rows)
+        return
     if dev.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         _ban_with_torch(logits, [masks[i] for i in rows], rows)
         return
@@ -41,6 +44,22 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -
     flat = logits.numpy()
     for j, i in enumerate(rows):
         np.putmask(flat[i], banned[j], -np.inf)
+
+
+def _ban_with_kernel(logits: torch.Tensor, masks: list[TokenMask], rows: list[int]) -> None:
+    """CUDA, float32 (the sampler's logits): one kernel bans every masked row
+    (kernels/token_mask_cuda.py), after one upload, through pinned memory and without
+    blocking, of the words and, when not every row is masked, the row indices."""
+    from streamkv.kernels.token_mask_cuda import ban_outside_masks
+
+    n, width = len(rows), np.frombuffer(masks[0], dtype="<i4").size
+    partial = n < logits.shape[0]
+    host = np.empty(n * width + (n if partial else 0), dtype=np.int32)
+    np.stack([np.frombuffer(m, dtype="<i4") for m in masks], out=host[: n * width].reshape(n, width))
+    if partial:
+        host[n * width :] = rows
+    uploaded = on_device(logits.device, torch.from_numpy(host))
+    ban_outside_masks(logits, uploaded[: n * width].view(n, width), uploaded[n * width :] if partial else None)
 
 
 def _ban_with_torch(logits: torch.Tensor, masks: list[TokenMask], rows: list[int]) -> None:

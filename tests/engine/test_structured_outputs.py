@@ -154,3 +154,37 @@ def test_token_masks_ban_outside_tokens_and_leave_other_rows():
         for row, a in ((1, allowed[0]), (3, allowed[1])):
             assert (torch.isfinite(logits[row]).numpy() == a).all()
             assert torch.equal(logits[row][torch.from_numpy(a)], before[row][torch.from_numpy(a)])
+
+
+def _random_masks(rows: int, vocab: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Allowed-token matrices and their packed words (ceil(vocab / 32) int32 words a row)."""
+    allowed = np.random.default_rng(seed).random((rows, vocab)) < 0.3
+    words = np.packbits(allowed, axis=1, bitorder="little")
+    return allowed, np.pad(words, ((0, 0), (0, (-words.shape[1]) % 4))).view("<i4")
+
+
+def test_token_mask_kernel_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from streamkv.kernels import nvrtc, token_mask_cuda
+
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    for arch in (80, 90):
+        compiled = nvrtc.compile_program(token_mask_cuda.SOURCE, (token_mask_cuda.NAME,), arch)
+        assert compiled.lowered[token_mask_cuda.NAME].encode() in compiled.image
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab", [49152, 1000])  # a multiple of 32, and a last word half used
+def test_token_mask_kernel_matches_the_cpu_path(vocab):
+    allowed, words = _random_masks(5, vocab)
+    for masks in ([w.tobytes() for w in words], [None, words[1], None, words[3].tobytes(), words[4]]):
+        logits = torch.randn(len(masks), vocab)
+        want = logits.clone()
+        apply_token_masks(want, masks)  # the numpy path
+        got = logits.cuda()
+        apply_token_masks(got, masks)  # the kernel
+        assert torch.equal(got.cpu(), want)
+        for i, m in enumerate(masks):
+            if m is not None:
+                assert (torch.isfinite(got[i]).cpu().numpy() == allowed[i]).all()

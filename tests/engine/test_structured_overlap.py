@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from streamkv import LLM, SamplingParams
+from streamkv.config import SchedulerConfig
 from streamkv.engine.llm_engine import LLMEngine
 from streamkv.entrypoints.llm import engine_config
 from streamkv.executor.base import Executor
@@ -126,9 +127,19 @@ def test_structured_only_batch_overlaps(pair):
     assert all(r[1] == "stop" for r in got)
 
 
+def test_overlap_structured_is_on_by_default_on_a_gpu_only():
+    # The H200 measured 0.72x of unconstrained overlapped against 0.57x in turn; a CPU runs
+    # without async scheduling by default, which the overlap needs.
+    assert SchedulerConfig().on_device("cuda").overlap_structured is True
+    assert SchedulerConfig().on_device("cpu").overlap_structured is False
+    assert SchedulerConfig(overlap_structured=False).on_device("cuda").overlap_structured is False
+    assert SchedulerConfig(overlap_structured=True).on_device("cpu").overlap_structured is True
+
+
 def test_structured_steps_run_in_turn_by_default(tiny_dir):
-    """overlap_structured off (the default): async scheduling overlaps plain steps only; a
-    step that samples a structured row waits for its tokens before the next is scheduled."""
+    """overlap_structured off (the default on a CPU): async scheduling overlaps plain steps
+    only; a step that samples a structured row waits for its tokens before the next is
+    scheduled."""
     base = dict(device="cpu", max_model_len=256, num_swap_blocks=0, block_size=4, num_kv_blocks=512)
     llm = LLM(str(tiny_dir), async_scheduling=True, **base)
     try:
@@ -325,10 +336,9 @@ def test_masks_are_sent_after_the_step_before_is_read_and_before_the_next_is_sub
     calls, n = executor.calls, len(executor.inputs)
     assert engine.overlapped_steps >= n - 1
     # The last step ran after the grammar ended the output (its masks: none; its samples are
-    # discarded): nothing waits for it, so the next step() call sends its (empty) masks and
-    # reads it.
-    assert calls[-2:] == [("submit", n - 1), ("result", n - 2)]
-    assert engine.step() == [] and calls[-2:] == [("attach", n - 1), ("result", n - 1)]
+    # discarded): nothing waits for it, so the next step() call reads it.
+    assert calls[-1] == ("attach", n - 1)
+    assert engine.step() == [] and calls[-1] == ("result", n - 1)
     # Step 0 is the prompt (its mask inline); every later step's mask follows it, sent once
     # step k-1's token was read, and before step k+1 was handed over.
     assert executor.inputs[0].seqs[0].token_mask not in (None, MASK_FOLLOWS)

@@ -1,0 +1,41 @@
+"""CUDA launch of the token-mask ban (kernels_cu/token_mask.cu): one kernel for every masked
+row of a step, in place of torch's unpack / compare / fill (three launches and their host
+overhead, which is what a small model's step is made of; docs/benchmarks.md, "Session 7")."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from streamkv.kernels import launch, nvrtc
+from streamkv.kernels.launch import INT, LONG, PTR
+
+SOURCE = "token_mask.cu"
+NAME = "streamkv::ban_outside_mask_kernel<float>"
+THREADS = 256
+TOKENS_PER_THREAD = 4
+
+
+@lru_cache(maxsize=16)
+def _kernel(device: int) -> nvrtc.Kernel:
+    return launch.module(SOURCE, (NAME,), torch.device("cuda", device)).kernel(NAME)
+
+
+def ban_outside_masks(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """``logits`` float32 [batch, vocab] (rows contiguous), ``words`` int32 [n, num_words] on
+    its device, ``rows`` int32 [n] (None: rows 0..n-1): ban, in place, every token of logits
+    row rows[i] whose bit in words[i] is clear."""
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError("the token-mask kernel takes float32 logits with contiguous rows")
+    n, num_words = words.shape
+    vocab = logits.shape[1]
+    if n == 0:
+        return
+    blocks = -(-vocab // (THREADS * TOKENS_PER_THREAD))
+    _kernel(launch.device_index(logits.device)).launch(
+        (blocks, n, 1), (THREADS, 1, 1),
+        [(PTR, logits.data_ptr()), (PTR, words.data_ptr()), (PTR, rows.data_ptr() if rows is not None else 0),
+         (LONG, logits.stride(0)), (INT, num_words), (INT, vocab)],
+        launch.stream(logits.device),
+    )
