@@ -129,8 +129,8 @@ class StructuredOutputManager:
 
     def fill_masks(self, grammars: list[SequenceGrammar]) -> np.ndarray:
         """The next-token masks of ``grammars``, row i of int32 [len, words] for grammar i,
-        filled in one call (a thread pool of FILL_THREADS in xgrammar). The grammars' own
-        masks are left as they are."""
+        filled in one native call (xgrammar's BatchGrammarMatcher on FILL_THREADS threads).
+        The grammars' own masks are left as they are."""
         words = np.empty((len(grammars), -(-self.vocab_size // 32)), dtype=np.int32)
         if grammars:
             self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], words)

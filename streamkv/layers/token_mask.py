@@ -3,8 +3,9 @@
 A mask is a bitmask of little-endian int32 words (bit ``t % 32`` of word ``t // 32`` set:
 token ``t`` allowed), as SeqStep.token_mask carries it (bytes), or as the engine's batched
 fill makes it for a step whose masks follow it (a row of an int32 array, in-process). The
-masked rows' words go to the device packed (vocab / 8 bytes a row) and are unpacked there;
-a token outside the mask gets -inf, so neither greedy nor any sampling path can pick it.
+masked rows' words go to the device packed (vocab / 8 bytes a row), in one upload, and one
+kernel bans for all of them (kernels/token_mask_cuda.py; torch ops elsewhere, numpy on the
+CPU); a token outside the mask gets -inf, so neither greedy nor any sampling path can pick it.
 Rows without a mask are not touched, and a step without one costs a single scan of the
 requests.
 """
