@@ -31,7 +31,7 @@ def _targets():
     return [
         ("step", le.LLMEngine, "step"), ("schedule", Scheduler, "schedule"), ("build", StepBuilder, "build"),
         ("submit", InProcessExecutor, "submit"), ("wait", LaunchedStep, "result"),
-        ("process", OutputProcessor, "process"), ("accept", st.SequenceGrammar, "accept"),
+        ("process", OutputProcessor, "process"), ("accept", OutputProcessor, "_accept_structured"),
         ("mask bytes", st.SequenceGrammar, "mask_bytes"), ("batch fill", st.StructuredOutputManager, "fill_masks"),
         ("send masks", le, "send_masks"), ("attach", LaunchedStep, "attach_masks"),
         ("sampler", sm.Sampler, "__call__"), ("mask apply", sm, "apply_token_masks"),
@@ -39,8 +39,8 @@ def _targets():
     ]
 
 
-# The grammar's own host work, disjoint phases: matcher advance (with the fill a completed
-# grammar needs), the builder's per-row fill for the wire, the batched fill of masks that
+# The grammar's own host work, disjoint phases: matcher advance of a step's structured rows
+# (one native call, with the fill a completed grammar needs and those rows' stop checks), the builder's per-row fill for the wire, the batched fill of masks that
 # follow a step, the sampler's mask step, and a request's new matcher.
 GRAMMAR_PHASES = ("accept", "mask bytes", "batch fill", "mask apply", "new grammar")
 

@@ -12,6 +12,7 @@ from streamkv.core.scheduler import SchedulerOutput
 from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
+from streamkv.engine.structured import accept_tokens
 from streamkv.messages import SampleResult, StepOutput
 from streamkv.sequence import (
     CompletionOutput,
@@ -80,6 +81,7 @@ class OutputProcessor:
             prompt_logprobs.record(sched.scheduled, result.prompt_logprobs)
         touched: dict[str, SequenceGroup] = {}
         beams: dict[str, list] = {}
+        structured: list[tuple[SequenceGroup, Sequence, int]] = []  # their grammars take the step's tokens at once
         now = time.monotonic()
         for s in sched.scheduled:
             seq, group = s.seq, s.group
@@ -97,7 +99,9 @@ class OutputProcessor:
             if group.sampling_params.use_beam_search:
                 beams.setdefault(group.request_id, []).append((seq, res))
             else:
-                self._append_samples(group, seq, res)
+                self._append_samples(group, seq, res, structured)
+        if structured:
+            self._accept_structured(structured)
         for request_id, group_results in beams.items():
             beam_step(self.beams, touched[request_id], group_results)
         for group in sched.failed:
@@ -117,14 +121,16 @@ class OutputProcessor:
             outputs.append(self.make_output(group))
         return outputs
 
-    def _append_samples(self, group: SequenceGroup, seq: Sequence, res: SampleResult) -> None:
-        """Append one token per sample; a prompt's n>1 samples fork the sequence."""
+    def _append_samples(self, group: SequenceGroup, seq: Sequence, res: SampleResult,
+                        structured: list | None = None) -> None:
+        """Append one token per sample; a prompt's n>1 samples fork the sequence (each fork
+        takes the grammar's state before the token: ``structured`` defers every accept)."""
         for j in range(1, len(res.token_ids)):
             child = seq.fork(self.new_seq_id(), sample_index=seq.sample_index + j)
             self.bm.fork(seq, child)
             group.seqs.append(child)
-            self.append_token(group, child, res, j)
-        self.append_token(group, seq, res, 0)
+            self.append_token(group, child, res, j, structured)
+        self.append_token(group, seq, res, 0, structured)
 
     def add_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
                   top: list[tuple[int, float]] | None = None) -> None:
@@ -135,25 +141,48 @@ class OutputProcessor:
         if self.detokenizer is not None:
             self.detokenizer.update(seq, group.sampling_params.skip_special_tokens)
 
-    def append_token(self, group: SequenceGroup, seq: Sequence, res: SampleResult, j: int) -> None:
+    def append_token(self, group: SequenceGroup, seq: Sequence, res: SampleResult, j: int,
+                     structured: list | None = None) -> None:
         token = res.token_ids[j]
         top = None
         if group.sampling_params.logprobs is not None:
             top = _logprob_entry(token, res.logprobs[j], res.top_logprobs[j] if res.top_logprobs else None)
         seq.append_token(token, res.logprobs[j], top)
-        self.check_stop(group, seq)
+        self.check_stop(group, seq, structured)
 
-    def check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+    def check_stop(self, group: SequenceGroup, seq: Sequence, structured: list | None = None) -> None:
+        """Whether ``seq``'s last token ends it. A structured sequence's grammar takes the
+        token first; with ``structured`` (a list) that is deferred: the sequence is appended
+        to it, and ``_accept_structured`` finishes the check for all of a step's at once."""
         params = group.sampling_params
-        token = seq.output_token_ids[-1]
-        n_out = len(seq.output_token_ids)
         old_len = len(seq.output_text)
         if self.detokenizer is not None:
             self.detokenizer.update(seq, params.skip_special_tokens)
         grammar = seq.grammar
-        if grammar is not None and grammar.accept(token):  # structured outputs: it is complete
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            return
+        if grammar is not None:
+            if structured is not None:
+                structured.append((group, seq, old_len))
+                return
+            if grammar.accept(seq.output_token_ids[-1]):  # structured outputs: it is complete
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+        self._check_rest(group, seq, old_len)
+
+    def _accept_structured(self, rows: list[tuple[SequenceGroup, Sequence, int]]) -> None:
+        """check_stop's rest for a step's structured rows, their grammars advanced in one
+        native call (structured.accept_tokens)."""
+        ends = accept_tokens([seq.grammar for _, seq, _ in rows], [seq.output_token_ids[-1] for _, seq, _ in rows])
+        for (group, seq, old_len), end in zip(rows, ends, strict=True):
+            if end:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            else:
+                self._check_rest(group, seq, old_len)
+
+    def _check_rest(self, group: SequenceGroup, seq: Sequence, old_len: int) -> None:
+        """The stop conditions after the grammar's: EOS, stop ids and strings, length."""
+        params = group.sampling_params
+        token = seq.output_token_ids[-1]
+        n_out = len(seq.output_token_ids)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED

@@ -49,10 +49,11 @@ FILL_THREADS = 1
 class SequenceGrammar:
     """One sequence's matcher and the mask of its next token, filled when first asked for."""
 
-    __slots__ = ("matcher", "mask", "stop_words", "stop_ids", "_stop_free", "_filled")
+    __slots__ = ("matcher", "handle", "mask", "stop_words", "stop_ids", "_stop_free", "_filled")
 
     def __init__(self, matcher: Any, mask: np.ndarray, stop_words: np.ndarray, stop_ids: frozenset[int]) -> None:
         self.matcher = matcher
+        self.handle = matcher._handle  # the native matcher, for accept_tokens' one call a step
         self.mask = mask  # int32 [1, words]
         self.stop_words = stop_words  # the mask's words with every stop token's bit cleared
         self.stop_ids = stop_ids  # the matcher's stop tokens (TokenizerInfo's stop_token_ids)
@@ -71,8 +72,12 @@ class SequenceGrammar:
     def accept(self, token: int) -> bool:
         """Advance by ``token``; True when the sequence must end here: the grammar is done
         (a stop token accepted, or nothing but one may follow), or the token broke it."""
+        return self._accepted(token, self.matcher.accept_token(token))
+
+    def _accepted(self, token: int, ok: bool) -> bool:
+        """``accept``'s verdict once the matcher has taken (``ok``) or refused ``token``."""
         m = self.matcher
-        if not m.accept_token(token):
+        if not ok:
             # Only a bug can get here (the sampler bans every token outside the mask), or a
             # row whose every allowed token was also banned (stop_token_ids): end the output
             # where it stands instead of feeding the grammar more.
@@ -93,6 +98,22 @@ class SequenceGrammar:
         child = SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words, self.stop_ids)
         child._filled = self._filled
         return child
+
+
+def accept_tokens(grammars: list[SequenceGrammar], tokens: list[int]) -> list[bool]:
+    """``grammars[i].accept(tokens[i])`` for every i (OutputProcessor: a step's structured
+    rows), the matchers advanced in one native call: each native call releases and re-takes
+    the GIL, which a busy thread (the server's event loop) can make cost far more than the
+    call. The call is xgrammar's own below its Python wrapper: the wrapper turns the result
+    into a list of bools at ~1.7 us a row (tvm_ffi's Array indexing), more than a per-row
+    accept_token (~1.4 us); testing the result for a 0 is one native call. 64 rows on the
+    CPU box: 92 us per row, 160 us through the wrapper, 49 us here."""
+    from xgrammar.base import _core  # xgrammar >= 0.2.9 (pyproject.toml)
+
+    accepted = _core.BatchGrammarMatcher.batch_accept_token([g.handle for g in grammars], tokens, False)
+    if 0 in accepted:  # a refused token (a bug, or a row whose allowed tokens were all banned)
+        return [g._accepted(t, bool(ok)) for g, t, ok in zip(grammars, tokens, list(accepted), strict=True)]
+    return [g._accepted(t, True) for g, t in zip(grammars, tokens, strict=True)]
 
 
 class StructuredOutputManager:
