@@ -31,9 +31,9 @@ costs as many rows as that size: 25 decodes + 235 prompt tokens ran as 384 rows 
 the fit's misses correlated 0.67 with those padding rows, and half of their spread was
 them). Given those sizes (``token_sizes``, from the warm-up), a second fit counts a mixed
 step's prompt rows as ``size - decodes``, and the cap takes prompt tokens up to the end of a
-size: the padding rows do prompt work for free. Which fit predicts is decided by their misses
-(the seed's own residuals first): without graphs (a CPU, ``enforce_eager``) the sizes explain
-nothing and the unpadded fit stays.
+size: the padding rows do prompt work for free. The padded fit predicts unless real steps
+show the unpadded one missing by far less: without graphs (a CPU, ``enforce_eager``) the
+sizes explain nothing and the unpadded fit takes over within a few dozen mixed steps.
 
 Seeded at start (engine/step_warmup.py): the engine times a few deliberate steps that span
 the terms (decode-only and mixed at several batches, two without decodes) and hands them to
@@ -48,16 +48,18 @@ Aimed below the ratio by the fit's misses: where the cap binds, a step is predic
 would land above it (session 5: p50 1.30, p90 2.04 with the cap on). For each band of decode
 batch (``BANDS``) the model keeps an exponentially weighted mean and spread of
 log(measured / predicted) over steps with both decodes and prompt tokens, and caps at
-``ratio / margin``, margin = exp(mean + TAIL_Z * spread). Where a band has seen too few such
-steps, the largest margin of the bands that have is used: conservative where the fit has
-little evidence (session 6's misses were all at 150-250 decodes).
+``ratio / margin``, margin = exp(mean + TAIL_Z * spread), the largest of the bands' (those
+that have seen ``MIN_MISSES`` such steps): conservative where the fit has little evidence, as
+where a ramp's batch enters a band (session 6's misses were all at 150-250 decodes).
 
-When even ``min_chunk`` tokens would take the step over the ratio (a tiny decode batch beside
-the mixed path's fixed cost), the step carries no prompt tokens, unless the last
-``MAX_HELD_STEPS`` steps with decodes carried none either: prompts then advance by
-``min_chunk`` at least once every ``MAX_HELD_STEPS + 1`` steps (two in a row at most with async
-scheduling, whose next step is planned before this one is observed), and a step with no
-decodes takes the whole budget, so waiting prompts always start.
+When the margin leaves room for no chunk, the least chunk (``min_chunk`` tokens, or the
+smallest graph size that holds that many) still goes where the fit itself puts it within the
+ratio. When even the fit puts it over (a tiny decode batch beside the mixed path's fixed
+cost), the step carries no prompt tokens, unless the last ``MAX_HELD_STEPS`` steps with
+decodes carried none either: prompts then advance by ``min_chunk`` at least once every
+``MAX_HELD_STEPS + 1`` steps (two in a row at most with async scheduling, whose next step is
+planned before this one is observed), and a step with no decodes takes the whole budget, so
+waiting prompts always start.
 
 Torch-free: the scheduler imports it.
 """
@@ -68,10 +70,16 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from streamkv.core.step_cost_fit import BANDS, Features, LinearFit, band_of
+from streamkv.core.step_cost_fit import BANDS, Features, LinearFit
 
 MIN_STEPS = 32  # observations before the cap applies, without a seed
 MAX_HELD_STEPS = 8  # steps with decodes that may carry no prompt tokens in a row (see above)
+# The plain fit predicts only where its mean square miss is below the padded fit's by this
+# factor (``StepCostModel.padded``). H200 run b, replayed: the padded fit's was 2.2x smaller.
+PLAIN_FIT_FACTOR = 0.5
+# ... and only once it has seen this many (weighted) mixed steps: after 14, a modelled H200
+# ramp whose seed read its decode rows' K/V for free swapped to the plain fit by chance.
+PLAIN_FIT_EVIDENCE = 32.0
 
 
 @dataclass(slots=True)
@@ -97,8 +105,17 @@ class StepCostModel:
 
     @property
     def padded(self) -> bool:
-        """Whether the fit that predicts counts mixed steps' rows padded to ``token_sizes``."""
-        return bool(self.token_sizes) and self._padded.mean_square_miss < self._raw.mean_square_miss
+        """Whether the fit that predicts counts mixed steps' rows padded to ``token_sizes``:
+        given the sizes, unless real steps show the plain fit missing by far less. The errors
+        are not alike: the plain fit on a padding device lets steps over the ratio (it misses
+        the padding rows: up to 127 of them), the padded fit on a device that pads nothing
+        only caps tighter than it could; and the two fits' misses are close enough early on
+        (noise, a seed that confounds its padding rows with its decode batches, which the plain
+        fit's decode terms then absorb) to swap by chance. Hence the factor."""
+        if not self.token_sizes:
+            return False
+        raw, padded = self._raw, self._padded
+        return raw.error[0] < PLAIN_FIT_EVIDENCE or raw.mean_square_miss >= PLAIN_FIT_FACTOR * padded.mean_square_miss
 
     def _rows(self, decodes: int, prompt_tokens: int) -> int:
         """The prompt rows a mixed step's matmuls run: its tokens padded to a size, less its decodes."""
@@ -156,14 +173,13 @@ class StepCostModel:
         coef = self._fit()[0].coefficients()
         return None if coef is None else tuple(coef)
 
-    def margin(self, decodes: int) -> float:
-        """How far above its prediction a mixed step beside ``decodes`` decode rows runs, at
-        the tail of the fit's misses in its band; the largest band's where its own has seen
-        too few (1.0 until any band has enough)."""
-        fit = self._fit()[0]
-        own = fit.band_margin(band_of(decodes))
-        if own is not None:
-            return own
+    @property
+    def margin(self) -> float:
+        """How far above its prediction a mixed step runs, at the tail of the fit's misses:
+        the largest of the bands' (1.0 until a band has seen enough). The largest, not the
+        step's own band's: a ramp enters each band with no misses seen there, or a first few
+        that understate the spread, and the fit's misses there are the other bands' kind
+        (a modelled H200 ramp: max 2.27x with each band's own margin, 1.85x with the largest)."""
         return max((m for m in self.margins().values() if m is not None), default=1.0)
 
     def margins(self) -> dict[str, float | None]:
@@ -187,13 +203,25 @@ class StepCostModel:
         if decode_only <= 0:
             return None
         mixed_fixed = max(e + f * decodes, 0.0)  # what any prompt token beside these decodes adds
-        slack = (self.ratio / self.margin(decodes) - 1.0) * decode_only - mixed_fixed
-        rows = int(slack / c)
-        if padded:  # up to the end of the largest size that fits: its padding rows come free
-            fitting = [s - decodes for s in self.token_sizes if decodes < s <= decodes + rows]
-            rows = fitting[-1] if fitting else -1  # none: one prompt token pads past the bound
+
+        def rows_within(ratio: float) -> int:
+            rows = int(((ratio - 1.0) * decode_only - mixed_fixed) / c)
+            if padded:  # up to the end of the largest size that fits: its padding rows come free
+                fitting = [s - decodes for s in self.token_sizes if decodes < s <= decodes + rows]
+                rows = fitting[-1] if fitting else -1  # none: one prompt token pads past the bound
+            return rows
+
+        rows = rows_within(self.ratio / self.margin)
         if rows >= self.min_chunk:
             return rows
+        # The margin leaves no chunk: the least one still goes where the fit itself puts it
+        # within the ratio. Held instead, such steps would stop giving the fit the misses that
+        # move its margin (a large first miss held a simulated ramp at ~20 decodes for 450
+        # steps: TTFT p50 8.1 s instead of 5.7).
+        if rows_within(self.ratio) >= self.min_chunk:
+            if not padded:
+                return self.min_chunk
+            return next(s - decodes for s in self.token_sizes if s - decodes >= self.min_chunk)
         return self.min_chunk if self._since_prompt >= MAX_HELD_STEPS else 0
 
     def budget(self, decodes: int, token_budget: int) -> int:

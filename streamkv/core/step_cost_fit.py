@@ -97,7 +97,7 @@ class LinearFit:
     prior_weight: float = 0.0
     # Per band: log(measured / predicted) of mixed steps, as [weighted count, sum, sum of squares].
     misses: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0] for _ in range(len(BANDS) + 1)])
-    # All bands together, the seed's own residuals first: [weighted count, sum of squares].
+    # All bands together: [weighted count, sum of squares].
     error: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _coef: list[float] | None = None
 
@@ -112,11 +112,6 @@ class LinearFit:
             return False
         self.prior_xx, self.prior_xt, self.prior_weight = xx, xt, PRIOR_WEIGHT
         self._coef = None
-        for x, t in rows:  # how well the seed explains its own prompt-bearing steps
-            predicted = sum(k * xi for k, xi in zip(coef, x))
-            if x[3] and predicted > 0:
-                self.error[0] += 1.0
-                self.error[1] += math.log(t / predicted) ** 2
         return True
 
     def observe(self, x: Features, seconds: float, decodes: int) -> None:

@@ -6,20 +6,19 @@ import random
 from streamkv.core import step_budget
 from streamkv.core.step_budget import MAX_HELD_STEPS, MIN_STEPS, StepCostModel
 from tests.core.sched_helpers import Sim, make_bm, make_scheduler
-
-A, B, C, E, F = 4e-3, 30e-6, 25e-6, 1.5e-3, 15e-6  # a modelled device (see ``cost``)
-
-
-def cost(d: int, p: int, a=A, b=B, c=C, e=E, f=F) -> float:
-    """t = a + b*d + c*p + [p > 0] * (e + f*d): core/step_budget.py's model."""
-    return a + b * d + c * p + ((e + f * d) if p else 0.0)
-
-
-def feed(model: StepCostModel, n: int = 200, noise: float = 0.0, seed: int = 0, **device) -> None:
-    rng = random.Random(seed)
-    for _ in range(n):
-        d, p = rng.randint(1, 256), rng.choice([0, 0, rng.randint(1, 2048)])
-        model.observe(d, p, cost(d, p, **device) * (1 + rng.uniform(-noise, noise)))
+from tests.core.step_cost_helpers import (
+    SIZES,
+    WARMUP,
+    A,
+    B,
+    C,
+    E,
+    F,
+    cost,
+    feed,
+    padded_cost,
+    seeded,
+)
 
 
 def test_fit_recovers_the_cost_of_decode_rows_beside_prompts():
@@ -45,7 +44,7 @@ def test_cap_keeps_the_predicted_step_within_the_ratio():
     m = StepCostModel(ratio=2.0)
     feed(m, noise=0.05)
     for decodes in (1, 16, 128, 256):
-        cap, margin = m.prompt_cap(decodes), m.margin(decodes)
+        cap, margin = m.prompt_cap(decodes), m.margin
         assert 1.0 < margin < 1.15  # +-5% noise: aimed a little below the ratio
         bound = 2.0 / margin * cost(decodes, 0)
         # The mixed path's own costs count: its fixed one and its dearer decode rows.
@@ -114,16 +113,6 @@ def test_queued_prompts_start_and_finish_while_the_cap_holds_them():
 
 
 # -- the seed: warm-up steps timed at engine start (engine/step_warmup.py) ------------------
-WARMUP = [(1, 0), (32, 0), (128, 0), (256, 0), (1, 256), (32, 128), (32, 512), (128, 256), (256, 128),
-          (256, 512), (0, 256), (0, 512)]
-
-
-def seeded(**device) -> StepCostModel:
-    m = StepCostModel(ratio=2.0)
-    assert m.seed([(d, p, cost(d, p, **device)) for d, p in WARMUP])
-    return m
-
-
 def test_a_seed_makes_the_fit_usable_before_any_step():
     m = seeded()
     assert m.steps == 0 and m.seeded
@@ -213,25 +202,41 @@ def test_the_cap_aims_below_the_ratio_by_the_spread_of_its_misses():
     assert _capped_run(0.0, margin=True) == 0.0
     assert _capped_run(0.0, margin=True, f=0.0) == 0.0  # and on a device without the term
     m = seeded()
-    assert m.margin(64) == 1.0  # no misses seen yet
+    assert m.margin == 1.0  # no misses seen yet
     for _ in range(50):
         m.observe(64, 256, 1.2 * cost(64, 256))  # 20% slower than predicted
-    assert 1.1 < m.margin(64) < 1.25 and m.prompt_cap(64) < seeded().prompt_cap(64)
+    assert 1.1 < m.margin < 1.25 and m.prompt_cap(64) < seeded().prompt_cap(64)
 
 
-def test_each_band_of_decode_batch_keeps_its_own_margin():
-    """Misses at large batches tighten the cap there, not where the fit is right; a band
-    with too few misses of its own borrows the largest margin (little evidence: careful)."""
+def test_the_cap_aims_by_the_largest_band_margin():
+    """Each band of decode batch keeps its own misses; the cap uses the largest margin, as a
+    ramp enters every band with none (or too few) of its own."""
     m = seeded()
     for _ in range(60):
         m.observe(40, 200, cost(40, 200))  # right where the batch is small
         m.observe(240, 200, 1.25 * cost(240, 200))  # 25% over at the largest batches
     bands = m.margins()  # (the fit itself follows the slow steps too, so their misses shrink)
     assert bands["16-63"] < 1.01 and 1.1 < bands["192+"] < 1.3 and bands["1-15"] is None
-    assert m.margin(40) == bands["16-63"] and m.margin(240) == bands["192+"]
-    assert m.margin(4) == bands["192+"]  # no misses seen at 1-15 decodes
+    assert m.margin == bands["192+"] and len(bands) == len(step_budget.BANDS) + 1
     assert m.prompt_cap(240) < seeded().prompt_cap(240)
-    assert len(bands) == len(step_budget.BANDS) + 1
+
+
+def test_the_least_chunk_goes_where_only_the_margin_rules_it_out():
+    """A margin inflated by a few bad first misses must not hold prompts where the fit itself
+    has room for a chunk: held, those steps would give the fit no misses to lower it by."""
+    inflated = [20.0, 20 * 0.5, 20 * 0.25]  # 20 misses of +65% in one band: margin exp(0.5)
+    m = StepCostModel(ratio=1.5, min_chunk=16)
+    feed(m)
+    m.observe(1, 64, cost(1, 64))
+    assert m.prompt_cap(8) > 16
+    m._raw.misses[1] = list(inflated)
+    assert m.margin > 1.5  # ratio / margin < 1: no room at all
+    assert m.prompt_cap(8) == 16  # but the fit at the ratio has room
+    sized = StepCostModel(ratio=2.0, min_chunk=16)
+    assert sized.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
+    assert sized.prompt_cap(8) == 56  # 8 + 56 = 64
+    sized._padded.misses[1] = list(inflated)
+    assert sized.margin > 1.5 and sized.prompt_cap(8) == 24  # 8 + 24 = 32, the smallest size
 
 
 def test_one_decode_batch_only_fits_the_model_without_the_mixed_row_term():
@@ -242,57 +247,3 @@ def test_one_decode_batch_only_fits_the_model_without_the_mixed_row_term():
     assert m.coefficients()[4] == 0.0
     assert all(abs(m.predict(1, p) - cost(1, p)) < 0.01 * cost(1, p) for p in (0, 2, 8))
     assert m.prompt_cap(1) is not None
-
-
-# -- mixed steps padded to the piecewise graphs' token counts -------------------------------
-SIZES = (16, 32, 64, *range(128, 2049, 128))  # worker/piecewise_graphs.token_buckets(2048)
-
-
-def padded_cost(d: int, p: int) -> float:
-    """The modelled device running a mixed step at the smallest size that holds it."""
-    return cost(d, next(s for s in SIZES if s >= d + p) - d) if p else cost(d, 0)
-
-
-def test_a_padded_device_is_fitted_by_its_padded_rows_and_capped_at_a_size():
-    m = StepCostModel(ratio=2.0)
-    assert m.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
-    assert m.padded  # the seed's padding rows told the fits apart
-    for d in (20, 100, 139, 250):
-        cap = m.prompt_cap(d)
-        assert d + cap in SIZES  # the padding rows carry prompt tokens
-        assert padded_cost(d, cap) <= 2.0 * cost(d, 0) * (1 + 1e-9)
-        assert padded_cost(d, cap + 1) > 2.0 * cost(d, 0)  # the next size is over
-    # The unpadded fit of the same steps misses them by up to the padding rows' cost.
-    raw = StepCostModel(ratio=2.0)
-    assert raw.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP]) and not raw.padded
-    over = [padded_cost(d, raw.prompt_cap(d)) / (2.0 * cost(d, 0)) for d in range(16, 257, 8)]
-    assert max(over) > 1.05
-
-
-def test_without_padding_the_sizes_explain_nothing_and_the_plain_fit_stays():
-    m = StepCostModel(ratio=2.0)
-    assert m.seed([(d, p, cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
-    assert not m.padded and m.prompt_cap(100) == seeded().prompt_cap(100)
-    feed(m)
-    assert not m.padded
-
-
-def test_real_steps_choose_between_the_fits():
-    """Seeded on a padded device, then run on one that pads no more (graphs off): the misses
-    of the padded fit grow and the plain fit takes over."""
-    m = StepCostModel(ratio=2.0)
-    assert m.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
-    assert m.padded
-    feed(m, n=300)
-    assert not m.padded
-
-
-def test_when_no_size_fits_the_prompt_waits():
-    m = StepCostModel(ratio=1.3)
-    assert m.seed([(d, p, padded_cost(d, p)) for d, p in WARMUP], token_sizes=SIZES)
-    m.observe(250, 6, padded_cost(250, 6))
-    # 250 decodes: 6 tokens would fill 256, but even that is over 1.3x.
-    assert padded_cost(250, 6) > 1.3 * cost(250, 0) and m.prompt_cap(250) == 0
-    for _ in range(MAX_HELD_STEPS):
-        m.observe(250, 0, cost(250, 0))
-    assert m.prompt_cap(250) == 16  # waited long enough

@@ -18,6 +18,7 @@ from streamkv.engine.step_warmup import (
     first_of_each_path,
     plan,
 )
+from streamkv.worker.piecewise_graphs import token_buckets
 from tests.models.hf_tiny import prompts
 
 # A modelled device: t = A + B*decodes + C*prompt + [prompt] * (E + F*decodes) (core/step_budget.py).
@@ -28,6 +29,15 @@ SHAPE = WarmupShape(token_budget=2048, max_num_seqs=256, block_size=16, num_bloc
 
 def modelled(decodes: int, prompt_tokens: int) -> float:
     return A + B * decodes + C * prompt_tokens + ((E + F * decodes) if prompt_tokens else 0.0)
+
+
+def on_graphs(decodes: int, prompt_tokens: int, budget: int = 512) -> float:
+    """The modelled device running a mixed step as its piecewise graph's size (the engine
+    tests' budget: 512), as a GPU does."""
+    if not prompt_tokens:
+        return modelled(decodes, 0)
+    size = next(s for s in token_buckets(budget) if s >= decodes + prompt_tokens)
+    return modelled(decodes, size - decodes)
 
 
 # -- the plan (no model) -------------------------------------------------------------------
@@ -115,7 +125,7 @@ class CountingExecutor:
             return handle
         decodes = sum(1 for s in step.seqs if len(s.token_ids) == 1)
         prompt = sum(len(s.token_ids) for s in step.seqs) - decodes
-        return ModelledHandle(handle, modelled(decodes, prompt))
+        return ModelledHandle(handle, on_graphs(decodes, prompt))
 
 
 class ModelledHandle:
@@ -198,6 +208,7 @@ def test_the_cap_holds_from_the_first_step(tiny_llama_dir, counting):
         assert made[0].submits == len(first_of_each_path(points)) + len(points) + 1 == len(points) + 3
         cost = engine.scheduler.step_cost
         assert cost.steps == 0 and cost.seeded and engine.step_warmup.usable
+        assert cost.padded and cost.token_sizes == tuple(token_buckets(512))  # the graphs' sizes
         a, b, c, e, f = cost.coefficients()
         assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-5) and c == pytest.approx(C, rel=1e-6)
         assert f == pytest.approx(F, rel=1e-4)

@@ -1,0 +1,208 @@
+"""The prefill cap (core/step_budget.py) offline, on a device modelled from a GPU run's step
+report: the requests all arriving at once through the real Scheduler and the real
+StepCostModel, seeded by the warm-up's plan (engine/step_warmup.py) timed on the model, every
+step's time from the model with log-normal noise, observed one step late (as with async
+scheduling). Prints the prompt-step ratio against the modelled decode-only step of the same
+rows and contexts (the model's own, so the issue's definition exactly), the ratio measured
+with the noise, output tok/s and time to first token. No GPU: a candidate cap is checked
+before a device call, and a run's records can be replayed against another cap.
+
+    python benchmarks/sim_prefill_cap.py --records docs/gpu_runs/session7/hp/t1000_b.json \\
+        --workload-file bench_inputs/sharegpt_1000.json --seeds 0,1,2
+
+The model, fitted from the records (benchmarks/step_report.py's fields): a decode-only step
+costs ``alpha + beta*graph batch + gamma*context tokens`` (steps whose rows hold under 700
+context tokens each: the decode graphs' first context bucket); a step with prompt tokens
+costs ``max(floor, alpha' + beta'*graph size + gamma'*context tokens + delta'*decodes)``, the
+graph size being the piecewise graphs' token count that holds it and the floor the fastest
+such step of at most 128 tokens (eager attention in every layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+from bisect import bisect_left
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _ceil(sizes: list[int], n: int) -> int:
+    return sizes[min(bisect_left(sizes, n), len(sizes) - 1)]
+
+
+@dataclass(slots=True)
+class Device:
+    decode: list[float]  # alpha, beta, gamma
+    mixed: list[float]  # alpha', beta', gamma', delta'
+    floor: float
+    batch_sizes: list[int]
+    token_sizes: list[int]
+
+    def ms(self, decodes: int, prompt: int, context: int) -> float:
+        if not prompt:
+            a, b, g = self.decode
+            return a + b * _ceil(self.batch_sizes, decodes) + g * context
+        a, b, g, d = self.mixed
+        return max(self.floor, a + b * _ceil(self.token_sizes, decodes + prompt) + g * context + d * decodes)
+
+
+def fit_device(records: list[dict], max_num_seqs: int, token_budget: int) -> Device:
+    import numpy as np
+
+    from streamkv.worker.cuda_graphs import capture_sizes
+    from streamkv.worker.piecewise_graphs import token_buckets
+
+    batch, tokens = capture_sizes(max_num_seqs), token_buckets(token_budget)
+    pure = [r for r in records if r["decodes"] >= 5 and not r["prompt_tokens"]
+            and r["context_tokens"] < 700 * r["decodes"]]
+    mixed = [r for r in records if r["decodes"] and r["prompt_tokens"]]
+    x = np.array([[1.0, _ceil(batch, r["decodes"]), r["context_tokens"]] for r in pure])
+    decode, *_ = np.linalg.lstsq(x, np.array([r["ms"] for r in pure]), rcond=None)
+    big = [r for r in mixed if _ceil(tokens, r["decodes"] + r["prompt_tokens"]) >= 256]
+    x = np.array([[1.0, _ceil(tokens, r["decodes"] + r["prompt_tokens"]), r["context_tokens"], r["decodes"]]
+                  for r in big])
+    mix, *_ = np.linalg.lstsq(x, np.array([r["ms"] for r in big]), rcond=None)
+    small = [r["ms"] for r in mixed if _ceil(tokens, r["decodes"] + r["prompt_tokens"]) <= 128]
+    floor = min(small) if small else mix[0] + mix[1] * 128
+    return Device(decode.tolist(), mix.tolist(), floor, batch, tokens)
+
+
+def simulate(device: Device, workload: list, args, seed: int) -> dict:
+    from streamkv.config import SchedulerConfig
+    from streamkv.core.block_manager import BlockManager
+    from streamkv.core.scheduler import Scheduler
+    from streamkv.core.step_budget import StepCostModel
+    from streamkv.engine.step_warmup import DECODE_CONTEXT, WarmupShape, plan
+    from streamkv.sampling_params import SamplingParams
+    from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_model_len=args.max_model_len)
+    config.verify()
+    bm = BlockManager(16, args.num_kv_blocks, 0, enable_prefix_caching=False, watermark=0.0)
+    sched = Scheduler(config, bm)
+    cost = sched.step_cost = StepCostModel(args.ratio)
+    noisy = lambda ms: ms * math.exp(rng.gauss(0.0, args.noise))  # noqa: E731
+    context, points = plan(WarmupShape(config.token_budget, args.max_num_seqs, 16, args.num_kv_blocks,
+                                       args.max_model_len, 32000))
+    seed_context = args.seed_context_cost * min(context, DECODE_CONTEXT)
+    samples = [(p.decodes, p.prompt_tokens, 1e-3 * noisy(device.ms(p.decodes, p.prompt_tokens,
+                                                                   int(seed_context * p.decodes))))
+               for p in points]
+    try:
+        cost.seed(samples, device.token_sizes)
+    except TypeError:  # a cap from before the graphs' sizes (replaying an older tree)
+        cost.seed(samples)
+    ids = iter(range(10**9))
+    clock, pending, steps, first = 0.0, None, [], {}
+
+    def add(name: str, prompt: list[int], out_len: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        seq_id = next(ids)
+        sched.add(SequenceGroup(name, [Sequence(seq_id, list(prompt))], params, arrival_time=float(seq_id)))
+
+    def run() -> None:
+        nonlocal clock, pending
+        while sched.has_unfinished():
+            out = sched.schedule()
+            if pending is not None:  # the step before is observed after this one is planned
+                cost.observe(*pending)
+                pending = None
+            if not out.scheduled:
+                continue
+            rows = [s for s in out.scheduled if s.num_new_tokens == 1]
+            decodes, kv = out.num_decodes, sum(len(s.seq) for s in rows)
+            prompt = out.num_batched_tokens - decodes
+            true = device.ms(decodes, prompt, kv)
+            ms = noisy(true)
+            clock += ms / 1e3
+            pending = (decodes, prompt, ms / 1e3)
+            steps.append((decodes, prompt, kv, ms))
+            for s in out.scheduled:
+                sample = s.do_sample  # before the computed count moves
+                s.seq.num_computed_tokens += s.num_new_tokens
+                bm.mark_computed(s.seq)
+                if sample:
+                    s.seq.append_token(7, 0.0, None)
+                    if len(s.seq.output_token_ids) >= s.group.sampling_params.max_tokens:
+                        s.seq.status = SequenceStatus.FINISHED_LENGTH
+                    first.setdefault(s.group.request_id, clock)
+            sched.free_finished_seqs()
+
+    for i, (p, o) in enumerate(workload[: args.warmup_requests]):  # as the bench does before its run
+        add(f"w{i}", p, o)
+    run()
+    steps.clear()
+    first.clear()
+    clock = 0.0
+    for i, (p, o) in enumerate(workload):
+        add(f"s{i}", p, min(o, args.max_output_len))
+    run()
+    beside = [(d, p, kv, ms) for d, p, kv, ms in steps if d and p]
+    true = sorted(device.ms(d, p, kv) / device.ms(d, 0, kv) for d, p, kv, _ in beside)
+    measured = sorted(ms / device.ms(d, 0, kv) for d, p, kv, ms in beside)
+    ttft = sorted(first.values())
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    out_tokens = sum(min(o, args.max_output_len) for _, o in workload)
+    worst = sorted(beside, key=lambda r: -device.ms(r[0], r[1], r[2]) / device.ms(r[0], 0, r[2]))[:5]
+    return {"seed": seed, "steps": len(steps), "prompt_steps": len(beside),
+            "worst": [{"decodes": d, "prompt_tokens": p, "context_per_row": kv / d,
+                       "ratio": device.ms(d, p, kv) / device.ms(d, 0, kv)} for d, p, kv, _ in worst],
+            "p50": pct(true, 0.5), "p90": pct(true, 0.9), "p99": pct(true, 0.99), "max": true[-1],
+            "over_2x": sum(r > args.ratio for r in true), "measured_max": measured[-1],
+            "measured_over_2x": sum(r > args.ratio for r in measured),
+            "output_tok_s": out_tokens / clock, "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", required=True, help="a bench_throughput.py --step-report JSON with records")
+    ap.add_argument("--workload-file", required=True, help="JSON of [[prompt ids], output len] pairs")
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--num-kv-blocks", type=int, default=20000)
+    ap.add_argument("--ratio", type=float, default=2.0, help="max_prefill_step_ratio")
+    ap.add_argument("--noise", type=float, default=0.04, help="log-normal spread of a step's time")
+    ap.add_argument("--seed-context-cost", type=float, default=1.0,
+                    help="share of the warm-up decode rows' context the model charges (their rows share "
+                         "its blocks: 0 if those reads all hit the L2 cache)")
+    ap.add_argument("--warmup-requests", type=int, default=4, help="requests run before, as bench_throughput does")
+    ap.add_argument("--seeds", default="0", help="comma list of noise seeds")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    with open(args.records) as f:
+        report = json.load(f)["step_report"]
+    records = [dict(zip(report["record_fields"], r)) for r in report["records"]]
+    with open(args.workload_file) as f:
+        workload = json.load(f)[: args.num_requests]
+    device = fit_device(records, args.max_num_seqs, args.max_num_batched_tokens)
+    print(f"device model from {args.records}: decode-only {device.decode}, mixed {device.mixed}, "
+          f"floor {device.floor:.2f} ms")
+    rows = [simulate(device, workload, args, int(s)) for s in args.seeds.split(",")]
+    print(f"{'seed':>4} {'prompt steps':>12} {'p50':>6} {'p90':>6} {'p99':>6} {'max':>6} {'over 2x':>8} "
+          f"{'measured max':>13} {'over':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>6}")
+    for r in rows:
+        print(f"{r['seed']:>4} {r['prompt_steps']:>12} {r['p50']:>6.2f} {r['p90']:>6.2f} {r['p99']:>6.2f} "
+              f"{r['max']:>6.2f} {r['over_2x']:>8} {r['measured_max']:>13.2f} {r['measured_over_2x']:>5} "
+              f"{r['output_tok_s']:>8.0f} {r['ttft_p50_s']:>9.2f} {r['ttft_p99_s']:>6.2f}")
+        for w in r["worst"][:3] if r["over_2x"] else ():
+            print(f"       {w['decodes']:>3} decodes (context {w['context_per_row']:.0f} a row) + "
+                  f"{w['prompt_tokens']:>4} prompt tokens: {w['ratio']:.2f}x")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "device": asdict(device), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
