@@ -13,7 +13,8 @@ mask for N+1, which depends on the token N samples for it. But the mask is neede
 N+1's sampling, not at its forward pass. So N+1 is submitted with ``MASK_FOLLOWS`` for such
 rows (messages.py). Once N's outputs are processed (the matchers have accepted N's tokens),
 ``send_masks`` fills every such row's mask in one batched xgrammar call (one thread:
-structured.FILL_THREADS) and hands them to N+1's handle; the worker samples N+1 while the
+structured.FILL_THREADS; straight into the pinned buffer the sampler uploads,
+layers/mask_staging.py) and hands them to N+1's handle; the worker samples N+1 while the
 host schedules N+2 (the default on a GPU, SchedulerConfig.overlap_structured):
 
     host:    submit N+1 (forward) | wait N | process N | N+1's masks | schedule N+2 ...
@@ -42,8 +43,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
-
-import numpy as np
 
 from streamkv.core.scheduler import SchedulerOutput
 from streamkv.executor.base import StepHandle
@@ -108,7 +107,7 @@ class InFlight:
 class MaskSource(Protocol):
     """What fills masks (engine/structured.py's StructuredOutputManager)."""
 
-    def fill_masks(self, grammars: list) -> np.ndarray: ...
+    def fill_masks(self, grammars: list) -> list: ...
 
 
 def send_masks(step: InFlight, source: MaskSource) -> None:

@@ -12,8 +12,10 @@ Life of a structured sequence:
   state after the last accepted token: by the step builder, which sends it as
   ``SeqStep.token_mask``, or, when the step was built while that token was still being
   sampled (async scheduling), once it is accepted, for every such row of the step in one
-  batched call (``fill_masks``; engine/step_pipeline.py). The sampler bans every token
-  outside it.
+  batched call (``fill_masks``, into the pinned buffer the sampler uploads:
+  layers/mask_staging.py; engine/step_pipeline.py). The sampler bans every token outside it.
+- A step's structured rows accept their sampled tokens in one native call
+  (``accept_tokens``, from OutputProcessor).
 - ``SequenceGrammar.accept`` (OutputProcessor.check_stop) advances the matcher with each
   sampled token. When the grammar is complete and only a stop token could follow, the
   sequence ends with finish_reason "stop" at once, rather than spend a step sampling EOS.
@@ -130,6 +132,7 @@ class StructuredOutputManager:
         self.xgrammar = BackgroundImport("xgrammar") if tokenizer is not None else None
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fill_masks
+        self._staging: Any = None  # layers/mask_staging.py's MaskStaging: where fill_masks writes
         self._stop_words: np.ndarray | None = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
@@ -148,14 +151,15 @@ class StructuredOutputManager:
         return SequenceGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size).numpy(), self._stop_words,
                                self._stop_ids)
 
-    def fill_masks(self, grammars: list[SequenceGrammar]) -> np.ndarray:
-        """The next-token masks of ``grammars``, row i of int32 [len, words] for grammar i,
-        filled in one native call (xgrammar's BatchGrammarMatcher on FILL_THREADS threads).
-        The grammars' own masks are left as they are."""
-        words = np.empty((len(grammars), -(-self.vocab_size // 32)), dtype=np.int32)
-        if grammars:
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], words)
-        return words
+    def fill_masks(self, grammars: list[SequenceGrammar]) -> list:
+        """The next-token masks of ``grammars`` (StagedMask i for grammar i), filled in one
+        native call (xgrammar's BatchGrammarMatcher on FILL_THREADS threads) straight into
+        the persistent pinned buffer the sampler uploads (layers/mask_staging.py); valid
+        until the next call. The grammars' own masks are left as they are."""
+        if not grammars:
+            return []
+        matchers = [g.matcher for g in grammars]
+        return self._staging.fill(len(grammars), lambda words: self._batch.batch_fill_next_token_bitmask(matchers, words))
 
     def _compiled(self, spec: StructuredOutputs) -> Any:
         key = spec.key()
@@ -204,6 +208,10 @@ class StructuredOutputManager:
             # One compile thread: the engine's thread compiles on admission, on a shared host.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+            # Imported here: torch, not before a structured request.
+            from streamkv.layers.mask_staging import MaskStaging
+
+            self._staging = MaskStaging(-(-self.vocab_size // 32))
             stop = np.full((1, -(-self.vocab_size // 32)), -1, dtype=np.int32)
             for t in self.eos_token_ids:
                 stop[0, t // 32] &= _clear_bit(t)

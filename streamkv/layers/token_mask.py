@@ -1,11 +1,14 @@
 """Structured outputs' token masks, applied to the logits of the rows that carry one.
 
 A mask is a bitmask of little-endian int32 words (bit ``t % 32`` of word ``t // 32`` set:
-token ``t`` allowed), as SeqStep.token_mask carries it (bytes), or as the engine's batched
-fill makes it for a step whose masks follow it (a row of an int32 array, in-process). The
-masked rows' words go to the device packed (vocab / 8 bytes a row), in one upload, and one
-kernel bans for all of them (kernels/token_mask_cuda.py; torch ops elsewhere, numpy on the
-CPU); a token outside the mask gets -inf, so neither greedy nor any sampling path can pick it.
+token ``t`` allowed), as SeqStep.token_mask carries it (bytes, or an int32 row), or as the
+engine's batched fill makes it for a step whose masks follow it (a StagedMask: a row of a
+persistent pinned buffer, in-process; layers/mask_staging.py). The masked rows' words go to
+the device packed (vocab / 8 bytes a row), in one upload, and one kernel bans for all of them
+(kernels/token_mask_cuda.py; torch ops elsewhere, numpy on the CPU); a token outside the mask
+gets -inf, so neither greedy nor any sampling path can pick it. When a step's masks are
+exactly a staging buffer's last fill (the overlapped path, the GPU's default), the upload is
+one copy of that buffer, with the row indices, and the launch is cached: no per-step array.
 Rows without a mask are not touched, and a step without one costs a single scan of the
 requests.
 """
@@ -19,8 +22,9 @@ import numpy as np
 import torch
 
 from streamkv.layers.host_copy import on_device
+from streamkv.layers.mask_staging import MaskStaging, StagedMask
 
-TokenMask = bytes | np.ndarray  # little-endian int32 words, one bit per token
+TokenMask = bytes | np.ndarray | StagedMask  # little-endian int32 words, one bit per token
 
 
 def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -> None:
@@ -30,8 +34,14 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -
         return
     vocab, dev = logits.shape[1], logits.device
     if dev.type == "cuda" and logits.dtype == torch.float32 and logits.stride(1) == 1:
-        _ban_with_kernel(logits, [masks[i] for i in rows], rows)
+        picked = [masks[i] for i in rows]
+        staging = staged_fill(picked)
+        if staging is not None:
+            _ban_staged(logits, staging, picked, rows)
+        else:
+            _ban_with_kernel(logits, [_words(m) for m in picked], rows)
         return
+    masks = [m.words if isinstance(m, StagedMask) else m for m in masks]
     if dev.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         _ban_with_torch(logits, [masks[i] for i in rows], rows)
         return
@@ -45,6 +55,51 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -
     flat = logits.numpy()
     for j, i in enumerate(rows):
         np.putmask(flat[i], banned[j], -np.inf)
+
+
+def _words(mask: TokenMask) -> TokenMask:
+    return mask.words if isinstance(mask, StagedMask) else mask
+
+
+def staged_fill(masks: list[TokenMask]) -> MaskStaging | None:
+    """The staging buffer whose last fill ``masks`` are, each of its rows once, in any order
+    (the overlapped path); None when they are anything else (bytes from the step builder,
+    a fill of which some rows ended, a mix)."""
+    first = masks[0]
+    if not isinstance(first, StagedMask):
+        return None
+    staging = first.staging
+    n = len(masks)
+    if n != staging.filled:
+        return None
+    seen = set()
+    for m in masks:
+        if not isinstance(m, StagedMask) or m.staging is not staging or m.row >= n:
+            return None
+        seen.add(m.row)
+    return staging if len(seen) == n else None
+
+
+def upload_staged(staging: MaskStaging, masks: list[StagedMask], rows: list[int],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices into the staging buffer (staged row m.row bans logits row rows[i]), then
+    the one copy (MaskStaging.upload): the device's words [n, width] and rows [n]."""
+    index = staging.host_rows
+    for m, r in zip(masks, rows, strict=True):
+        index[m.row] = r
+    return staging.upload(device, len(masks))
+
+
+def _ban_staged(logits: torch.Tensor, staging: MaskStaging, masks: list[StagedMask], rows: list[int]) -> None:
+    """CUDA, float32: the staging buffer's one upload, then the kernel's cached launch."""
+    from streamkv.kernels.token_mask_cuda import BanLaunch
+
+    words, index = upload_staged(staging, masks, rows, logits.device)
+    launch = staging.launch
+    key = (words.data_ptr(), index.data_ptr(), staging.width, logits.shape[1], logits.stride(0))
+    if launch is None or launch.key != key:
+        launch = staging.launch = BanLaunch(logits.device, words, index, logits.shape[1], logits.stride(0))
+    launch(logits, len(masks))
 
 
 def _ban_with_kernel(logits: torch.Tensor, masks: list[TokenMask], rows: list[int]) -> None:

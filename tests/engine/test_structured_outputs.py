@@ -5,6 +5,7 @@ are refused with InvalidParameter before they queue."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -188,3 +189,87 @@ def test_token_mask_kernel_matches_the_cpu_path(vocab):
         for i, m in enumerate(masks):
             if m is not None:
                 assert (torch.isfinite(got[i]).cpu().numpy() == allowed[i]).all()
+
+
+def _ban_like_the_kernel(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> None:
+    """kernels_cu/token_mask.cu in torch: logits row rows[r] banned outside words[r]."""
+    vocab = logits.shape[1]
+    bits = torch.arange(vocab)
+    for r in range(words.shape[0]):
+        allowed = (words[r][bits // 32] >> (bits % 32)) & 1
+        logits[int(rows[r])][allowed == 0] = -math.inf
+
+
+def test_staged_masks_upload_once_in_any_row_order():
+    from streamkv.layers.mask_staging import MaskStaging
+    from streamkv.layers.token_mask import staged_fill, upload_staged
+
+    vocab = 1000  # the last word half used
+    allowed, words = _random_masks(5, vocab)
+    staging = MaskStaging(words.shape[1], pin=False)
+    staged = staging.fill(5, lambda view: np.copyto(view, words))
+    buffer = staging.host.data_ptr()
+    assert staging.fill(3, lambda view: np.copyto(view, words[:3])) == staged[:3]
+    assert staging.host.data_ptr() == buffer  # no buffer a step
+    staged = staging.fill(5, lambda view: np.copyto(view, words))
+    # The sampler's rows: 7 logits rows, two unmasked, the staged rows in another order.
+    masks = [staged[3], None, staged[0], staged[4], None, staged[2], staged[1]]
+    picked = [m for m in masks if m is not None]
+    assert staged_fill(picked) is staging
+    assert staged_fill(picked[:4]) is None  # not the whole fill: the general path
+    assert staged_fill([words[0].tobytes()] + picked[1:]) is None
+    logits = torch.randn(len(masks), vocab)
+    want = logits.clone()
+    apply_token_masks(want, masks)  # the numpy path, through StagedMask.words
+    got = logits.clone()
+    dev_words, dev_rows = upload_staged(staging, picked, [i for i, m in enumerate(masks) if m is not None],
+                                        torch.device("cpu"))
+    _ban_like_the_kernel(got, dev_words, dev_rows)
+    assert torch.equal(got, want)
+    for i, m in enumerate(masks):
+        assert (torch.isfinite(want[i]).numpy() == (allowed[m.row] if m is not None else True)).all()
+    staging.fill(300, lambda view: view.fill(-1))  # past the capacity: grown
+    assert staging.capacity >= 300 and staging.host.data_ptr() != buffer
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_staged_kernel_path_matches_the_cpu_path(vocab):
+    from streamkv.layers.mask_staging import MaskStaging
+
+    allowed, words = _random_masks(5, vocab)
+    staging = MaskStaging(words.shape[1])
+    assert staging.pin
+    for step in range(3):  # the buffers and the cached launch are reused
+        rolled = np.roll(words, step, axis=0)
+        staged = staging.fill(5, lambda view, src=rolled: np.copyto(view, src))
+        masks = [staged[3], None, staged[0], staged[4], None, staged[2], staged[1]]
+        logits = torch.randn(len(masks), vocab)
+        want = logits.clone()
+        apply_token_masks(want, masks)  # the numpy path
+        got = logits.cuda()
+        apply_token_masks(got, masks)  # one upload of the staging buffer, the cached launch
+        assert staging.launch is not None
+        assert torch.equal(got.cpu(), want)
+        for i, m in enumerate(masks):
+            if m is not None:
+                assert (torch.isfinite(got[i]).cpu().numpy() == allowed[(m.row - step) % 5]).all()
+
+
+def test_bench_shape_dir_has_the_presets_dims_and_the_tokenizers_vocab(tmp_path):
+    from benchmarks.bench_structured import shaped_model_dir
+    from streamkv.config import ModelConfig
+    from streamkv.models.loader import load_tokenizer, resolve_model_dir, resolve_model_info
+
+    source = resolve_model_dir(None)  # SmolLM2-135M: 49,152 tokens, EOS 2
+    tokens = json.loads((source / "config.json").read_text())
+    out = shaped_model_dir("llama3-8b", source, tmp_path / "shaped")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (4096, 32, 8)
+    assert config["vocab_size"] == tokens["vocab_size"] == 49152 and config["eos_token_id"] == tokens["eos_token_id"]
+    assert "_source" not in config and config["tie_word_embeddings"] is False
+    tokenizer = load_tokenizer(out)
+    info = resolve_model_info(ModelConfig(model=str(out)), out, tokenizer)
+    assert info.vocab_size == 49152 and info.num_layers == 32 and tokens["eos_token_id"] in info.eos_token_ids
+    assert tokenizer.encode("{", add_special_tokens=False) == load_tokenizer(source).encode("{", add_special_tokens=False)

@@ -320,8 +320,9 @@ class _MaskHandleExecutor(_NoMaskHandleExecutor):
             def attach_masks(self, masks) -> None:
                 calls.append(("attach", n))
                 assert set(masks) <= follow
-                for seq_id, words in masks.items():
+                for seq_id, mask in masks.items():
                     token = out.results[seq_id].token_ids[0]
+                    words = mask.words  # a row of the engine's staging buffer (layers/mask_staging.py)
                     assert np.frombuffer(words, "<u4")[token // 32] >> (token % 32) & 1, "the mask bans the next token"
 
             def result(self) -> StepOutput:
