@@ -179,8 +179,9 @@ def main() -> int:
                     help="the engine's cap on prompt tokens beside decodes (0 = none; default: the engine's). "
                          "To choose it, sweep e.g. 0, 1.5, 2, 3 with --step-report: output tok/s and TTFT "
                          "against the prompt-step / decode-step ratios (p99, max, steps over 2x)")
-    ap.add_argument("--seed-prefill-cap", action="store_true",
-                    help="seed the prefill cap's fit with timed warm-up steps at start (engine/step_warmup.py)")
+    ap.add_argument("--seed-prefill-cap", action=argparse.BooleanOptionalAction, default=None,
+                    help="seed the prefill cap's fit with timed warm-up steps at start (engine/step_warmup.py; "
+                         "default: the engine's, on; it runs only while the cap is on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: embedded SmolLM2)")
@@ -238,8 +239,8 @@ def main() -> int:
               "async_scheduling": args.async_scheduling}
     if args.max_prefill_step_ratio is not None:
         kwargs["max_prefill_step_ratio"] = args.max_prefill_step_ratio
-    if args.seed_prefill_cap:
-        kwargs["seed_prefill_cap"] = True
+    if args.seed_prefill_cap is not None:
+        kwargs["seed_prefill_cap"] = args.seed_prefill_cap
     if args.workload_file:
         with open(args.workload_file) as f:
             requests = [Request(p, min(o, args.max_output_len)) for p, o in json.load(f)][: args.num_requests]
