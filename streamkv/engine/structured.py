@@ -78,7 +78,6 @@ class SequenceGrammar:
 
     def _accepted(self, token: int, ok: bool) -> bool:
         """``accept``'s verdict once the matcher has taken (``ok``) or refused ``token``."""
-        m = self.matcher
         if not ok:
             # Only a bug can get here (the sampler bans every token outside the mask), or a
             # row whose every allowed token was also banned (stop_token_ids): end the output
@@ -87,14 +86,16 @@ class SequenceGrammar:
             return True
         self._filled = False
         # A matcher terminates exactly when it accepts one of its stop tokens: asking it
-        # (is_terminated) would cost a native call a row and step (~1 us).
-        if token in self.stop_ids:
-            return True
-        if m.is_completed():  # the mask is needed now only when the grammar could end here
-            np.bitwise_and(self.next_mask(), self.stop_words, out=self._stop_free)
-            if not self._stop_free.any():
-                return True
-        return False
+        # (is_terminated) would cost a native call a row and step (~1 us). The native
+        # matcher's own is_completed: 64 rows in 13 us against 28 us through the Python
+        # wrapper (CPU box).
+        return token in self.stop_ids or (self.handle.is_completed() and self._only_stops_left())
+
+    def _only_stops_left(self) -> bool:
+        """Whether the completed grammar allows nothing but a stop token next (the mask is
+        needed now only when the grammar could end here)."""
+        np.bitwise_and(self.next_mask(), self.stop_words, out=self._stop_free)
+        return not self._stop_free.any()
 
     def fork(self) -> SequenceGrammar:
         child = SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words, self.stop_ids)
@@ -115,7 +116,11 @@ def accept_tokens(grammars: list[SequenceGrammar], tokens: list[int]) -> list[bo
     accepted = _core.BatchGrammarMatcher.batch_accept_token([g.handle for g in grammars], tokens, False)
     if 0 in accepted:  # a refused token (a bug, or a row whose allowed tokens were all banned)
         return [g._accepted(t, bool(ok)) for g, t, ok in zip(grammars, tokens, list(accepted), strict=True)]
-    return [g._accepted(t, True) for g, t in zip(grammars, tokens, strict=True)]
+    ends = []  # _accepted(t, True), inline: a call a row costs what the native call saves
+    for g, t in zip(grammars, tokens, strict=True):
+        g._filled = False
+        ends.append(t in g.stop_ids or (g.handle.is_completed() and g._only_stops_left()))
+    return ends
 
 
 class StructuredOutputManager:
