@@ -64,10 +64,15 @@ class MaskStaging:
             write(self.host_words[:n])
         return self.masks[:n]
 
-    def upload(self, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the row indices and the first ``n`` rows' words (``host_rows`` set by the
-        caller) to ``device`` without blocking; their device views: words int32 [n, width],
-        rows int32 [n]."""
+    def upload(self, device: torch.device, staged: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staged row staged[i] bans logits row rows[i] (``staged``: each of the last fill's
+        rows once): copy the row indices and those rows' words to ``device`` without
+        blocking; their device views: words int32 [n, width], rows int32 [n]."""
+        if self._pending:  # uploaded before (the same fill twice): the last copy has read it
+            self._uploaded.synchronize()
+            self._pending = False
+        n = len(staged)
+        self.host_rows[staged] = rows
         cap, width = self.capacity, self.width
         dev = self._device
         if dev is None or dev.device != device:
@@ -75,7 +80,9 @@ class MaskStaging:
             # outside it may still copy into it.
             with torch.inference_mode(False):
                 dev = self._device = torch.empty(cap * (width + 1), dtype=torch.int32, device=device)
-            self.launch = None
+            if self._pending:  # an event of another device: waited for, then made anew
+                self._uploaded.synchronize()
+            self.launch, self._uploaded, self._pending = None, None, False
         end = cap + n * width
         dev[:end].copy_(self.host[:end], non_blocking=True)
         if device.type == "cuda":

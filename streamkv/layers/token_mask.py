@@ -82,12 +82,9 @@ def staged_fill(masks: list[TokenMask]) -> MaskStaging | None:
 
 def upload_staged(staging: MaskStaging, masks: list[StagedMask], rows: list[int],
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices into the staging buffer (staged row m.row bans logits row rows[i]), then
-    the one copy (MaskStaging.upload): the device's words [n, width] and rows [n]."""
-    index = staging.host_rows
-    for m, r in zip(masks, rows, strict=True):
-        index[m.row] = r
-    return staging.upload(device, len(masks))
+    """The one copy (MaskStaging.upload), staged row masks[i].row banning logits row rows[i]:
+    the device's words [n, width] and rows [n]."""
+    return staging.upload(device, [m.row for m in masks], rows)
 
 
 def _ban_staged(logits: torch.Tensor, staging: MaskStaging, masks: list[StagedMask], rows: list[int]) -> None:
