@@ -273,3 +273,22 @@ def test_bench_shape_dir_has_the_presets_dims_and_the_tokenizers_vocab(tmp_path)
     info = resolve_model_info(ModelConfig(model=str(out)), out, tokenizer)
     assert info.vocab_size == 49152 and info.num_layers == 32 and tokens["eos_token_id"] in info.eos_token_ids
     assert tokenizer.encode("{", add_special_tokens=False) == load_tokenizer(source).encode("{", add_special_tokens=False)
+
+
+def test_batched_accept_matches_accepting_row_by_row(llm):
+    from streamkv.engine.structured import accept_tokens
+
+    manager, tok = llm.engine.structured, llm.get_tokenizer()
+    red = tok.encode("red strawberry milkshake", add_special_tokens=False)
+    assert len(red) >= 2
+    rows = [manager.new_grammar(_greedy({"choice": ["red strawberry milkshake", "blue"]})) for _ in range(3)]
+    twins = [g.fork() for g in rows]
+    for step in range(len(red)):
+        # Row 2 takes a token its grammar refuses at the first step: it ends, with a warning.
+        tokens = [red[step], red[step], red[step] if step else tok.encode("blue", add_special_tokens=False)[-1]]
+        live = [i for i in range(3) if step == 0 or i != 2]
+        got = accept_tokens([rows[i] for i in live], [tokens[i] for i in live])
+        assert got == [twins[i].accept(tokens[i]) for i in live]
+        if step == 0:
+            assert got == [False, False, True]  # the refused token ends row 2 (with a warning)
+    assert got == [True, True]  # the choice complete: only a stop token may follow
