@@ -135,21 +135,27 @@ if [[ " $PARTS " == *" eval "* ]]; then
   step kv_view 120 python3 -m tests.web.kv_view_load --viewers 5 --pairs 12 --requests 64 --concurrency 32 \
     --max-tokens 64 --out "$OUT/kv_view_gpu.json" \
     --server-args bench_inputs/smollm2-tokenizer --load-format dummy --device cuda
-  # Structured outputs: json_schema batch of 64 against the same batch unconstrained.
-  # Overlapped (the default on a GPU) and, in the same call, synchronous; then the overlap's
-  # token identity with graphs, eager and recompute on CUDA.
-  step structured 80 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
-    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 --rounds 5 \
-    --json-out "$OUT/structured_gpu.json"
-  step structured_sync 80 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
-    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 --rounds 5 \
-    --no-async-scheduling --json-out "$OUT/structured_gpu_sync.json"
+  # Structured outputs: first the CUDA tests (overlap vs in turn, the mask kernel and its
+  # staged upload against the CPU path), then json_schema batch of 64 against the same batch
+  # unconstrained: SmolLM2's shape overlapped (the GPU default) and in turn, and llama3-8b's
+  # dimensions with SmolLM2's tokenizer; the mask step's host microseconds.
+  step structured_tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda \
+    tests/engine/test_structured_overlap_cuda.py tests/engine/test_structured_outputs.py
+  step structured 120 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
+    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 --rounds 5 --phases \
+    --overlap-structured --json-out "$OUT/structured_gpu.json"
+  step structured_8b 240 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
+    --shape llama3-8b --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 \
+    --rounds 5 --phases --json-out "$OUT/structured_gpu_8b.json"
+  step structured_inturn 120 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
+    --load-format dummy --device cuda --dtype bfloat16 --num-requests 64 --output-len 64 --rounds 5 --phases \
+    --no-overlap-structured --json-out "$OUT/structured_gpu_inturn.json"
+  step mask_step 60 python3 benchmarks/bench_mask_step.py --device cuda --json-out "$OUT/mask_step_gpu.json"
   # The same comparison on this host's CPU (16 quiet cores; the 2-core box is shared and noisy):
   # float32, the CPU defaults (in turn, no async scheduling).
   step structured_cpu 150 python3 benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer \
     --load-format dummy --device cpu --num-requests 64 --output-len 32 --rounds 2 \
     --json-out "$OUT/structured_cpu.json"
-  step structured_tests 90 python3 -m pytest -q -p no:cacheprovider tests/engine/test_structured_overlap_cuda.py
   # Fig 12's GPU point: OPT-13B, an A100-40GB's KV pool (983 blocks), 200 ShareGPT requests a rate.
   step fig12_paged 170 env OUT="$OUT" RATES=${FIG12_RATES:-6,12} MAX_DURATION=50 \
     bash load_tests/gpu_point.sh paged
