@@ -4,6 +4,11 @@ xgrammar takes ~3.5 s to import on the CPU box (mostly triton): imported when th
 starts, while the model loads, the first structured request no longer pays it. A caller
 that needs the module before the thread is done waits for the thread (``get``), so the
 module is imported once, by one thread, and never seen half-initialised.
+
+The thread is not a daemon: a process that ends while the import runs (a short benchmark, a
+CLI call) waits for it at exit. A daemon thread is stopped in the middle of the import when
+the interpreter finalises, and inside xgrammar's native extensions that aborted the process
+("terminate called without an active exception", session 7 on the H200 host).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ class BackgroundImport:
         self._module: ModuleType | None = None
         self._thread: threading.Thread | None = None
         if importlib.util.find_spec(name) is not None:
-            self._thread = threading.Thread(target=self._load, name=f"import-{name}", daemon=True)
+            self._thread = threading.Thread(target=self._load, name=f"import-{name}", daemon=False)
             self._thread.start()
 
     def _load(self) -> None:
