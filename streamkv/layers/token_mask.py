@@ -52,9 +52,15 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -
     banned = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little").view(bool)[:, :vocab]
     if banned.shape[1] < vocab:  # a mask narrower than the logits: the rest is banned
         banned = np.pad(banned, ((0, 0), (0, vocab - banned.shape[1])), constant_values=True)
-    flat = logits.numpy()
-    for j, i in enumerate(rows):
-        np.putmask(flat[i], banned[j], -np.inf)
+    # One torch masked_fill over the masked rows (its intra-op threads split the rows'
+    # n x vocab elements), not numpy's single-threaded putmask row by row: on the GPU host's
+    # CPU that was ~17 ms of a ~115 ms float32 step at batch 64 (session 7).
+    banned_t = torch.from_numpy(banned)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned_t, -math.inf)
+    else:
+        index = torch.tensor(rows)
+        logits[index] = logits[index].masked_fill_(banned_t, -math.inf)
 
 
 def _words(mask: TokenMask) -> TokenMask:
