@@ -116,18 +116,11 @@ class Sampler:
                 (top_k if 0 < r.top_k < vocab else full).append((k, *d))
         finish = None
         if top_k:
-            picked = top_k_draws(logits, top_k, self.generator)
-            if len(top_k) == len(draws):
-                chosen = picked
-            else:
-                chosen[_on(dev, [p[0] for p in top_k])] = picked
+            chosen = _place(chosen, top_k_draws(logits, top_k, self.generator), top_k, len(draws))
         if full:
             whole = len(full) == len(draws)  # the rounds may then finish later, in place
             picked, finish = full_draws(logits, full, self.generator, defer=whole)
-            if whole:
-                chosen = picked
-            else:
-                chosen[_on(dev, [p[0] for p in full])] = picked
+            chosen = _place(chosen, picked, full, len(draws))
         # One fused log-softmax over every row: torch's logsumexp is several kernels and
         # passes (amax, sub, exp, sum), measured ~1.8x the time of log_softmax on the CPU.
         logprobs = torch.log_softmax(logits, -1)
@@ -155,11 +148,7 @@ class Sampler:
         chosen = torch.empty(len(draws), dtype=torch.long, device=dev)
         top_k = [(k, *d) for k, (d, m) in enumerate(zip(draws, modes)) if m == kernel.SCORE]
         if top_k:
-            picked = top_k_draws(logits, top_k, self.generator)
-            if len(top_k) == len(draws):
-                chosen = picked
-            else:
-                chosen[_on(dev, [p[0] for p in top_k])] = picked
+            chosen = _place(chosen, top_k_draws(logits, top_k, self.generator), top_k, len(draws))
         random_bases = None
         if kernel.SAMPLE | kernel.UNSEEDED in modes:
             random_bases = torch.randint(0, 2**62, (len(draws),), dtype=torch.int64, device=dev,
@@ -221,6 +210,15 @@ def _top_logprobs(x: torch.Tensor, reqs: Sequence[SampleRequest], dtype: torch.d
         rows = torch.log_softmax(rows.to(dtype), -1)
     return asks, rows.topk(k, dim=-1)
 
+
+
+def _place(chosen: torch.Tensor, picked: torch.Tensor, part: list[tuple], total: int) -> torch.Tensor:
+    """The draws of ``part`` (each led by its index among the ``total`` draws) set to
+    ``picked`` in ``chosen``; when ``part`` is every draw, ``picked`` itself."""
+    if len(part) == total:
+        return picked
+    chosen[_on(chosen.device, [p[0] for p in part])] = picked
+    return chosen
 
 def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
     """Penalties, then logit bias, then bans, then structured outputs' token masks, in
