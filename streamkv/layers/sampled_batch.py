@@ -12,7 +12,7 @@ import torch
 from streamkv.messages import SampleResult
 
 if TYPE_CHECKING:
-    from streamkv.layers.sampler import SampleRequest
+    from streamkv.layers.sample_request import SampleRequest
 
 
 class SampledBatch(Sequence):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from streamkv.layers.penalties import TokenCounts
-from streamkv.layers.sampler import SampleRequest
+from streamkv.layers.sample_request import SampleRequest
 from streamkv.messages import PENDING_TOKEN, NewSeq, StepInput
 from streamkv.worker.prompt_logprobs import PromptScoring, plan_scoring
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from streamkv.layers.attention import AttentionMetadata
-from streamkv.layers.sampler import SampledBatch, Sampler, SampleRequest
+from streamkv.layers.sample_request import SampleRequest
+from streamkv.layers.sampler import SampledBatch, Sampler
 from streamkv.layers.token_mask import TokenMask
 from streamkv.messages import MASK_FOLLOWS, StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes

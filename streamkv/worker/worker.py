@@ -10,7 +10,7 @@ import time
 import torch
 
 from streamkv.config import EngineConfig
-from streamkv.layers.sampler import SampleRequest
+from streamkv.layers.sample_request import SampleRequest
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo
 from streamkv.models.loader import resolve_model_info
