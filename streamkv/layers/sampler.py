@@ -113,7 +113,11 @@ class Sampler:
         chosen = torch.empty(len(draws), dtype=torch.long, device=dev)
         top_k = [(k, *d) for k, (d, m) in enumerate(zip(draws, modes)) if m == kernel.SCORE]
         if top_k:
-            chosen = _place(chosen, top_k_draws(logits, top_k, self.generator), top_k, len(draws))
+            picked = top_k_draws(logits, top_k, self.generator)
+            if len(top_k) == len(draws):
+                chosen = picked
+            else:
+                chosen[_on(dev, [p[0] for p in top_k])] = picked
         random_bases = None
         if kernel.SAMPLE | kernel.UNSEEDED in modes:
             random_bases = torch.randint(0, 2**62, (len(draws),), dtype=torch.int64, device=dev,
