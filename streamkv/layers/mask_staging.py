@@ -80,9 +80,8 @@ class MaskStaging:
             # outside it may still copy into it.
             with torch.inference_mode(False):
                 dev = self._device = torch.empty(cap * (width + 1), dtype=torch.int32, device=device)
-            if self._pending:  # an event of another device: waited for, then made anew
-                self._uploaded.synchronize()
-            self.launch, self._uploaded, self._pending = None, None, False
+            # The last upload was waited for above; the event is made anew on this device.
+            self.launch, self._uploaded = None, None
         end = cap + n * width
         dev[:end].copy_(self.host[:end], non_blocking=True)
         if device.type == "cuda":
