@@ -36,10 +36,10 @@ browser:
 	else echo "note: chromium needs root to install (apt-get install -y chromium); the browser tests will skip"; fi
 
 test: setup
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
 
 serve: setup
 	$(BIN)/streamkv serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)

@@ -6,8 +6,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# `make test` (so CI) draws the same property-test examples on every run (derandomized, no
+# example database): a red run then means the code changed, not the draw. A plain pytest
+# run keeps drawing new examples and replays its own failures from .hypothesis/, which is
+# where new cases come from (each found one goes into its test as an @example).
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile(os.environ.get("STREAMKV_HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")
