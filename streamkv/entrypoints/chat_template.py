@@ -29,6 +29,24 @@ _TOOLS_PROMPT = (
 )
 
 
+# apply_chat_template's own parameters (and the template's messages): chat_template_kwargs
+# adds template variables, it does not get to switch tokenization or swap the template.
+_RESERVED_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+))
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: extra variables the template may read (Qwen3's
+    ``enable_thinking``, say); a template ignores those it does not use."""
+    taken = sorted(k for k in kwargs if k in _RESERVED_KWARGS or not k.isidentifier())
+    if taken:
+        raise ValueError(f"may not set {', '.join(map(repr, taken))} (not a template variable)")
+    return kwargs
+
+
 def knows_tools(tok) -> bool:
     template = getattr(tok, "chat_template", None)
     return isinstance(template, str) and "tool" in template
@@ -91,10 +109,16 @@ def _fallback(messages: list[ChatMessage], tools: list[Tool] | None) -> list[dic
 
 
 def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool,
-                tools: list[Tool] | None = None) -> list[int]:
+                tools: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None,
+                continue_final: bool = False) -> list[int]:
     """Runs on the tokenizer thread: a long conversation never blocks the event loop.
-    ``tools``: those the model is offered (none with ``tool_choice: "none"``)."""
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    ``tools``: those the model is offered (none with ``tool_choice: "none"``);
+    ``template_kwargs``: the request's extra template variables; ``continue_final``: the
+    prompt ends inside the last message, so that the output continues it."""
+    kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
+                              "add_generation_prompt": add_generation_prompt}
+    if continue_final:
+        kwargs["continue_final_message"] = True
     if knows_tools(tok):
         dicts = _native(messages)
         if tools:

@@ -99,7 +99,10 @@ def _terminal_width() -> int:
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """Flags every command takes, after its name too (``streamkv serve --log-level DEBUG``)."""
+    from streamkv import __version__
+
     g = p.add_argument_group("common")
+    g.add_argument("--version", action="version", version=f"streamkv {__version__}")
     g.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
                    help="log level (default: INFO; also accepted before the command)")
     g.add_argument("--config", metavar="FILE.yaml", default=None,

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 
 from streamkv.entrypoints.chat_messages import ChatMessage, NamedToolChoice, Tool, ToolChoice
+from streamkv.entrypoints.chat_template import check_template_kwargs
 from streamkv.entrypoints.openai_protocol import APIError, Int, OpenAIModel, Unsupported
 from streamkv.entrypoints.structured_request import StructuredFields, structured_outputs
 from streamkv.entrypoints.tool_calls import forced_tool_schema
@@ -46,7 +47,7 @@ class SamplingRequest(StructuredFields):
     best_of: Samples | None = Field(None, description="samples drawn, the n most likely returned")
     temperature: float | None = Field(None, description="default 1 (0 with use_beam_search)")
     top_p: float = 1.0
-    top_k: Int = -1
+    top_k: Int = Field(-1, description="-1 or 0: no top-k (vLLM's rule)")
     min_p: float = 0.0
     seed: Int | None = None
     stop: Any = Field(None, description=f"a string or at most {MAX_STOP} strings")
@@ -126,7 +127,8 @@ class SamplingRequest(StructuredFields):
                 stop=self.stop, stop_token_ids=self.stop_token_ids,
                 # Beam search is deterministic: it defaults to (and needs) temperature 0.
                 temperature=self.temperature if self.temperature is not None else 0.0 if beam else 1.0,
-                top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                # vLLM reads top_k 0 as "all tokens", as -1 (clients that default to 0 send it).
+                top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k, min_p=self.min_p, seed=self.seed,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens, use_beam_search=beam, length_penalty=self.length_penalty,
@@ -162,7 +164,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: list[str | list[int]] = Field(
         description=f"a string, strings, token ids, or token-id lists (at most {MAX_SAMPLES} prompts)")
-    max_tokens: Int = 16
+    max_tokens: Int = Field(16, description="0 only with echo: the prompt (and its logprobs) alone")
     echo: bool = Field(False, description="prepend the prompt (with logprobs: the prompt's too)")
     logprobs: TopK | None = Field(None, description="top-k logprobs per token (+ the chosen one)")
     add_special_tokens: bool = True
@@ -184,11 +186,20 @@ class CompletionRequest(SamplingRequest):
             raise ValueError(f"may hold at most {MAX_SAMPLES} prompts")
         return v
 
+    @property
+    def echo_only(self) -> bool:
+        """OpenAI's legacy scoring call (``echo`` with ``max_tokens: 0``, as lm-eval-harness
+        sends it): the prompt comes back, with its logprobs, and no completion."""
+        return self.echo and self.max_tokens == 0
+
     def params(self) -> SamplingParams:
         # OpenAI's legacy echo + logprobs: the prompt's tokens are scored too.
         echoed = self.logprobs if self.echo and self.logprobs is not None else None
         prompt_lps = max((k for k in (echoed, self.prompt_logprobs) if k is not None), default=None)
-        return self.sampling_params(self.max_tokens, self.logprobs, prompt_lps, self.structured())
+        # The prefill pass that scores the prompt samples one token too (vLLM does the same);
+        # an echo-only response leaves it out.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, prompt_lps, self.structured())
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -212,9 +223,11 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: Unsupported = None
     web_search_options: Unsupported = None
     chat_template: Unsupported = None
-    chat_template_kwargs: Unsupported = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM: extra variables for the chat template (e.g. enable_thinking)")
     documents: Unsupported = None
-    continue_final_message: Unsupported = None
+    continue_final_message: bool = Field(
+        False, description="vLLM: the output continues the last (assistant) message; needs add_generation_prompt=false")
     echo: Unsupported = None
 
     @field_validator("messages")
@@ -223,6 +236,11 @@ class ChatCompletionRequest(SamplingRequest):
         if not v:
             raise ValueError("must not be empty")
         return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_template_kwargs(v)
 
     @field_validator("modalities")
     @classmethod
@@ -248,12 +266,13 @@ class ChatCompletionRequest(SamplingRequest):
         return "tool_choice" if self.tool_mode() in ("required", "named") else super().constraint_source()
 
     def params(self) -> SamplingParams:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("'continue_final_message' needs add_generation_prompt=false", param="continue_final_message")
         top = self.top_logprobs
         if top is not None and not self.logprobs:
             raise APIError("'top_logprobs' needs logprobs=true", param="top_logprobs")
-        max_tokens, legacy = self.max_completion_tokens, self.max_tokens
-        if max_tokens is not None and legacy is not None and max_tokens != legacy:
-            raise APIError("'max_tokens' conflicts with max_completion_tokens", param="max_tokens")
+        # OpenAI's newer name wins over the deprecated one when both are sent, as in vLLM.
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         constraint = self.structured()
         mode = self.tool_mode()
         if mode in ("required", "named") and not self.tools:
@@ -266,8 +285,8 @@ class ChatCompletionRequest(SamplingRequest):
                 raise APIError(f"a forced tool_choice cannot be combined with '{constraint[1]}'", param="tool_choice")
             schema = forced_tool_schema(self.tools, self.named_tool(), self.parallel_tool_calls)
             constraint = ({"json": schema}, "tool_choice")
-        return self.sampling_params(max_tokens if max_tokens is not None else legacy,
-                                    (top or 0) if self.logprobs else None, self.prompt_logprobs, constraint)
+        return self.sampling_params(max_tokens, (top or 0) if self.logprobs else None, self.prompt_logprobs,
+                                    constraint)
 
 
 class TokenizeRequest(OpenAIModel):

@@ -1,6 +1,7 @@
-"""/v1/completions, /v1/chat/completions, /tokenize, /detokenize: validated requests in,
-engine streams out, OpenAI responses back — whole, or as SSE chunks (one choice per chunk,
-``data: [DONE]`` last). The chat responses (tool calls included) are built in chat_serving.py.
+"""/v1/completions and /v1/chat/completions: validated requests in, engine streams out,
+OpenAI responses back — whole, or as SSE chunks (one choice per chunk, ``data: [DONE]``
+last). The chat responses (tool calls included) are built in chat_serving.py; /tokenize and
+/detokenize are tokenize_serving.py's.
 
 A request with several prompts (completions) or n > 1 samples interleaves its choices in
 one stream; choice ``index`` = prompt_index * n + sample_index, and every choice ends with
@@ -27,9 +28,7 @@ from streamkv.entrypoints.openai_protocol import APIError, validate
 from streamkv.entrypoints.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     SamplingRequest,
-    TokenizeRequest,
 )
 from streamkv.entrypoints.streaming import (
     DONE,
@@ -162,10 +161,12 @@ class OpenAIServing:
         choices, num_out = [], 0
         for i, out in enumerate(final):
             for c in out.outputs:
-                num_out += len(c.token_ids)
-                choice = {"index": i * params.n + c.index, "text": (echo[i] if echo else "") + c.text,
-                          "logprobs": self._completion_lps(ChoiceState(0), req, out, c.token_ids, c.logprobs, True),
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                text, ids, lps, finish, stop = _returned(req, c.text, c.token_ids, c.logprobs, c.finish_reason,
+                                                         c.stop_reason)
+                num_out += len(ids)
+                choice = {"index": i * params.n + c.index, "text": (echo[i] if echo else "") + text,
+                          "logprobs": self._completion_lps(ChoiceState(0), req, out, ids, lps, True),
+                          "finish_reason": finish, "stop_reason": stop}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
@@ -183,16 +184,18 @@ class OpenAIServing:
     def _completion_stream(self, head, streams, notify, req: CompletionRequest, params: SamplingParams, echo,
                            num_prompt) -> AsyncIterator[bytes]:
         n, want_lp = params.n, req.logprobs is not None
-        states = [ChoiceState(k) for k in range(len(streams) * n)]
+        states = [ChoiceState(k, counted=not req.echo_only) for k in range(len(streams) * n)]
 
         def choices(i: int, out: RequestOutput) -> Iterator[dict]:
             for d in deltas(states, i, n, out):
-                if not d.text and d.finish_reason is None and not want_lp:
+                text, ids, lps, finish, stop = _returned(req, d.text, d.token_ids, d.logprobs, d.finish_reason,
+                                                         d.stop_reason)
+                if not text and finish is None and not want_lp:
                     continue
                 first, d.choice.started = not d.choice.started, True
-                yield {"index": d.choice.index, "text": (echo[i] if echo and first else "") + d.text,
-                       "logprobs": self._completion_lps(d.choice, req, out, d.token_ids, d.logprobs, first),
-                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                yield {"index": d.choice.index, "text": (echo[i] if echo and first else "") + text,
+                       "logprobs": self._completion_lps(d.choice, req, out, ids, lps, first),
+                       "finish_reason": finish, "stop_reason": stop}
 
         return self._stream(head, streams, notify, states, req, num_prompt, choices)
 
@@ -234,7 +237,8 @@ class OpenAIServing:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
         tools = req.tools if req.tool_mode() != "none" else None
         return await self.engine.run_tokenizer(
-            lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens, tools),
+            lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens, tools,
+                                    req.chat_template_kwargs, req.continue_final_message),
             chat_size(req.messages, tools))
 
     async def chat(self, request: Request, body: dict) -> Response:
@@ -260,35 +264,13 @@ class OpenAIServing:
             body["prompt_logprobs"] = self.logprobs.prompt_logprobs(final[0].prompt_logprobs)
         return JSONResponse(body)
 
-    # -- /tokenize, /detokenize -----------------------------------------------------------
-    async def tokenize(self, request: Request, body: dict) -> Response:
-        req = validate(TokenizeRequest, body)
-        self.check_model(req.model)
-        if req.messages is None and req.prompt is None:
-            raise APIError("'prompt' is required (or 'messages')", param="prompt")
-        self.engine.check_alive()
-        if self.engine.tokenizer is None:
-            raise APIError("this model has no tokenizer")
-        if req.messages is not None:
-            ids = await self.engine.run_tokenizer(
-                lambda t: render_chat(t, req.messages, req.add_generation_prompt, bool(req.add_special_tokens)),
-                chat_size(req.messages))
-        else:
-            ids = await self.engine.run_tokenizer(
-                lambda t: t.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False), len(req.prompt))
-        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids})
 
-    async def detokenize(self, request: Request, body: dict) -> Response:
-        req = validate(DetokenizeRequest, body)
-        self.check_model(req.model)
-        self.engine.check_alive()
-        vocab = self.engine.info.vocab_size
-        if not all(0 <= t < vocab for t in req.tokens):
-            raise APIError(f"'tokens' must be token ids in [0, {vocab})", param="tokens")
-        if self.engine.tokenizer is None:
-            raise APIError("this model has no tokenizer")
-        text = await self.engine.run_tokenizer(lambda t: t.decode(req.tokens), len(req.tokens))
-        return JSONResponse({"prompt": text})
+def _returned(req: CompletionRequest, text: str, ids: list[int], lps, finish: str | None, stop):
+    """What a completion choice returns of its output: all of it, or nothing but the end of
+    an echo-only request (its one sampled token is the prefill pass's, not asked for)."""
+    if not req.echo_only:
+        return text, ids, lps, finish, stop
+    return "", [], [] if lps is not None else None, "length" if finish is not None else None, None
 
 
 def _renamed(req: SamplingRequest) -> dict[str, str]:

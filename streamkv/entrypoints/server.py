@@ -38,6 +38,7 @@ from streamkv.entrypoints.security import (
     check_api_key,
     check_origin,
 )
+from streamkv.entrypoints.tokenize_serving import TokenizeServing
 from streamkv.entrypoints.websocket import chat_ws
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ async def read_json(request: Request, limit: int) -> dict:
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     serving = OpenAIServing(engine, config.model_name, config.max_queue_len, config.sse_keepalive)
+    tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
 
     def api(handler, auth: bool = True, body: bool = True):
@@ -186,8 +188,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/v1/models", api(models, body=False)),
         Route("/v1/completions", api(serving.completions), methods=["POST"]),
         Route("/v1/chat/completions", api(serving.chat), methods=["POST"]),
-        Route("/tokenize", api(serving.tokenize), methods=["POST"]),
-        Route("/detokenize", api(serving.detokenize), methods=["POST"]),
+        Route("/tokenize", api(tokens.tokenize), methods=["POST"]),
+        Route("/detokenize", api(tokens.detokenize), methods=["POST"]),
         Route("/openapi.json", openapi),
         Route("/docs", docs),
         WebSocketRoute("/v1/chat/ws", chat_ws),

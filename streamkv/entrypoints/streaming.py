@@ -32,7 +32,7 @@ def usage_of(num_prompt: int, num_out: int) -> dict:
 
 
 def tokens_out(states: list[ChoiceState]) -> int:
-    return sum(st.num_tokens for st in states)
+    return sum(st.num_tokens for st in states if st.counted)
 
 
 def with_usage(chunk: dict, include: bool, continuous: bool, num_prompt: int, states: list[ChoiceState]) -> dict:
@@ -51,6 +51,7 @@ class ChoiceState:
     text_offset: int = 0
     started: bool = False
     done: bool = False
+    counted: bool = True  # its tokens count as completion tokens (not those of an echo-only request)
 
 
 @dataclass(slots=True)

@@ -24,11 +24,17 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True,
+                            continue_final_message=False, **variables) -> str:
+        """Extra template variables show as ``{name=value}`` up front; without a generation
+        prompt the conversation closes with ``</>``, unless its last turn is continued."""
         if any(m["role"] == "assistant" for m in messages[:1]):
             raise ValueError("conversation must start with a user or system message")
+        head = "".join(f"{{{k}={v}}}" for k, v in variables.items())
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        if continue_final_message:
+            return head + text
+        return head + text + ("<assistant>" if add_generation_prompt else "</>")
 
 
 class FakeEngine:

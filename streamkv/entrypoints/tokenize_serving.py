@@ -1,0 +1,48 @@
+"""/tokenize and /detokenize (vLLM's): the served model's tokenizer and chat template, on the
+tokenizer threads like every other request's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.entrypoints.chat_template import chat_size, render_chat
+from streamkv.entrypoints.openai_protocol import APIError, validate
+from streamkv.entrypoints.openai_requests import DetokenizeRequest, TokenizeRequest
+
+
+class TokenizeServing:
+    def __init__(self, engine: AsyncEngine, check_model: Callable[[str | None], None]) -> None:
+        self.engine, self.check_model = engine, check_model
+
+    async def tokenize(self, request: Request, body: dict) -> Response:
+        req = validate(TokenizeRequest, body)
+        self.check_model(req.model)
+        if req.messages is None and req.prompt is None:
+            raise APIError("'prompt' is required (or 'messages')", param="prompt")
+        self.engine.check_alive()
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer")
+        if req.messages is not None:
+            ids = await self.engine.run_tokenizer(
+                lambda t: render_chat(t, req.messages, req.add_generation_prompt, bool(req.add_special_tokens)),
+                chat_size(req.messages))
+        else:
+            ids = await self.engine.run_tokenizer(
+                lambda t: t.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False), len(req.prompt))
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request, body: dict) -> Response:
+        req = validate(DetokenizeRequest, body)
+        self.check_model(req.model)
+        self.engine.check_alive()
+        vocab = self.engine.info.vocab_size
+        if not all(0 <= t < vocab for t in req.tokens):
+            raise APIError(f"'tokens' must be token ids in [0, {vocab})", param="tokens")
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer")
+        text = await self.engine.run_tokenizer(lambda t: t.decode(req.tokens), len(req.tokens))
+        return JSONResponse({"prompt": text})

@@ -1,0 +1,112 @@
+"""What vLLM users send that OpenAI's own API spells differently or leaves out, on the fake
+engine through the official ``openai`` client: OpenAI's legacy scoring call (``echo`` with
+``max_tokens: 0``), ``top_k: 0``, ``max_completion_tokens`` beside ``max_tokens``, and the
+chat-template fields ``chat_template_kwargs`` and ``continue_final_message``."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from streamkv import __version__
+from streamkv.entrypoints.cli import build_parser
+from tests.entrypoints.fake_engine import FakeEngine
+from tests.entrypoints.test_app_fake_engine import make_client, sse_events, wait_healthy
+
+
+class RecordingEngine(FakeEngine):
+    """Keeps the last request's sampling parameters and prompt text."""
+
+    def add_request(self, request_id, prompt, params, prompt_token_ids=None, arrival_time=None):
+        self.params, self.prompt = params, self.tokenizer.decode(prompt_token_ids or [])
+        return super().add_request(request_id, prompt, params, prompt_token_ids, arrival_time)
+
+
+@pytest.fixture(scope="module")
+def api():
+    engine = RecordingEngine(step_delay=0.0005)
+    with make_client(engine) as http:
+        wait_healthy(http)
+        with openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0) as c:
+            yield c, http, engine
+
+
+def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(api):
+    client, http, engine = api
+    r = client.completions.create(model="fake", prompt="abcd", echo=True, max_tokens=0, logprobs=1)
+    assert engine.params.max_tokens == 1 and engine.params.prompt_logprobs == 1
+    (choice,) = r.choices
+    assert choice.text == "abcd" and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == list("abcd") and lp.token_logprobs == [None, -0.01, -0.02, -0.03]
+    assert lp.text_offset == [0, 1, 2, 3] and len(lp.top_logprobs) == 4
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (4, 0)
+    # Streamed: the same, in one chunk per choice, and the usage says no completion tokens.
+    body = {"prompt": "abcd", "echo": True, "max_tokens": 0, "logprobs": 1, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events, _ = sse_events(http.post("/v1/completions", json=body).text)
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = {c["choices"][0]["index"]: c["choices"][0]["text"] for c in chunks if c["choices"]}
+    assert texts == {0: "abcd", 1: "abcd"}
+    assert all(c["choices"][0]["logprobs"]["tokens"] == list("abcd") for c in chunks if c["choices"])
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}
+    # Without logprobs: the prompt comes back as text only.
+    r = client.completions.create(model="fake", prompt="xy", echo=True, max_tokens=0)
+    assert r.choices[0].text == "xy" and r.choices[0].logprobs is None
+    # Without echo, max_tokens 0 asks for nothing at all.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="fake", prompt="xy", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_top_k_0_means_no_top_k(api):
+    client, _, engine = api
+    client.completions.create(model="fake", prompt="ab", max_tokens=2, extra_body={"top_k": 0})
+    assert engine.params.top_k == -1
+    client.completions.create(model="fake", prompt="ab", max_tokens=2, extra_body={"top_k": 5})
+    assert engine.params.top_k == 5
+
+
+def test_max_completion_tokens_wins_over_max_tokens(api):
+    client, _, engine = api
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+    client.chat.completions.create(**chat, max_tokens=7, max_completion_tokens=3)
+    assert engine.params.max_tokens == 3
+    client.chat.completions.create(**chat, max_tokens=4)
+    assert engine.params.max_tokens == 4
+
+
+def test_chat_template_kwargs_reach_the_template(api):
+    client, _, engine = api
+    chat = {"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert engine.prompt == "{enable_thinking=False}<user>hi<assistant>"
+    for key in ("tokenize", "add_generation_prompt", "chat_template", "not a name"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**chat, extra_body={"chat_template_kwargs": {key: True}})
+        assert e.value.body["param"] == "chat_template_kwargs" and repr(key) in e.value.body["message"]
+
+
+def test_continue_final_message(api):
+    client, _, engine = api
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    client.chat.completions.create(model="fake", max_tokens=2, messages=messages,
+                                   extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert engine.prompt == "<user>hi<assistant>Hel"  # the turn stays open
+    client.chat.completions.create(model="fake", max_tokens=2, messages=messages,
+                                   extra_body={"add_generation_prompt": False})
+    assert engine.prompt == "<user>hi<assistant>Hel</>"
+    with pytest.raises(openai.BadRequestError) as e:  # as vLLM: both at once is a contradiction
+        client.chat.completions.create(model="fake", max_tokens=2, messages=messages,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
+def test_version_after_the_command(capsys):
+    for argv in (["--version"], ["serve", "--version"], ["generate", "--version"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 0
+        assert capsys.readouterr().out.strip() == f"streamkv {__version__}"
