@@ -118,7 +118,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     at = command_index(argv, set(parser.commands))
     command = parser.commands[argv[at]]
     try:
-        tokens, model = config_tokens(read_config_file(args.config), command, argv[at + 1:], args.config)
+        # A flag given before the command (--log-level) is the command line's too: it wins.
+        tokens, model = config_tokens(read_config_file(args.config), command, argv[:at] + argv[at + 1:], args.config)
     except ConfigFileError as e:
         command.error(str(e))
     args = parser.parse_args([*argv[:at + 1], *tokens, *argv[at + 1:]])

@@ -67,6 +67,14 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     assert _parse("serve", "/models/y", "--config", str(path)).model == "/models/y"
 
 
+def test_log_level_before_the_command_wins_over_the_config_file(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("log-level: debug\nport: 9001\n")
+    assert _parse("serve", "--config", str(path)).log_level == "DEBUG"
+    assert _parse("--log-level", "warning", "serve", "--config", str(path)).log_level == "WARNING"
+    assert _parse("serve", "--config", str(path), "--log-level", "error").log_level == "ERROR"
+
+
 @pytest.mark.parametrize("text, message", [
     ("prot: 8000\n", "unknown key 'prot' (did you mean port"),
     ("enable-prefix-caching: maybe\n", "takes true or false"),
