@@ -8,7 +8,8 @@
   ...}</tool_call>`` (SmolLM2's and Qwen2's format). ``parse_hermes`` splits a whole output
   into content and calls; ``HermesStream`` does it on a stream, holding back the text of a
   call (and anything that may start one) so that calls leave as ``tool_calls`` deltas, never
-  as content. A call whose JSON does not parse stays content, as vLLM does.
+  as content. A call whose JSON does not parse stays content, as vLLM does; so does an
+  unclosed last block, unless its JSON is a whole call.
 """
 
 from __future__ import annotations
@@ -117,9 +118,16 @@ class HermesStream:
         return text if not self.calls or text.strip() else ""
 
     def finish(self) -> str:
-        """What is still held when the output ends (an unclosed call is text)."""
+        """What is still held when the output ends. An unclosed last block whose JSON is
+        whole is a call (a model may end at EOS before ``</tool_call>``; vLLM's Hermes parser
+        takes it too); anything else held is text."""
         held, self._held = self._held, ""
-        return held
+        call = _call_of(held[len(OPEN):].strip()) if held.startswith(OPEN) else None
+        if call is None:
+            return held
+        if self.parallel or not self.calls:
+            self.calls.append(call)
+        return ""
 
     def new_calls(self) -> list[tuple[int, dict[str, Any]]]:
         fresh = list(enumerate(self.calls))[self._sent_calls:]

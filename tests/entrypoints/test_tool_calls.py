@@ -60,6 +60,17 @@ def test_whole_output_parsing():
         assert parse_hermes(text) == (text, [])
 
 
+def test_an_unclosed_last_call_counts_when_its_json_is_whole():
+    # The model ended (EOS) before writing </tool_call>.
+    content, calls = parse_hermes(SAID + CALL.removesuffix("</tool_call>"))
+    assert content == SAID.strip() and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    content, calls = parse_hermes(CALL + CALL.removesuffix("\n</tool_call>"), parallel=True)
+    assert content is None and len(calls) == 2
+    # Cut off inside its JSON: no call, the text is the answer.
+    cut = SAID + CALL[:30]
+    assert parse_hermes(cut) == (cut, [])
+
+
 def test_a_partial_tag_is_held_until_it_is_known():
     stream = HermesStream()
     assert stream.feed("see <tool_") == "see "
@@ -160,6 +171,16 @@ def test_auto_parses_the_models_tool_call(api):
     assert again.choices[0].finish_reason == "tool_calls"
     assert client.chat.completions.create(**KW, messages=USER, tools=[WEATHER],
                                           tool_choice="none").choices[0].message.content == SAID + CALL
+
+
+@pytest.mark.parametrize("api", [SAID + CALL.removesuffix("</tool_call>")], indirect=True)
+def test_auto_streams_an_unclosed_last_call(api):
+    client, _ = api
+    chunks = list(client.chat.completions.create(**KW, messages=USER, tools=[WEATHER], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == SAID
+    (call,) = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("api", [SAID + CALL], indirect=True)
