@@ -50,8 +50,8 @@ __all__ = ["ENGINE_ERRORS", "OpenAIServing", "engine_error", "request_failed"]
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, max_queue_len: int | None = None,
-                 sse_keepalive: float = 15.0) -> None:
-        self.engine, self.model_name = engine, model_name
+                 sse_keepalive: float = 15.0, auto_tool_choice: bool = True) -> None:
+        self.engine, self.model_name, self.auto_tool_choice = engine, model_name, auto_tool_choice
         self.max_queue_len, self.sse_keepalive = max_queue_len, sse_keepalive
         self.logprobs = LogprobFormatter(lambda: engine.tokenizer)
 
@@ -235,6 +235,9 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
+        if req.tool_mode() == "auto" and not self.auto_tool_choice:  # vLLM's answer without the flag
+            raise APIError('"auto" tool choice needs --enable-auto-tool-choice (this server runs with '
+                           '--no-enable-auto-tool-choice)', param="tool_choice")
         tools = req.tools if req.tool_mode() != "none" else None
         return await self.engine.run_tokenizer(
             lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens, tools,

@@ -46,6 +46,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
     s.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY; none = open)")
+    tc = p.add_argument_group("tool calling")
+    tc.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                    help="tool_choice 'auto' parses the model's own tool calls into tool_calls (off: such a "
+                         "request is a 400, as in vLLM without this flag)")
+    tc.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
+                    help="the model's tool-call format: Hermes-style <tool_call> JSON (SmolLM2's, Qwen2's)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--disable-log-stats", action="store_true",
                     help="no periodic stats line (throughput, queues, KV usage, prefix-cache hit rate)")
@@ -165,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=origins, hosts=hosts, max_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
+        auto_tool_choice=args.enable_auto_tool_choice,
         on_ready=announce,
     ))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -72,6 +72,8 @@ class ServerConfig:
     max_queue_len: int | None = None
     sse_keepalive: float = 15.0
     ws_max_active: int = 8
+    # tool_choice "auto" parses the model's Hermes-style calls (--enable-auto-tool-choice).
+    auto_tool_choice: bool = True
     web_dir: Path | None = WEB_DIR
     on_load_failure: Callable[[], None] | None = field(default=None, repr=False)
     # Awaited once the model is loaded (serve logs its "ready:" line there).
@@ -96,7 +98,8 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
-    serving = OpenAIServing(engine, config.model_name, config.max_queue_len, config.sse_keepalive)
+    serving = OpenAIServing(engine, config.model_name, config.max_queue_len, config.sse_keepalive,
+                            config.auto_tool_choice)
     tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
 

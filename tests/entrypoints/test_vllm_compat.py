@@ -110,3 +110,25 @@ def test_version_after_the_command(capsys):
             build_parser().parse_args(argv)
         assert e.value.code == 0
         assert capsys.readouterr().out.strip() == f"streamkv {__version__}"
+
+
+def test_vllm_tool_calling_flags():
+    parse = build_parser().parse_args
+    args = parse(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])  # vLLM's docs' line
+    assert args.enable_auto_tool_choice is True and args.tool_call_parser == "hermes"
+    assert parse(["serve"]).enable_auto_tool_choice is True
+    assert parse(["serve", "--no-enable-auto-tool-choice"]).enable_auto_tool_choice is False
+    with pytest.raises(SystemExit):
+        parse(["serve", "--tool-call-parser", "mistral"])  # a format this server cannot parse
+
+
+def test_auto_tool_choice_off_is_a_400_as_in_vllm():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = {"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    with make_client(FakeEngine(step_delay=0.0005), auto_tool_choice=False) as http:
+        wait_healthy(http)
+        r = http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        assert http.post("/v1/chat/completions", json={**chat, "tool_choice": "none"}).status_code == 200
+        assert http.post("/v1/chat/completions", json={**chat, "tools": None}).status_code == 200
