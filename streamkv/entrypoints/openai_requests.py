@@ -1,6 +1,6 @@
-"""One request model per endpoint (completions, chat completions, tokenize, detokenize),
-with OpenAI's field names and vLLM's extras; each generation request builds its
-``SamplingParams``.
+"""The request models of the generation endpoints (completions, chat completions), with
+OpenAI's field names and vLLM's extras; each builds its ``SamplingParams``. (/tokenize's
+and /detokenize's are tokenize_serving.py's.)
 
 Ranges of sampling fields are ``SamplingParams``' own checks (an ``InvalidParameter`` naming
 the field); whether a request can ever run is the engine's admission (core/admission.py).
@@ -287,20 +287,3 @@ class ChatCompletionRequest(SamplingRequest):
             constraint = ({"json": schema}, "tool_choice")
         return self.sampling_params(max_tokens, (top or 0) if self.logprobs else None, self.prompt_logprobs,
                                     constraint)
-
-
-class TokenizeRequest(OpenAIModel):
-    """POST /tokenize: ``prompt`` or ``messages``."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages")
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(OpenAIModel):
-    """POST /detokenize."""
-
-    model: str | None = None
-    tokens: list[Int]

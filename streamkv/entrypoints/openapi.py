@@ -11,12 +11,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from streamkv import __version__
-from streamkv.entrypoints.openai_requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from streamkv.entrypoints.openai_requests import ChatCompletionRequest, CompletionRequest
+from streamkv.entrypoints.tokenize_serving import DetokenizeRequest, TokenizeRequest
 
 # (path, request model, summary); every one is a POST with a JSON body.
 ENDPOINTS: tuple[tuple[str, type[BaseModel], str], ...] = (

@@ -4,14 +4,42 @@ tokenizer threads like every other request's."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from pydantic import Field, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.entrypoints.chat_template import chat_size, render_chat
-from streamkv.entrypoints.openai_protocol import APIError, validate
-from streamkv.entrypoints.openai_requests import DetokenizeRequest, TokenizeRequest
+from streamkv.entrypoints.chat_messages import ChatMessage, Tool
+from streamkv.entrypoints.chat_template import chat_size, check_template_kwargs, render_chat
+from streamkv.entrypoints.openai_protocol import APIError, Int, OpenAIModel, validate
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages")
+    add_generation_prompt: bool = True
+    # As a chat request renders them, so that the count matches the chat's prompt_tokens.
+    tools: list[Tool] | None = Field(None, description="messages: the tools offered, rendered as a chat renders them")
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_template_kwargs(v)
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[Int]
 
 
 class TokenizeServing:
@@ -27,9 +55,13 @@ class TokenizeServing:
         if self.engine.tokenizer is None:
             raise APIError("this model has no tokenizer")
         if req.messages is not None:
+            if req.continue_final_message and req.add_generation_prompt:
+                raise APIError("'continue_final_message' needs add_generation_prompt=false",
+                               param="continue_final_message")
             ids = await self.engine.run_tokenizer(
-                lambda t: render_chat(t, req.messages, req.add_generation_prompt, bool(req.add_special_tokens)),
-                chat_size(req.messages))
+                lambda t: render_chat(t, req.messages, req.add_generation_prompt, bool(req.add_special_tokens),
+                                      req.tools, req.chat_template_kwargs, req.continue_final_message),
+                chat_size(req.messages, req.tools))
         else:
             ids = await self.engine.run_tokenizer(
                 lambda t: t.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False), len(req.prompt))

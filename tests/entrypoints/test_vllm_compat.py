@@ -132,3 +132,15 @@ def test_auto_tool_choice_off_is_a_400_as_in_vllm():
         assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
         assert http.post("/v1/chat/completions", json={**chat, "tool_choice": "none"}).status_code == 200
         assert http.post("/v1/chat/completions", json={**chat, "tools": None}).status_code == 200
+
+
+def test_tokenize_renders_messages_as_the_chat_does(api):
+    client, http, engine = api
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = client.chat.completions.create(model="fake", max_tokens=2, messages=body["messages"], tools=body["tools"],
+                                       extra_body={"chat_template_kwargs": body["chat_template_kwargs"]})
+    t = http.post("/tokenize", json=body).json()
+    assert t["count"] == r.usage.prompt_tokens and engine.tokenizer.decode(t["tokens"]) == engine.prompt
+    assert "{enable_thinking=False}" in engine.prompt and '"name": "f"' in engine.prompt
