@@ -35,7 +35,8 @@ Content = Annotated[
 
 class FunctionCall(OpenAIModel):
     name: str
-    arguments: str = Field(description="the arguments as JSON text")
+    # OpenAI sends JSON text; vLLM also takes the object itself (some clients send that).
+    arguments: str | dict[str, Any] = Field("", description="the arguments as JSON text (or as an object)")
 
 
 class ToolCall(OpenAIModel):

@@ -52,11 +52,16 @@ def knows_tools(tok) -> bool:
     return isinstance(template, str) and "tool" in template
 
 
-def _arguments(text: str) -> Any:
+def _arguments(args: str | dict[str, Any]) -> Any:
+    """A call's arguments as the object templates read; none given is ``{}`` (as in vLLM)."""
+    if isinstance(args, dict):
+        return args
+    if not args.strip():
+        return {}
     try:
-        return json.loads(text)
+        return json.loads(args)
     except ValueError:
-        return text
+        return args
 
 
 def _native(messages: list[ChatMessage]) -> list[dict]:
@@ -134,6 +139,6 @@ def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, a
 
 def chat_size(messages: list[ChatMessage], tools: list[Tool] | None = None) -> int:
     """Characters a chat template will see, for picking the tokenizer lane."""
-    size = sum(len(m.text() or "") + 16 + sum(len(c.function.arguments) for c in m.tool_calls or ())
+    size = sum(len(m.text() or "") + 16 + sum(len(str(c.function.arguments)) for c in m.tool_calls or ())
                for m in messages)
     return size + sum(len(json.dumps(t.function.parameters or {})) for t in tools or ())

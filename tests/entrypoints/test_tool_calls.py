@@ -128,6 +128,20 @@ class RecordingTokenizer(FakeTokenizer):
         return "rendered"
 
 
+def test_call_arguments_as_an_object_or_absent_render_as_objects():
+    # vLLM takes the arguments object itself too; absent arguments are {}.
+    raw = [HISTORY[0], {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time"}}]}, *HISTORY[2:]]
+    tok = RecordingTokenizer()
+    render_chat(tok, messages(raw), True, False)
+    calls = tok.seen[0][1]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [{"city": "Paris"}, {}]
+    text = FakeTokenizer().decode(render_chat(FakeTokenizer(), messages(raw), True, False))
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert '{"name": "get_time", "arguments": {}}' in text
+
+
 def test_native_rendering_for_a_template_with_tools():
     tok = RecordingTokenizer()
     render_chat(tok, messages(HISTORY), True, False, tools(WEATHER))
