@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from streamkv.entrypoints.chat_messages import ChatMessage, NamedToolChoice, Tool, ToolChoice
 from streamkv.entrypoints.chat_template import check_template_kwargs
 from streamkv.entrypoints.openai_protocol import APIError, Int, OpenAIModel, Unsupported
+from streamkv.entrypoints.request_fields import PassiveFields
 from streamkv.entrypoints.structured_request import StructuredFields, structured_outputs
 from streamkv.entrypoints.tool_calls import forced_tool_schema
 from streamkv.sampling_params import InvalidParameter, SamplingParams
@@ -39,8 +40,9 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = Field(False, description="vLLM: usage on every chunk")
 
 
-class SamplingRequest(StructuredFields):
-    """The fields both generation endpoints share."""
+class SamplingRequest(StructuredFields, PassiveFields):
+    """The fields both generation endpoints share (those that change nothing, or that are
+    refused, in request_fields.py)."""
 
     model: str | None = Field(None, description="the served model's id; another name is a 404")
     n: Samples = 1
@@ -66,20 +68,8 @@ class SamplingRequest(StructuredFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: TopK | None = Field(None, description="vLLM: logprobs of the prompt tokens (top k)")
-    # Inert: OpenAI fields that do not change the output.
-    user: str | None = Field(None, description="inert: an end-user id")
-    metadata: dict[str, str] | None = Field(None, description="inert")
-    store: bool | None = Field(None, description="inert: nothing is stored")
-    service_tier: str | None = Field(None, description="inert")
-    prompt_cache_key: str | None = Field(None, description="inert: prefix caching is automatic")
-    safety_identifier: str | None = Field(None, description="inert")
-    # vLLM extras this engine does not implement.
-    truncate_prompt_tokens: Unsupported = None
-    priority: Unsupported = None
-    allowed_token_ids: Unsupported = None
-    bad_words: Unsupported = None
-    logits_processors: Unsupported = None
-    return_tokens_as_token_ids: Unsupported = None
+    truncate_prompt_tokens: Int | None = Field(
+        None, description="vLLM: keep only the prompt's last k tokens (-1: the context length)")
 
     @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
     @classmethod
@@ -92,6 +82,21 @@ class SamplingRequest(StructuredFields):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"strings may be at most {MAX_STOP_CHARS} characters long")
         return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("must be -1 (the context length) or at least 1")
+        return v
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids after ``truncate_prompt_tokens`` (its end is kept, as in vLLM)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
 
     @field_validator("early_stopping", mode="plain", json_schema_input_type=bool | str)
     @classmethod

@@ -139,16 +139,17 @@ class OpenAIServing:
         encoded = iter(await self.engine.run_tokenizer(
             lambda tok: [tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts],
             sum(map(len, texts))) if texts else [])
-        prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompt]
+        full = [next(encoded) if isinstance(p, str) else p for p in req.prompt]
+        prompts = [req.truncated(p, self.engine.info.max_model_len) for p in full]
         echo = None
-        if req.echo:
-            echo = [p if isinstance(p, str) else "" for p in req.prompt]
+        if req.echo:  # a text prompt comes back as sent; token ids, or a truncated text, decoded
+            as_sent = [isinstance(p, str) and len(ids) == len(f) for p, ids, f in zip(req.prompt, prompts, full)]
+            echo = [p if keep else "" for p, keep in zip(req.prompt, as_sent)]
             if tok is not None:
-                id_prompts = [p for p in req.prompt if not isinstance(p, str)]
-                decoded = await self.engine.run_tokenizer(lambda tok: [tok.decode(p) for p in id_prompts],
-                                                          sum(map(len, id_prompts)))
-                it = iter(decoded)
-                echo = [p if isinstance(p, str) else next(it) for p in req.prompt]
+                todo = [ids for ids, keep in zip(prompts, as_sent) if not keep]
+                it = iter(await self.engine.run_tokenizer(lambda tok: [tok.decode(ids) for ids in todo],
+                                                          sum(map(len, todo))))
+                echo = [p if keep else next(it) for p, keep in zip(req.prompt, as_sent)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams, notify = await self.start(rid, prompts, params, _renamed(req))
         num_prompt = sum(len(p) for p in prompts)
@@ -239,10 +240,11 @@ class OpenAIServing:
             raise APIError('"auto" tool choice needs --enable-auto-tool-choice (this server runs with '
                            '--no-enable-auto-tool-choice)', param="tool_choice")
         tools = req.tools if req.tool_mode() != "none" else None
-        return await self.engine.run_tokenizer(
+        ids = await self.engine.run_tokenizer(
             lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens, tools,
                                     req.chat_template_kwargs, req.continue_final_message),
             chat_size(req.messages, tools))
+        return req.truncated(ids, self.engine.info.max_model_len)
 
     async def chat(self, request: Request, body: dict) -> Response:
         req = validate(ChatCompletionRequest, body)

@@ -144,3 +144,31 @@ def test_tokenize_renders_messages_as_the_chat_does(api):
     t = http.post("/tokenize", json=body).json()
     assert t["count"] == r.usage.prompt_tokens and engine.tokenizer.decode(t["tokens"]) == engine.prompt
     assert "{enable_thinking=False}" in engine.prompt and '"name": "f"' in engine.prompt
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(api):
+    client, _, engine = api
+    r = client.completions.create(model="fake", prompt="abcdefgh", max_tokens=1, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert engine.prompt == "fgh" and r.usage.prompt_tokens == 3
+    assert r.choices[0].text.startswith("fgh")  # the echo is the prompt the model saw
+    r = client.completions.create(model="fake", prompt=[[97, 98, 99]], max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 5})
+    assert engine.prompt == "abc" and r.usage.prompt_tokens == 3
+    client.completions.create(model="fake", prompt="ab" * 200, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert len(engine.prompt) == 256  # -1: the context length (the fake's is 256)
+    r = client.chat.completions.create(model="fake", max_tokens=1, messages=[{"role": "user", "content": "hello"}],
+                                       extra_body={"truncate_prompt_tokens": 4})
+    assert engine.prompt == "ant>" and r.usage.prompt_tokens == 4  # the rendered chat's last 4 tokens
+    for bad in (0, -2):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="fake", prompt="ab", max_tokens=1, extra_body={"truncate_prompt_tokens": bad})
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_cache_salt_is_refused_not_ignored(api):
+    # Ignoring it would leave a client that asks for prefix-cache isolation without any.
+    client, _, _ = api
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="fake", prompt="ab", max_tokens=1, extra_body={"cache_salt": "tenant-1"})
+    assert e.value.body["param"] == "cache_salt"
