@@ -43,16 +43,20 @@ class Device:
     floor: float
     batch_sizes: list[int]
     token_sizes: list[int]
+    # Per decode graph batch: the run's decode-only steps' median miss of the linear model, ms
+    # (--device binned; empty: the linear model alone).
+    batch_excess: dict[int, float]
 
     def ms(self, decodes: int, prompt: int, context: int) -> float:
         if not prompt:
             a, b, g = self.decode
-            return a + b * _ceil(self.batch_sizes, decodes) + g * context
+            batch = _ceil(self.batch_sizes, decodes)
+            return a + b * batch + g * context + self.batch_excess.get(batch, 0.0)
         a, b, g, d = self.mixed
         return max(self.floor, a + b * _ceil(self.token_sizes, decodes + prompt) + g * context + d * decodes)
 
 
-def fit_device(records: list[dict], max_num_seqs: int, token_budget: int) -> Device:
+def fit_device(records: list[dict], max_num_seqs: int, token_budget: int, binned: bool = False) -> Device:
     import numpy as np
 
     from streamkv.worker.cuda_graphs import capture_sizes
@@ -70,7 +74,14 @@ def fit_device(records: list[dict], max_num_seqs: int, token_budget: int) -> Dev
     mix, *_ = np.linalg.lstsq(x, np.array([r["ms"] for r in big]), rcond=None)
     small = [r["ms"] for r in mixed if _ceil(tokens, r["decodes"] + r["prompt_tokens"]) <= 128]
     floor = min(small) if small else mix[0] + mix[1] * 128
-    return Device(decode.tolist(), mix.tolist(), floor, batch, tokens)
+    excess: dict[int, list[float]] = {}
+    for r in records if binned else ():
+        if r["decodes"] and not r["prompt_tokens"]:
+            size = _ceil(batch, r["decodes"])
+            linear = decode[0] + decode[1] * size + decode[2] * r["context_tokens"]
+            excess.setdefault(size, []).append(r["ms"] - linear)
+    median = {int(size): float(sorted(xs)[len(xs) // 2]) for size, xs in excess.items() if len(xs) >= 5}
+    return Device(decode.tolist(), mix.tolist(), floor, batch, tokens, median)
 
 
 def simulate(device: Device, workload: list, args, seed: int) -> dict:
@@ -78,7 +89,7 @@ def simulate(device: Device, workload: list, args, seed: int) -> dict:
     from streamkv.core.block_manager import BlockManager
     from streamkv.core.scheduler import Scheduler
     from streamkv.core.step_budget import StepCostModel
-    from streamkv.engine.step_warmup import DECODE_CONTEXT, WarmupShape, plan
+    from streamkv.engine.step_warmup import DECODE_CONTEXT, WarmupShape, plan, row_context
     from streamkv.sampling_params import SamplingParams
     from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -88,18 +99,18 @@ def simulate(device: Device, workload: list, args, seed: int) -> dict:
     config.verify()
     bm = BlockManager(16, args.num_kv_blocks, 0, enable_prefix_caching=False, watermark=0.0)
     sched = Scheduler(config, bm)
-    cost = sched.step_cost = StepCostModel(args.ratio)
+    cost = sched.step_cost = StepCostModel(args.ratio, context_term=args.context_term == "on")
     noisy = lambda ms: ms * math.exp(rng.gauss(0.0, args.noise))  # noqa: E731
-    context, points = plan(WarmupShape(config.token_budget, args.max_num_seqs, 16, args.num_kv_blocks,
-                                       args.max_model_len, 32000))
-    seed_context = args.seed_context_cost * min(context, DECODE_CONTEXT)
-    samples = [(p.decodes, p.prompt_tokens, 1e-3 * noisy(device.ms(p.decodes, p.prompt_tokens,
-                                                                   int(seed_context * p.decodes))))
-               for p in points]
-    try:
-        cost.seed(samples, device.token_sizes)
-    except TypeError:  # a cap from before the graphs' sizes (replaying an older tree)
-        cost.seed(samples)
+    shape = WarmupShape(config.token_budget, args.max_num_seqs, 16, args.num_kv_blocks, args.max_model_len, 32000)
+    context, points = plan(shape, cost.context_term)
+    # The engine passes the rows' nominal context; the device charges its share (shared blocks).
+    samples = [(p.decodes, p.prompt_tokens, 1e-3 * noisy(device.ms(p.decodes, p.prompt_tokens, int(
+        args.seed_context_cost * row_context(shape, p, context) * p.decodes))),
+        row_context(shape, p, context) * p.decodes) for p in points]
+    if args.seed_samples:  # a real run's warm-up, timed on its GPU
+        samples = [(s[0], s[1], 1e-3 * s[2], s[3] if len(s) > 3 else DECODE_CONTEXT * s[0])
+                   for s in args.seed_samples]
+    cost.seed(samples, device.token_sizes)
     ids = iter(range(10**9))
     clock, pending, steps, first = 0.0, None, [], {}
 
@@ -123,7 +134,7 @@ def simulate(device: Device, workload: list, args, seed: int) -> dict:
             true = device.ms(decodes, prompt, kv)
             ms = noisy(true)
             clock += ms / 1e3
-            pending = (decodes, prompt, ms / 1e3)
+            pending = (decodes, prompt, ms / 1e3, kv)
             steps.append((decodes, prompt, kv, ms))
             for s in out.scheduled:
                 sample = s.do_sample  # before the computed count moves
@@ -176,6 +187,14 @@ def main() -> int:
     ap.add_argument("--seed-context-cost", type=float, default=1.0,
                     help="share of the warm-up decode rows' context the model charges (their rows share "
                          "its blocks: 0 if those reads all hit the L2 cache)")
+    ap.add_argument("--context-term", choices=("on", "off"), default="off",
+                    help="the cap's fit with the decode rows' context terms (StepCostModel.context_term)")
+    ap.add_argument("--device", choices=("linear", "binned"), default="linear",
+                    help="binned: decode-only steps also pay the records' median excess over the linear "
+                         "model at each decode graph batch (what the GPU ran that the model misses)")
+    ap.add_argument("--seed-from", default=None,
+                    help="seed the cap with the warm-up samples of this step report (prefill_cap.warmup_samples: "
+                         "timed on the GPU) instead of the plan timed on the model")
     ap.add_argument("--warmup-requests", type=int, default=4, help="requests run before, as bench_throughput does")
     ap.add_argument("--seeds", default="0", help="comma list of noise seeds")
     ap.add_argument("--json-out", default=None)
@@ -185,9 +204,14 @@ def main() -> int:
     records = [dict(zip(report["record_fields"], r)) for r in report["records"]]
     with open(args.workload_file) as f:
         workload = json.load(f)[: args.num_requests]
-    device = fit_device(records, args.max_num_seqs, args.max_num_batched_tokens)
+    args.seed_samples = None
+    if args.seed_from:
+        with open(args.seed_from) as f:
+            args.seed_samples = json.load(f)["step_report"]["prefill_cap"]["warmup_samples"]
+    device = fit_device(records, args.max_num_seqs, args.max_num_batched_tokens, args.device == "binned")
     print(f"device model from {args.records}: decode-only {device.decode}, mixed {device.mixed}, "
-          f"floor {device.floor:.2f} ms")
+          f"floor {device.floor:.2f} ms; decode graph batches' excess (ms): "
+          + (", ".join(f"{b}: {x:+.2f}" for b, x in sorted(device.batch_excess.items())) or "none"))
     rows = [simulate(device, workload, args, int(s)) for s in args.seeds.split(",")]
     print(f"{'seed':>4} {'prompt steps':>12} {'p50':>6} {'p90':>6} {'p99':>6} {'max':>6} {'over 2x':>8} "
           f"{'measured max':>13} {'over':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>6}")

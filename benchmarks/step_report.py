@@ -174,7 +174,8 @@ def summarize(steps: list[dict], ttft: list[float], engine, elapsed: float) -> d
                         # how far below the ratio the cap aimed at the end, per decode band
                         "margins": cost.margins(), "coefficients": cost.coefficients(),
                         "padded_fit": cost.padded,
-                        "warmup_samples": [[d, p, 1e3 * t] for d, p, t in warmup.samples] if warmup else []},
+                        # (decodes, prompt tokens, ms, the decode rows' context tokens) each
+                        "warmup_samples": [[d, p, 1e3 * t, k] for d, p, t, k in warmup.samples] if warmup else []},
         "prompt_step_share_of_time": sum(s["ms"] for s in mixed) / max(sum(s["ms"] for s in steps), 1e-9),
         "ttft_s": {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99)},
         "max_prompt_tokens_per_step": max((s["prompt_tokens"] for s in steps), default=0),

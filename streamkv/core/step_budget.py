@@ -35,6 +35,14 @@ size: the padding rows do prompt work for free. The padded fit predicts unless r
 show the unpadded one missing by far less: without graphs (a CPU, ``enforce_eager``) the
 sizes explain nothing and the unpadded fit takes over within a few dozen mixed steps.
 
+The model has no term for the context the decode rows read unless ``context_term`` is set:
+then ``+ g*context + [prompt_tokens > 0] * h*context`` (the decode rows' lengths; the
+scheduler passes the running decodes', the engine a step's; ridged toward 0 so it stays
+solvable where contexts barely vary). Off by default: session 7's two H200 runs, replayed,
+say the exponentially weighted fit already follows the run's contexts (its misses on prompt
+steps: sd 0.055 -> 0.053 with the term), and the simulator found no fewer steps over the
+ratio with it (benchmarks/step_fit_replay.py, sim_prefill_cap.py --context-term).
+
 Seeded at start (engine/step_warmup.py): the engine times a few deliberate steps that span
 the terms (decode-only and mixed at several batches, two without decodes) and hands them to
 ``seed`` as a prior, so the cap holds from the first step, the ramp included (all requests
@@ -70,7 +78,8 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from streamkv.core.step_cost_fit import BANDS, Features, LinearFit
+from streamkv.core.step_cost_fit import BANDS, TERMS, Features, LinearFit
+from streamkv.sequence import SequenceGroup, SequenceStatus
 
 MIN_STEPS = 32  # observations before the cap applies, without a seed
 MAX_HELD_STEPS = 8  # steps with decodes that may carry no prompt tokens in a row (see above)
@@ -90,10 +99,18 @@ class StepCostModel:
     min_chunk: int = 16  # the least a prompt advances by in a step that carries any of it
     # The token counts a mixed step's matmuls are padded to (sorted; empty: unknown).
     token_sizes: tuple[int, ...] = ()
+    # Whether the fit has the decode rows' context terms (g*context + [prompt] * h*context).
+    context_term: bool = False
     steps: int = 0  # real steps with decodes observed
-    _raw: LinearFit = field(default_factory=lambda: LinearFit(MIN_STEPS))
-    _padded: LinearFit = field(default_factory=lambda: LinearFit(MIN_STEPS))
+    _raw: LinearFit = field(init=False)
+    _padded: LinearFit = field(init=False)
     _since_prompt: int = 0  # steps with decodes since one last carried prompt tokens
+
+    def __post_init__(self) -> None:
+        self._raw, self._padded = self._new_fit(), self._new_fit()
+
+    def _new_fit(self) -> LinearFit:
+        return LinearFit(MIN_STEPS, TERMS + 2 * self.context_term)
 
     @property
     def enabled(self) -> bool:
@@ -123,9 +140,11 @@ class StepCostModel:
         i = bisect_left(sizes, decodes + prompt_tokens)
         return sizes[i] - decodes if prompt_tokens and i < len(sizes) else prompt_tokens
 
-    def _features(self, decodes: int, prompt_tokens: int, padded: bool) -> Features:
+    def _features(self, decodes: int, prompt_tokens: int, padded: bool, context: int) -> Features:
         mixed = 1.0 if prompt_tokens else 0.0
         rows = self._rows(decodes, prompt_tokens) if padded else prompt_tokens
+        if self.context_term:
+            return (1.0, float(decodes), float(rows), mixed, decodes * mixed, float(context), context * mixed)
         return (1.0, float(decodes), float(rows), mixed, decodes * mixed)
 
     def _fits(self) -> tuple[tuple[LinearFit, bool], ...]:
@@ -134,42 +153,45 @@ class StepCostModel:
     def _fit(self) -> tuple[LinearFit, bool]:
         return (self._padded, True) if self.padded else (self._raw, False)
 
-    def seed(self, samples: Iterable[tuple[int, int, float]], token_sizes: Iterable[int] = ()) -> bool:
-        """Timed warm-up steps, (decodes, prompt tokens, seconds) each, as the fit's prior
-        (see the module docstring), and the token counts mixed steps are padded to if known.
-        Returns whether they make the fit usable on their own; if they do not (too few kinds
-        of step, or the prompt tokens seem free), they are dropped and the cap waits for
-        ``MIN_STEPS`` real steps as without a seed."""
-        samples = [(d, p, t) for d, p, t in samples if t > 0]
+    def seed(self, samples: Iterable[tuple[int, int, float] | tuple[int, int, float, int]],
+             token_sizes: Iterable[int] = ()) -> bool:
+        """Timed warm-up steps, (decodes, prompt tokens, seconds[, the decode rows' context
+        tokens]) each, as the fit's prior (see the module docstring), and the token counts
+        mixed steps are padded to if known. Returns whether they make the fit usable on their
+        own; if they do not (too few kinds of step, or the prompt tokens seem free), they are
+        dropped and the cap waits for ``MIN_STEPS`` real steps as without a seed."""
+        samples = [(s[0], s[1], s[2], s[3] if len(s) > 3 else 0) for s in samples if s[2] > 0]
         if not self.enabled or not samples:
             return False
         self.token_sizes = tuple(sorted(set(token_sizes)))
-        usable = [fit.seed([(self._features(d, p, padded), t) for d, p, t in samples])
+        usable = [fit.seed([(self._features(d, p, padded, k), t) for d, p, t, k in samples])
                   for fit, padded in self._fits()]
         if not usable[0]:
-            self.token_sizes, self._raw, self._padded = (), LinearFit(MIN_STEPS), LinearFit(MIN_STEPS)
+            self.token_sizes, self._raw, self._padded = (), self._new_fit(), self._new_fit()
             return False
         if not usable[-1]:
-            self.token_sizes, self._padded = (), LinearFit(MIN_STEPS)
+            self.token_sizes, self._padded = (), self._new_fit()
         return True
 
-    def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        """One finished step: how many decode rows and prompt tokens it carried, its time.
-        Steps without decodes are not capped, so they do not enter the fit."""
+    def observe(self, decodes: int, prompt_tokens: int, seconds: float, context_tokens: int = 0) -> None:
+        """One finished step: how many decode rows and prompt tokens it carried, its time, and
+        the context tokens its decode rows read (their lengths). Steps without decodes are
+        not capped, so they do not enter the fit."""
         if not self.enabled or seconds <= 0 or not decodes:
             return
         self._since_prompt = 0 if prompt_tokens else self._since_prompt + 1
         for fit, padded in self._fits():
-            fit.observe(self._features(decodes, prompt_tokens, padded), seconds, decodes)
+            fit.observe(self._features(decodes, prompt_tokens, padded, context_tokens), seconds, decodes)
         self.steps += 1
 
-    def predict(self, decodes: int, prompt_tokens: int) -> float | None:
+    def predict(self, decodes: int, prompt_tokens: int, context_tokens: int = 0) -> float | None:
         """The fit's time for a step, or None while it is not usable."""
         fit, padded = self._fit()
-        return fit.predict(self._features(decodes, prompt_tokens, padded))
+        return fit.predict(self._features(decodes, prompt_tokens, padded, context_tokens))
 
     def coefficients(self) -> tuple[float, ...] | None:
-        """(a, b, c, e, f) of the model in the module docstring, or None while not usable."""
+        """(a, b, c, e, f) of the model in the module docstring (and g, h with the context
+        term), or None while not usable."""
         coef = self._fit()[0].coefficients()
         return None if coef is None else tuple(coef)
 
@@ -189,20 +211,23 @@ class StepCostModel:
         fit = self._fit()[0]
         return {name: fit.band_margin(i) for i, name in enumerate(names)}
 
-    def prompt_cap(self, decodes: int) -> int | None:
-        """The most prompt tokens a step with ``decodes`` decode rows may carry, or None for
-        no cap (no decodes, cap disabled, or the fit not usable yet)."""
+    def prompt_cap(self, decodes: int, context_tokens: int = 0) -> int | None:
+        """The most prompt tokens a step with ``decodes`` decode rows (reading
+        ``context_tokens`` of context) may carry, or None for no cap (no decodes, cap
+        disabled, or the fit not usable yet)."""
         if decodes == 0 or not self.enabled:
             return None
         fit, padded = self._fit()
         coef = fit.coefficients()
         if coef is None:
             return None
-        a, b, c, e, f = coef
-        decode_only = a + b * decodes
+        a, b, c, e, f, *gh = coef
+        g, h = gh or (0.0, 0.0)
+        decode_only = a + b * decodes + g * context_tokens
         if decode_only <= 0:
             return None
-        mixed_fixed = max(e + f * decodes, 0.0)  # what any prompt token beside these decodes adds
+        # what any prompt token beside these decodes adds
+        mixed_fixed = max(e + f * decodes + h * context_tokens, 0.0)
 
         def rows_within(ratio: float) -> int:
             rows = int(((ratio - 1.0) * decode_only - mixed_fixed) / c)
@@ -224,7 +249,15 @@ class StepCostModel:
             return next(s - decodes for s in self.token_sizes if s - decodes >= self.min_chunk)
         return self.min_chunk if self._since_prompt >= MAX_HELD_STEPS else 0
 
-    def budget(self, decodes: int, token_budget: int) -> int:
-        """The step's whole token budget given ``decodes`` decode rows come first."""
-        cap = self.prompt_cap(decodes)
+    def budget(self, decodes: int, token_budget: int, context_tokens: int = 0) -> int:
+        """The step's whole token budget given ``decodes`` decode rows (reading
+        ``context_tokens`` of context) come first."""
+        cap = self.prompt_cap(decodes, context_tokens)
         return token_budget if cap is None else min(token_budget, decodes + cap)
+
+
+def decode_context(groups: Iterable[SequenceGroup]) -> int:
+    """The context tokens the decode rows of ``groups`` read: their sequences' lengths
+    (``StepCostModel.context_term``). The engine observes a step by the same measure."""
+    return sum(len(s) for g in groups for s in g.seqs
+               if s.status is SequenceStatus.RUNNING and s.num_uncomputed_tokens)

@@ -22,8 +22,14 @@ MIN_MISSES = 8.0  # weighted mixed steps a band must have seen before its own ma
 MARGIN_RANGE = (0.5, 2.0)  # a margin outside says the fit is wrong, not noisy: clipped
 BANDS = (16, 64, 128, 192)  # decode batches whose misses are kept apart: [1, 16), [16, 64), ...
 TERMS = 5  # intercept, decodes, prompt rows, "has prompt tokens", decodes * "has prompt tokens"
+MIXED_ROW_TERM = 4  # decodes * "has prompt tokens": dropped when one decode batch cannot tell it apart
+# The decode rows' context terms (core/step_budget.py) are pulled toward 0 by this share of
+# their own diagonal: where contexts barely vary they are collinear with the decode rows, and
+# the fit stays solvable with the decode terms taking their cost, as without them. Small:
+# with a seed at two contexts the terms come out within ~1% (0.02 took 12% off them).
+CONTEXT_RIDGE = 0.001
 
-Features = tuple[float, float, float, float, float]
+Features = tuple[float, ...]
 
 
 def _accumulate(xx: list[list[float]], xt: list[float], x: Features, t: float, keep: float,
@@ -63,20 +69,35 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 def _fit(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """The coefficients from the normal equations; where the steps cannot tell the decode
-    rows' mixed-step cost apart (one decode batch only, as with max_num_seqs 1), those of the
-    model without it (its coefficient 0, session 6's model); None when neither solves."""
-    coef = _solve(m, v)
-    if coef is None:
-        k = TERMS - 1
-        coef = _solve([row[:k] for row in m[:k]], v[:k])
-        if coef is not None:
-            coef.append(0.0)
-    return coef
+    """The coefficients from the normal equations, the context terms (those past ``TERMS``)
+    ridged (``CONTEXT_RIDGE``); where the steps cannot tell the decode rows' mixed-step cost
+    apart (one decode batch only, as with max_num_seqs 1), those of the model without it (its
+    coefficient 0, session 6's model); None when neither solves."""
+    n = len(v)
+    # A context term no step has seen yet (a seed timed without contexts) is 0, not unsolvable.
+    seen = [i for i in range(n) if i < TERMS or m[i][i] > 0]
+    for keep in (seen, [i for i in seen if i != MIXED_ROW_TERM]):
+        while True:
+            sub = _solve([[m[i][j] * (1.0 + CONTEXT_RIDGE) if i == j and i >= TERMS else m[i][j] for j in keep]
+                          for i in keep], [v[i] for i in keep])
+            # More context never makes a step faster: a negative context cost is the decode
+            # terms' misfit leaking into it (a simulated run's four warm-up requests, whose
+            # batch shrank as their contexts grew, set it at -2.5 us per token and let 1,900
+            # prompt tokens in beside 38 decodes: 8x). The fit without that term instead.
+            negative = [i for i, x in zip(keep, sub or ()) if i >= TERMS and x < 0]
+            if not negative:
+                break
+            keep = [i for i in keep if i != negative[0]]
+        if sub is not None:
+            coef = [0.0] * n
+            for i, x in zip(keep, sub):
+                coef[i] = x
+            return coef
+    return None
 
 
-def _zeros() -> list[list[float]]:
-    return [[0.0] * TERMS for _ in range(TERMS)]
+def _zeros(n: int) -> list[list[float]]:
+    return [[0.0] * n for _ in range(n)]
 
 
 def band_of(decodes: int) -> int:
@@ -88,12 +109,13 @@ class LinearFit:
     """t = coefficients . features, fitted online; its misses per band of decode batch."""
 
     min_steps: int = 32  # real steps before the fit is usable without a seed
+    terms: int = TERMS  # the features' length: TERMS, or more with context terms after them
     steps: int = 0  # real steps observed
-    xx: list[list[float]] = field(default_factory=_zeros)
-    xt: list[float] = field(default_factory=lambda: [0.0] * TERMS)
+    xx: list[list[float]] = field(default_factory=list)
+    xt: list[float] = field(default_factory=list)
     # The seed: its sums with weights summing to 1, and its weight now, in steps.
-    prior_xx: list[list[float]] = field(default_factory=_zeros)
-    prior_xt: list[float] = field(default_factory=lambda: [0.0] * TERMS)
+    prior_xx: list[list[float]] = field(default_factory=list)
+    prior_xt: list[float] = field(default_factory=list)
     prior_weight: float = 0.0
     # Per band: log(measured / predicted) of mixed steps, as [weighted count, sum, sum of squares].
     misses: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0] for _ in range(len(BANDS) + 1)])
@@ -101,10 +123,15 @@ class LinearFit:
     error: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _coef: list[float] | None = None
 
+    def __post_init__(self) -> None:
+        n = self.terms
+        self.xx, self.xt = self.xx or _zeros(n), self.xt or [0.0] * n
+        self.prior_xx, self.prior_xt = self.prior_xx or _zeros(n), self.prior_xt or [0.0] * n
+
     def seed(self, rows: list[tuple[Features, float]]) -> bool:
         """The seed's rows as the prior; whether they alone make the fit usable (if not,
         nothing is kept)."""
-        xx, xt = _zeros(), [0.0] * TERMS
+        xx, xt = _zeros(self.terms), [0.0] * self.terms
         for x, t in rows:
             _accumulate(xx, xt, x, t, 1.0, 1.0 / len(rows))
         coef = _fit(xx, xt)
@@ -147,10 +174,11 @@ class LinearFit:
             return None
         if self._coef is None:
             w = self.prior_weight
-            m = [[self.xx[i][j] + w * self.prior_xx[i][j] for j in range(TERMS)] for i in range(TERMS)]
-            v = [self.xt[i] + w * self.prior_xt[i] for i in range(TERMS)]
+            n = self.terms
+            m = [[self.xx[i][j] + w * self.prior_xx[i][j] for j in range(n)] for i in range(n)]
+            v = [self.xt[i] + w * self.prior_xt[i] for i in range(n)]
             self._coef = _fit(m, v) or []
-        if len(self._coef) != TERMS or self._coef[2] <= 0:
+        if len(self._coef) != self.terms or self._coef[2] <= 0:
             return None
         return self._coef
 

@@ -240,9 +240,12 @@ class LLMEngine:
 
     def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
         """Feeds the scheduler's step-cost fit (core/step_budget.py): decode rows, prompt
-        tokens and the step's time on the device."""
-        decodes = sched.num_decodes
-        self.scheduler.step_cost.observe(decodes, sched.num_batched_tokens - decodes, seconds)
+        tokens, the step's time on the device and, with its context term, the decode rows'
+        lengths (as the scheduler counted them, core/step_budget.decode_context; a row may
+        have grown by a token or two since, async scheduling, a negligible share)."""
+        cost, decodes = self.scheduler.step_cost, sched.num_decodes
+        context = sum(len(s.seq) for s in sched.scheduled if s.num_new_tokens == 1) if cost.context_term else 0
+        cost.observe(decodes, sched.num_batched_tokens - decodes, seconds, context)
 
     def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[RequestOutput]:
         """The worker could not run this step: its requests end with the error (their blocks

@@ -22,6 +22,12 @@ The seed also hands the fit the token counts that the piecewise graphs pad a mix
 (worker/piecewise_graphs.py): the fit counts a step's matmul rows as those of its graph's
 size where that explains the steps' times better (core/step_budget.py).
 
+With the fit's context term (``StepCostModel.context_term``) two more steps, decode-only and
+mixed at the largest batch, run with ``LONG_CONTEXT_FACTOR`` times the context behind each
+decode row, so the term is seeded apart from the decode rows' own cost. Their rows share their
+context's blocks as the others' do, so the device may serve those reads from its cache: the
+seed can understate the term, which real steps then correct.
+
 The timed steps follow two untimed ones (the plan's first decode-only and first mixed steps):
 the first step down a path may pay one-off costs (allocator growth, lazy set-up) that real
 steps do not. Every graph the steps replay was captured, and so run, at start already.
@@ -42,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 DECODE_CONTEXT = 256  # tokens of context behind each decode row (ShareGPT-like; halved to fit)
 PROMPT_SPAN = 512  # a step's prompt tokens come as spans of at most this many (several prompts)
+LONG_CONTEXT_FACTOR = 4  # the context-term steps' context, in DECODE_CONTEXTs (see above)
 _GREEDY = SeqParams()
 
 
@@ -61,11 +68,13 @@ class WarmupShape:
 class WarmupPoint:
     decodes: int
     prompt_tokens: int
+    long_context: bool = False  # its decode rows read LONG_CONTEXT_FACTOR times the plan's context
 
 
 @dataclass(slots=True)
 class WarmupReport:
-    samples: list[tuple[int, int, float]]  # (decodes, prompt tokens, seconds) of the timed pass
+    # (decodes, prompt tokens, seconds, the decode rows' context tokens) of the timed pass
+    samples: list[tuple[int, int, float, int]]
     seconds: float  # wall time of the whole warm-up
     usable: bool  # the fit can cap from the first step
 
@@ -79,22 +88,31 @@ def _spans(shape: WarmupShape, tokens: int) -> list[int]:
     return [min(span, tokens - k) for k in range(0, tokens, span)]
 
 
+def row_context(shape: WarmupShape, point: WarmupPoint, context: int) -> int:
+    """The context behind each of ``point``'s decode rows, given the plan's."""
+    if not point.long_context:
+        return context
+    bs = shape.block_size
+    return min(LONG_CONTEXT_FACTOR * context, shape.max_model_len - 1) // bs * bs
+
+
 def blocks_needed(shape: WarmupShape, point: WarmupPoint, context: int) -> int:
     """Decode rows share their context's full blocks and each write its token into a block
     of its own; each prompt span has blocks of its own."""
     bs = shape.block_size
-    shared = context // bs if point.decodes else 0
+    shared = row_context(shape, point, context) // bs if point.decodes else 0
     return shared + point.decodes + sum(_cdiv(n, bs) for n in _spans(shape, point.prompt_tokens))
 
 
-def plan(shape: WarmupShape) -> tuple[int, list[WarmupPoint]]:
+def plan(shape: WarmupShape, context_term: bool = False) -> tuple[int, list[WarmupPoint]]:
     """The decode rows' context and the steps: decode-only steps pin the intercept and the
     per-decode cost, mixed ones at several decode batches and prompt sizes the per-token,
     fixed and per-decode-row mixed costs, and two without decodes keep the terms apart when
     max_num_seqs is 1. Every prompt size is one a capped step carries (a few hundred tokens
     at most): the fit is linear, and a full budget's prefill runs its matmuls more cheaply per
-    token than capped steps do. Points that do not fit the pool are left out (the context is
-    halved first)."""
+    token than capped steps do. With ``context_term``, decode-only and mixed steps at the
+    largest batch at a longer context too. Points that do not fit the pool are left out (the
+    context is halved first)."""
     s, b = shape.max_num_seqs, shape.token_budget
     few, many = max(1, s // 8), max(1, s // 2)
     points = [WarmupPoint(d, 0) for d in (1, few, many, s)]
@@ -103,12 +121,16 @@ def plan(shape: WarmupShape) -> tuple[int, list[WarmupPoint]]:
     mixed = ((1, 8), (few, 16), (few, 4), (many, 8), (s, 16), (s, 4))
     points += [WarmupPoint(d, max(1, b // k)) for d, k in mixed]
     points += [WarmupPoint(0, max(1, b // 8)), WarmupPoint(0, max(1, b // 4))]
+    if context_term:
+        points += [WarmupPoint(s, 0, True), WarmupPoint(s, max(1, b // 8), True)]
     points = [p for p in dict.fromkeys(points) if p.decodes + p.prompt_tokens <= b]
     bs = shape.block_size
     context = min(DECODE_CONTEXT, shape.max_model_len - 1) // bs * bs
     while context and max(blocks_needed(shape, p, context) for p in points) > shape.num_blocks:
         context = context // 2 // bs * bs
-    return context, [p for p in points if blocks_needed(shape, p, context) <= shape.num_blocks]
+    fitting = [p for p in points if blocks_needed(shape, p, context) <= shape.num_blocks]
+    # a longer context only where there is one (a short max_model_len)
+    return context, [p for p in fitting if not p.long_context or row_context(shape, p, context) > context]
 
 
 def first_of_each_path(points: list[WarmupPoint]) -> list[WarmupPoint]:
@@ -122,6 +144,7 @@ def first_of_each_path(points: list[WarmupPoint]) -> list[WarmupPoint]:
 def build_step(shape: WarmupShape, point: WarmupPoint, context: int, finished: list[int]) -> tuple[StepInput, list[int]]:
     """The step for ``point``, freeing ``finished`` first; and the ids it leaves on the workers."""
     bs, vocab = shape.block_size, shape.vocab_size
+    context = row_context(shape, point, context)
     shared = list(range(context // bs))
     next_block, next_id = len(shared), -1
     step = StepInput(finished_ids=list(finished))
@@ -154,8 +177,8 @@ def seed_step_cost(executor: Executor, model: StepCostModel, shape: WarmupShape,
     if blocks_in_use:
         raise RuntimeError(f"the step warm-up needs an idle KV pool; {blocks_in_use} blocks are in use")
     start = time.perf_counter()
-    context, points = plan(shape)
-    samples: list[tuple[int, int, float]] = []
+    context, points = plan(shape, model.context_term)
+    samples: list[tuple[int, int, float, int]] = []
     held: list[int] = []
     primers = first_of_each_path(points)
     try:
@@ -163,7 +186,8 @@ def seed_step_cost(executor: Executor, model: StepCostModel, shape: WarmupShape,
             step, held = build_step(shape, point, context, held)
             seconds = _run(executor, step)
             if i >= len(primers):
-                samples.append((point.decodes, point.prompt_tokens, seconds))
+                rows = point.decodes * row_context(shape, point, context)
+                samples.append((point.decodes, point.prompt_tokens, seconds, rows))
     except StepFailed as e:  # the sequences of the failed step are held all the same
         logger.warning("step warm-up failed (%s): the prefill cap waits for real steps", e)
         samples = []
