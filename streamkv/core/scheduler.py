@@ -35,7 +35,7 @@ from collections import deque
 from streamkv.config import SchedulerConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
 from streamkv.core.preemption import auto_mode, load_costs
-from streamkv.core.step_budget import StepCostModel
+from streamkv.core.step_budget import StepCostModel, decode_context
 from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput, decode_rows, demands
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -143,7 +143,8 @@ class Scheduler:
                 rows += n
         budget = self.config.token_budget
         if self.step_cost.enabled and decodes:
-            budget = self.step_cost.budget(rows, budget)
+            context = decode_context(decodes) if self.step_cost.context_term else 0
+            budget = self.step_cost.budget(rows, budget, context)
         queue = decodes + prefills
         self.running = []
         i = 0
