@@ -65,6 +65,8 @@ class ChatResponder:
             msg, finish = self.message(c)
             choices.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
+            if self.req.return_token_ids:
+                choices[-1]["token_ids"] = c.token_ids
         return ChatOutput(choices, sum(len(c.token_ids) for c in out.outputs))
 
     # -- streamed -------------------------------------------------------------------------
@@ -81,12 +83,14 @@ class ChatResponder:
             for d in deltas(states, 0, n, out):
                 k, done = d.choice.index, d.finish_reason is not None
                 delta, called = self._delta(k, d.text, done, d.choice, parsers[k], texts)
-                if not delta and not done and self.top is None:
+                if not delta and not done and self.top is None and not self.req.return_token_ids:
                     continue
                 choice = {"index": k, "delta": delta, "logprobs": self._logprobs(d.token_ids, d.logprobs),
                           "finish_reason": d.finish_reason if self.mode == "named" else _finish(d.finish_reason, called)}
                 if done:
                     choice["stop_reason"] = d.stop_reason
+                if self.req.return_token_ids:
+                    choice["token_ids"] = d.token_ids
                 yield choice
 
         return choices

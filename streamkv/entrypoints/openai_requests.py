@@ -68,6 +68,7 @@ class SamplingRequest(StructuredFields, PassiveFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: TopK | None = Field(None, description="vLLM: logprobs of the prompt tokens (top k)")
+    return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids too")
     truncate_prompt_tokens: Int | None = Field(
         None, description="vLLM: keep only the prompt's last k tokens (-1: the context length)")
 

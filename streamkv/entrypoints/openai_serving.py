@@ -170,6 +170,8 @@ class OpenAIServing:
                           "finish_reason": finish, "stop_reason": stop}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(out.prompt_logprobs)
+                if req.return_token_ids:
+                    choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=ids)
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({**head, "choices": choices, "usage": usage_of(num_prompt, num_out)})
@@ -194,25 +196,31 @@ class OpenAIServing:
                 if not text and finish is None and not want_lp:
                     continue
                 first, d.choice.started = not d.choice.started, True
-                yield {"index": d.choice.index, "text": (echo[i] if echo and first else "") + text,
-                       "logprobs": self._completion_lps(d.choice, req, out, ids, lps, first),
-                       "finish_reason": finish, "stop_reason": stop}
+                choice = {"index": d.choice.index, "text": (echo[i] if echo and first else "") + text,
+                          "logprobs": self._completion_lps(d.choice, req, out, ids, lps, first),
+                          "finish_reason": finish, "stop_reason": stop}
+                if req.return_token_ids:  # the prompt's with each choice's first chunk
+                    choice.update({"prompt_token_ids": out.prompt_token_ids} if first else {}, token_ids=ids)
+                yield choice
 
         return self._stream(head, streams, notify, states, req, num_prompt, choices)
 
     async def _stream(self, head, streams, notify, states, req: SamplingRequest, num_prompt,
-                      choices: Callable[[int, RequestOutput], Iterator[dict]], opening: list[dict] | None = None) -> AsyncIterator[bytes]:
-        """SSE framing shared by completions and chat: the ``opening`` chunks, then one chunk
+                      choices: Callable[[int, RequestOutput], Iterator[dict]], opening: list[dict] | None = None,
+                      opening_head: dict | None = None) -> AsyncIterator[bytes]:
+        """SSE framing shared by completions and chat: the ``opening`` chunks (with the
+        fields of ``opening_head`` beside the id), then one chunk
         per choice that ``choices(request index, output)`` makes of each engine output (all
         of one output sent at once); an error event if a request fails; the usage chunk when
         the client asked for it; the requests aborted however the stream ends; ``[DONE]``."""
-        def frame(choice: dict) -> bytes:
-            chunk = {**head, "choices": [choice]}
+        def frame(choice: dict, top: dict = head) -> bytes:
+            chunk = {**top, "choices": [choice]}
             return sse_event(with_usage(chunk, req.include_usage, req.continuous_usage, num_prompt, states))
 
         try:
             if opening:
-                yield b"".join(map(frame, opening))
+                top = {**head, **(opening_head or {})}
+                yield b"".join(frame(c, top) for c in opening)
             async for i, out in watch(streams, notify):
                 if out.error:
                     yield sse_event(request_failed(out.error).body())
@@ -258,8 +266,9 @@ class OpenAIServing:
         if req.stream:
             head["object"] = "chat.completion.chunk"
             states = [ChoiceState(k) for k in range(params.n)]
+            extra = {"prompt_token_ids": ids} if req.return_token_ids else None
             return self.sse(self._stream(head, streams, notify, states, req, len(ids), responder.stream_choices(states),
-                                         responder.opening(states)), streams)
+                                         responder.opening(states), extra), streams)
         final = await self.collect(request, streams, notify)
         if final is None:
             return Response(status_code=499)
@@ -267,6 +276,8 @@ class OpenAIServing:
         body = {**head, "choices": out.choices, "usage": usage_of(len(ids), out.num_tokens)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.logprobs.prompt_logprobs(final[0].prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
         return JSONResponse(body)
 
 

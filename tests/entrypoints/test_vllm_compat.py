@@ -172,3 +172,30 @@ def test_cache_salt_is_refused_not_ignored(api):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="fake", prompt="ab", max_tokens=1, extra_body={"cache_salt": "tenant-1"})
     assert e.value.body["param"] == "cache_salt"
+
+
+def test_return_token_ids(api):
+    _, http, engine = api
+    body = {"prompt": "abc", "max_tokens": 3, "n": 2, "return_token_ids": True}
+    r = http.post("/v1/completions", json=body).json()
+    for c in r["choices"]:
+        assert c["prompt_token_ids"] == [97, 98, 99] and len(c["token_ids"]) == 3
+        assert engine.tokenizer.decode(c["token_ids"]) == c["text"]
+    events, _ = sse_events(http.post("/v1/completions", json={**body, "stream": True}).text)
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    for k in (0, 1):
+        mine = [c for c in chunks if c["index"] == k]
+        assert mine[0]["prompt_token_ids"] == [97, 98, 99] and all("prompt_token_ids" not in c for c in mine[1:])
+        assert sum((c["token_ids"] for c in mine), []) == r["choices"][k]["token_ids"]  # the fake is deterministic
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "return_token_ids": True}
+    r = http.post("/v1/chat/completions", json=chat).json()
+    assert engine.tokenizer.decode(r["prompt_token_ids"]) == "<user>hi<assistant>"
+    (choice,) = r["choices"]
+    assert engine.tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    events, _ = sse_events(http.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"] and "prompt_token_ids" not in chunks[1]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks[1:]), []) == choice["token_ids"]
+    # Not asked for: not there.
+    r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
+    assert "token_ids" not in r["choices"][0] and "prompt_token_ids" not in r["choices"][0]
