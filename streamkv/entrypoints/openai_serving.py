@@ -85,9 +85,11 @@ class OpenAIServing:
                 if isinstance(r, RequestStream):
                     self.engine.abort(r.request_id)
             if isinstance(errors[0], ValueError):  # the engine refused it (InvalidParameter names the field)
-                param = getattr(errors[0], "param", None)
-                raise APIError(str(errors[0]), param=(renamed or {}).get(param, param),
-                               code=getattr(errors[0], "code", None)) from None
+                param, message = getattr(errors[0], "param", None), str(errors[0])
+                spelled = (renamed or {}).get(param, param)
+                if param and spelled != param and message.startswith(param):  # name it as the request did
+                    message = spelled + message[len(param):]
+                raise APIError(message, param=spelled, code=getattr(errors[0], "code", None)) from None
             raise errors[0]
         return results, notify
 

@@ -12,6 +12,7 @@ import pytest
 
 from streamkv import __version__
 from streamkv.entrypoints.cli import build_parser
+from streamkv.sampling_params import InvalidParameter
 from tests.entrypoints.fake_engine import FakeEngine
 from tests.entrypoints.test_app_fake_engine import make_client, sse_events, wait_healthy
 
@@ -199,3 +200,26 @@ def test_return_token_ids(api):
     # Not asked for: not there.
     r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
     assert "token_ids" not in r["choices"][0] and "prompt_token_ids" not in r["choices"][0]
+
+
+class CappedEngine(FakeEngine):
+    """Refuses as the real engine's admission does: logprobs over 2, any JSON schema."""
+
+    def add_request(self, request_id, prompt, params, prompt_token_ids=None, arrival_time=None):
+        if params.logprobs is not None and params.logprobs > 2:
+            raise InvalidParameter("logprobs", f"logprobs must be at most the engine's max_logprobs (2), got {params.logprobs}.")
+        if params.structured_outputs is not None:
+            raise InvalidParameter("structured_outputs", "structured_outputs: the json cannot be compiled: no.")
+        return super().add_request(request_id, prompt, params, prompt_token_ids, arrival_time)
+
+
+def test_engine_refusals_name_the_field_as_the_request_spelled_it():
+    chat = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    with make_client(CappedEngine(step_delay=0.0005)) as http:
+        wait_healthy(http)
+        e = http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 5}).json()["error"]
+        assert e["param"] == "top_logprobs" and e["message"].startswith("top_logprobs must be at most")
+        e = http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}).json()["error"]
+        assert e["param"] == "response_format" and e["message"].startswith("response_format: the json cannot")
+        e = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "logprobs": 5}).json()["error"]
+        assert e["param"] == "logprobs" and e["message"].startswith("logprobs must be at most")
