@@ -133,7 +133,7 @@ BAD_COMPLETIONS = [
     (dict(prompt="hi", seed=2**70), openai.BadRequestError, "seed"),
     (dict(prompt="hi", n=2, best_of=3, stream=True), openai.BadRequestError, "best_of"),
     (dict(prompt="hi", stream=True, extra_body={"use_beam_search": True, "best_of": 2}), openai.BadRequestError, "use_beam_search"),
-    (dict(prompt="hi", extra_body={"top_k": 0}), openai.BadRequestError, "top_k"),
+    (dict(prompt="hi", extra_body={"top_k": -2}), openai.BadRequestError, "top_k"),  # 0 and -1: off (vLLM)
     (dict(prompt="hi", suffix="!"), openai.BadRequestError, "suffix"),  # known, would change the output
     (dict(prompt="hi", extra_body={"max_tokens": "ten"}), openai.BadRequestError, "max_tokens"),
     # Token ids past the vocabulary would index the logits: refused, the server lives on.
