@@ -38,10 +38,11 @@ sizes explain nothing and the unpadded fit takes over within a few dozen mixed s
 The model has no term for the context the decode rows read unless ``context_term`` is set:
 then ``+ g*context + [prompt_tokens > 0] * h*context`` (the decode rows' lengths; the
 scheduler passes the running decodes', the engine a step's; ridged toward 0 so it stays
-solvable where contexts barely vary). Off by default: session 7's two H200 runs, replayed,
-say the exponentially weighted fit already follows the run's contexts (its misses on prompt
-steps: sd 0.055 -> 0.053 with the term), and the simulator found no fewer steps over the
-ratio with it (benchmarks/step_fit_replay.py, sim_prefill_cap.py --context-term).
+solvable where contexts barely vary, and never negative). Off by default: session 7's two
+H200 runs, replayed, say the exponentially weighted fit already follows the run's contexts
+(sd of its log misses on prompt steps, one step ahead: 0.0550 -> 0.0557 and 0.0589 ->
+0.0576 with the term), and the simulator found no fewer steps over the ratio with it, more
+where the decode terms misfit (benchmarks/step_fit_replay.py, sim_prefill_cap.py).
 
 Seeded at start (engine/step_warmup.py): the engine times a few deliberate steps that span
 the terms (decode-only and mixed at several batches, two without decodes) and hands them to
