@@ -53,13 +53,14 @@ class Server(LocalServer):
 
 
 @contextlib.contextmanager
-def run_server(*args: str, startup_timeout: float = 300.0, scheme: str = "http"):
-    """``scheme="https"``: the server has --ssl-certfile (a self-signed one: not verified)."""
+def run_server(*args: str, startup_timeout: float = 300.0, scheme: str = "http", log_level: str = "WARNING"):
+    """``scheme="https"``: the server has --ssl-certfile (a self-signed one: not verified).
+    ``log_level`` is given before the command, so it wins over a --config file's."""
     with tempfile.NamedTemporaryFile("w", prefix="streamkv-serve-", suffix=".log", delete=False) as f:
         log_path = f.name
     try:
         with local_server([*SMALL_ENGINE, *args], log_path=log_path, startup_timeout=startup_timeout,
-                          scheme=scheme) as s:
+                          scheme=scheme, log_level=log_level) as s:
             yield Server(s.url, s.port, s.log_path, s.proc)
     finally:
         with open(log_path, errors="replace") as f:

@@ -140,8 +140,9 @@ def _rendered(url: str, **kw) -> str:
 def test_config_file_server(tmp_path, tokenizer_dir):
     path = tmp_path / "serve.yaml"
     path.write_text(f"served-model-name: from-file\ntokenizer: {tokenizer_dir}\nroot-path: /proxy\n"
-                    "enable-log-requests: true\nlog-level: INFO\n")
-    with run_server("--config", str(path), "--served-model-name", "from-cli") as server:
+                    "enable-log-requests: true\nlog-level: ERROR\n")
+    # --log-level before the command is the command line's: it wins over the file's.
+    with run_server("--config", str(path), "--served-model-name", "from-cli", log_level="INFO") as server:
         models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["from-cli"]  # the command line over the file
         assert _rendered(server.url) == "TOKDIR<hello>"  # --tokenizer from the file
