@@ -15,6 +15,14 @@ Two executors, each run with async scheduling off and on (SchedulerConfig.async_
   host and GPU, that did: (host + gpu - wall) / min(host, gpu). 100% is a perfect overlap.
 
 Prints a table; --profile prints the top of a cProfile listing of one instant run.
+
+On a shared or busy machine compare two checkouts as a ratio measured in one session:
+``--against DIR`` runs this benchmark alternately on DIR's streamkv and on this one's
+(--repeat times each, one process per run) and prints the min and median of each and the
+ratio, e.g. a worktree of the commit before a change:
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/bench_engine_overhead.py --modes instant --against /tmp/before --repeat 3
 """
 
 from __future__ import annotations
@@ -25,10 +33,26 @@ import json
 import os
 import pstats
 import random
+import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tree() -> str:
+    """The checkout whose streamkv to import: --tree DIR (read before the imports), or this one."""
+    argv = sys.argv
+    for i, a in enumerate(argv):
+        if a == "--tree" and i + 1 < len(argv):
+            return os.path.abspath(argv[i + 1])
+        if a.startswith("--tree="):
+            return os.path.abspath(a.split("=", 1)[1])
+    return _HERE
+
+
+sys.path.insert(0, _tree())
 
 from streamkv import SamplingParams  # noqa: E402
 from streamkv.engine.llm_engine import LLMEngine  # noqa: E402
@@ -160,8 +184,18 @@ def main() -> int:
                     help="outputs for finished requests only, as offline LLM.generate asks")
     ap.add_argument("--sort", default="cumulative", help="cProfile sort key (cumulative, tottime)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tree", default=None, help="the checkout whose streamkv to run (default: this one)")
+    ap.add_argument("--against", default=None,
+                    help="another checkout: run both alternately, one process per run, and compare")
+    ap.add_argument("--repeat", type=int, default=1, help="with --against: runs of each checkout")
+    ap.add_argument("--json-rows", action="store_true", help=argparse.SUPPRESS)  # a child of --against
     args = ap.parse_args()
+    if args.against:
+        return _compare(args)
     rows = [run(args, mode, a) for mode in args.modes.split(",") for a in (False, True)]
+    if args.json_rows:
+        print(json.dumps(rows))
+        return 0
     if args.profile:
         run(args, "instant", False, profile=True)
     print(f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
@@ -177,6 +211,50 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "runs": rows}, f, indent=2)
+    return 0
+
+
+def _child_argv(args, tree: str) -> list[str]:
+    argv = [sys.executable, os.path.abspath(__file__), "--tree", tree, "--json-rows",
+            "--num-seqs", str(args.num_seqs), "--output-len", str(args.output_len),
+            "--max-prompt-len", str(args.max_prompt_len), "--gpu-ms", str(args.gpu_ms),
+            "--modes", args.modes, "--seed", str(args.seed)]
+    if args.model:
+        argv += ["--model", args.model]
+    if args.finished_only:
+        argv.append("--finished-only")
+    return argv
+
+
+def _compare(args) -> int:
+    """Alternate runs of two checkouts (--against first, then this one's) and compare their
+    engine CPU and wall ms per step: min, median, and this / against of each."""
+    trees = {"against": os.path.abspath(args.against), "this": _tree()}
+    runs: dict[str, list[list[dict]]] = {k: [] for k in trees}
+    for _ in range(args.repeat):
+        for name, tree in trees.items():
+            done = subprocess.run(_child_argv(args, tree), check=True, capture_output=True, text=True)
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
+          f"{', finished-only outputs' if args.finished_only else ''}; {args.repeat} alternating runs each")
+    print(f"against: {trees['against']}\nthis:    {trees['this']}")
+    print(f"{'executor':<9} {'async':<6} {'figure':<15} {'against min':>11} {'median':>7} "
+          f"{'this min':>9} {'median':>7} {'ratio min':>9} {'median':>7}")
+    table = []
+    for i, row in enumerate(runs["this"][0]):
+        for key in ("engine_cpu_ms_per_step", "wall_ms_per_step"):
+            a = [r[i][key] for r in runs["against"]]
+            t = [r[i][key] for r in runs["this"]]
+            fig = {"mode": row["mode"], "async_scheduling": row["async_scheduling"], "figure": key,
+                   "against": a, "this": t, "ratio_min": min(t) / min(a),
+                   "ratio_median": statistics.median(t) / statistics.median(a)}
+            table.append(fig)
+            print(f"{row['mode']:<9} {'on' if row['async_scheduling'] else 'off':<6} {key.split('_ms')[0]:<15} "
+                  f"{min(a):>11.2f} {statistics.median(a):>7.2f} {min(t):>9.2f} {statistics.median(t):>7.2f} "
+                  f"{fig['ratio_min']:>9.2f} {fig['ratio_median']:>7.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "trees": trees, "comparison": table, "runs": runs}, f, indent=2)
     return 0
 
 

@@ -171,8 +171,13 @@ class BlockManager:
         """Free blocks ``ensure_slots(seq, num_new_tokens)`` would take (growth plus a
         copy-on-write of a shared block)."""
         table = self.tables[seq.seq_id]
-        first = seq.num_computed_tokens // self.block_size
-        grow = max(0, _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table))
+        computed, size = seq.num_computed_tokens, self.block_size
+        first = computed // size
+        if computed + num_new_tokens <= len(table) * size and (
+            first >= len(table) or self.device.ref_counts[table[first]] <= 1
+        ):
+            return 0  # in place, nothing shared (_needs_cow): most decode steps
+        grow = max(0, _cdiv(computed + num_new_tokens, size) - len(table))
         return grow + (1 if self._needs_cow(seq, table, first) else 0)
 
     def _needs_cow(self, seq: Sequence, table: list[int], first: int) -> bool:

@@ -31,6 +31,7 @@ runs), so ``LLM.generate`` can never loop without progress.
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from streamkv.config import SchedulerConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
@@ -40,6 +41,8 @@ from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput, decode_rows, 
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "decode_rows", "demands"]
+
+_arrival = attrgetter("arrival_time")  # the FCFS order key (a C call, not a lambda per group)
 
 
 class Scheduler:
@@ -90,10 +93,18 @@ class Scheduler:
     def free_finished_seqs(self) -> None:
         """Drop finished sequences' blocks and finished groups from the running list."""
         still = []
+        free = self.bm.free
         for group in self.running:
-            for seq in group.seqs:
+            seqs = group.seqs
+            if len(seqs) == 1:  # the common case, without the loops (per group per step)
+                if seqs[0].status.finished:
+                    free(seqs[0])
+                else:
+                    still.append(group)
+                continue
+            for seq in seqs:
                 if seq.status.finished:
-                    self.bm.free(seq)
+                    free(seq)
             if not group.finished:
                 still.append(group)
         self.running = still
@@ -134,7 +145,7 @@ class Scheduler:
         bm, max_seqs = self.bm, self.config.max_num_seqs
         decodes, prefills = [], []
         rows = 0
-        for group in sorted(self.running, key=lambda g: g.arrival_time):
+        for group in sorted(self.running, key=_arrival):
             n = decode_rows(group)
             if n is None:
                 prefills.append(group)
@@ -146,7 +157,8 @@ class Scheduler:
             context = decode_context(decodes) if self.step_cost.context_term else 0
             budget = self.step_cost.budget(rows, budget, context)
         queue = decodes + prefills
-        self.running = []
+        running = self.running = []
+        scheduled = out.scheduled
         i = 0
         while i < len(queue):
             group = queue[i]
@@ -156,19 +168,28 @@ class Scheduler:
                 # The common case, one running sequence: the general path below without its
                 # lists. It falls through to that path only to preempt.
                 seq = seqs[0]
-                n = min(len(seq) - seq.num_computed_tokens, budget)
+                computed, n_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
+                n = min(n_prompt + len(seq.output_token_ids) - computed, budget)
                 if n <= 0 or num_seqs >= max_seqs:
-                    self.running.append(group)
+                    running.append(group)
                     continue
-                if bm.blocks_needed(seq, n) <= bm.device.num_free:
-                    self._schedule_group(group, ((seq, n),), out)
+                need = bm.blocks_needed(seq, n)
+                if not need or need <= bm.device.num_free:
+                    # _schedule_group for one sequence, inline (per row per step).
+                    copies = bm.ensure_slots(seq, n)
+                    if copies:
+                        out.copies.extend(copies)
+                    scheduled.append(ScheduledSeq(group, seq, n))
+                    if n == 1 and computed >= n_prompt:
+                        out.num_decodes += 1
+                    running.append(group)
                     budget -= n
                     num_seqs += 1
                     continue
             seqs = group.live_seqs(SequenceStatus.RUNNING)
             want = demands(group, seqs, budget)
             if want is None or num_seqs + len(seqs) > max_seqs:
-                self.running.append(group)  # keeps its blocks; runs when the budget allows
+                running.append(group)  # keeps its blocks; runs when the budget allows
                 continue
             while not bm.can_append_slots(want):
                 if i < len(queue):

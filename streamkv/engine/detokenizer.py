@@ -8,6 +8,8 @@ U+FFFD is an incomplete character and waits for the next token.
 
 from __future__ import annotations
 
+from functools import partial
+
 from streamkv.sequence import Sequence
 
 _WINDOW = 6
@@ -15,9 +17,11 @@ EXACT_HOLDBACK_CHARS = 64  # longer stop strings hold back their length - 1 (see
 
 
 class Detokenizer:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, use_backend: bool = True) -> None:
+        """``use_backend=False`` decodes through transformers' wrapper even for a fast
+        tokenizer (tests compare the two)."""
         self.tokenizer = tokenizer
-        self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
         # A fast tokenizer's Rust backend decodes a window in ~1 µs; the Python wrapper
         # around it costs several µs more per call (argument conversion, clean-up checks),
         # which is most of the engine's per-token time. Same text, since clean-up is off.
@@ -26,31 +30,53 @@ class Detokenizer:
         except ImportError:  # pragma: no cover - transformers depends on tokenizers
             Tokenizer = None  # noqa: N806
         backend = getattr(tokenizer, "_tokenizer", None)
-        fast = Tokenizer is not None and isinstance(backend, Tokenizer)
-        self._backend_decode = backend.decode if fast else None
-
-    def _decode(self, ids: list[int], skip_special: bool) -> str:
-        if skip_special and self._special:
-            ids = [t for t in ids if t not in self._special]
-        if self._backend_decode is not None:
-            return self._backend_decode(ids, skip_special_tokens=False)
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        fast = use_backend and Tokenizer is not None and isinstance(backend, Tokenizer)
+        self.uses_backend = fast
+        # ids -> text, the backend's or transformers' (one C call per window on the fast path).
+        self._decode = (
+            partial(backend.decode, skip_special_tokens=False) if fast
+            else partial(tokenizer.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
+        # The length of one token's text decoded alone, by token id. Once a sequence's text
+        # flows, each update's prefix window is the one token emitted the update before, so
+        # this halves the decodes per token. Exact: decoding is a function of the ids. At
+        # most one entry per vocabulary id.
+        self._one_len: dict[int, int] = {}
 
     def update(self, seq: Sequence, skip_special: bool = True) -> str:
-        """Append the text of ``seq``'s newest tokens to ``seq.output_text``; return it."""
-        n_prompt = len(seq.prompt_token_ids)
-        if seq.prefix_offset < 0:
+        """Append the text of ``seq``'s newest tokens to ``seq.output_text``; return it.
+
+        The new text is the window's text past its prefix's (the tokens already emitted
+        since ``prefix_offset``): ``decode(window)[len(decode(window[:read - prefix])):]``.
+        """
+        prompt, out = seq.prompt_token_ids, seq.output_token_ids
+        n_prompt = len(prompt)
+        start = seq.prefix_offset
+        if start < 0:
             # Start the window inside the prompt so the first output token decodes in context.
-            seq.prefix_offset = max(n_prompt - _WINDOW, 0)
+            start = seq.prefix_offset = max(n_prompt - _WINDOW, 0)
             seq.read_offset = n_prompt
-        window = seq.token_window(seq.prefix_offset)  # the window, not a copy of the sequence
-        prefix = self._decode(window[: seq.read_offset - seq.prefix_offset], skip_special)
-        full = self._decode(window, skip_special)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix) :]
+        # The window, not a copy of the sequence.
+        window = out[start - n_prompt :] if start >= n_prompt else prompt[start:] + out
+        split = seq.read_offset - start
+        if skip_special and self._special and not self._special.isdisjoint(window):
+            special = self._special
+            head = [t for t in window[:split] if t not in special]
+            window = head + [t for t in window[split:] if t not in special]
+            split = len(head)
+        if split == 1:
+            token = window[0]
+            prefix_len = self._one_len.get(token)
+            if prefix_len is None:
+                prefix_len = self._one_len[token] = len(self._decode(window[:1]))
+        else:
+            prefix_len = len(self._decode(window[:split]))
+        full = self._decode(window)
+        if len(full) > prefix_len and not full.endswith("\ufffd"):
+            new = full[prefix_len:]
             seq.output_text += new
             seq.prefix_offset = seq.read_offset
-            seq.read_offset = n_prompt + len(seq.output_token_ids)
+            seq.read_offset = n_prompt + len(out)
             return new
         return ""
 

@@ -13,7 +13,7 @@ from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
 from streamkv.engine.structured import accept_tokens
-from streamkv.messages import SampleResult, StepOutput
+from streamkv.messages import PENDING_TOKEN, SampleResult, StepOutput
 from streamkv.sequence import (
     CompletionOutput,
     Logprob,
@@ -52,23 +52,21 @@ class OutputProcessor:
         is handed off, and ``pending`` gives each sequence it samples a placeholder for that
         token (Sequence.add_pending), so the next step is planned while this one runs; a
         sequence whose next token ends it by length gets none, so it is not scheduled again."""
-        mark = self.bm.mark_computed
+        mark, max_len = self.bm.mark_computed, self.max_model_len
         for s in sched.scheduled:
             seq = s.seq
             if seq.status.finished:  # ended while the step ran (abort): its blocks are gone
                 continue
-            sample = pending and s.do_sample
-            seq.num_computed_tokens += s.num_new_tokens
+            out = seq.output_token_ids
+            n_out, computed = len(out), seq.num_computed_tokens + s.num_new_tokens
+            length = len(seq.prompt_token_ids) + n_out
+            seq.num_computed_tokens = computed
             mark(seq)
-            if sample and not self._ends_by_length(s.group, seq):
-                seq.add_pending()
-
-    def _ends_by_length(self, group: SequenceGroup, seq: Sequence) -> bool:
-        """Whether the token being sampled for ``seq`` ends it, whatever it is (check_stop)."""
-        max_tokens = group.sampling_params.max_tokens
-        return (max_tokens is not None and len(seq.output_token_ids) + 1 >= max_tokens) or (
-            len(seq) + 1 >= self.max_model_len
-        )
+            if pending and computed == length:  # it samples (ScheduledSeq.do_sample)
+                # Unless the token being sampled ends it by length, whatever it is (check_stop).
+                max_tokens = s.group.sampling_params.max_tokens
+                if (max_tokens is None or n_out + 1 < max_tokens) and length + 1 < max_len:
+                    seq.add_pending()
 
     def process(
         self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False, advanced: bool = False
@@ -85,7 +83,9 @@ class OutputProcessor:
         now = time.monotonic()
         for s in sched.scheduled:
             seq, group = s.seq, s.group
-            seq.drop_pending()  # the sample below takes its place
+            out_ids = seq.output_token_ids
+            if out_ids and out_ids[-1] == PENDING_TOKEN:  # Sequence.drop_pending, inline (per row per step)
+                out_ids.pop()  # the sample below takes its place
             if seq.status.finished:
                 # Aborted, or ended by the step before while this one ran (async scheduling):
                 # this step's work for it is discarded, and its request was answered already.
@@ -98,6 +98,8 @@ class OutputProcessor:
                 group.first_token_time = now
             if group.sampling_params.use_beam_search:
                 beams.setdefault(group.request_id, []).append((seq, res))
+            elif len(res.token_ids) == 1:
+                self.append_token(group, seq, res, 0, structured)
             else:
                 self._append_samples(group, seq, res, structured)
         if structured:
@@ -144,20 +146,21 @@ class OutputProcessor:
     def append_token(self, group: SequenceGroup, seq: Sequence, res: SampleResult, j: int,
                      structured: list | None = None) -> None:
         token = res.token_ids[j]
-        top = None
-        if group.sampling_params.logprobs is not None:
+        if group.sampling_params.logprobs is None:
+            seq.output_token_ids.append(token)  # Sequence.append_token without logprobs, inline
+            seq.cumulative_logprob += res.logprobs[j]
+        else:
             top = _logprob_entry(token, res.logprobs[j], res.top_logprobs[j] if res.top_logprobs else None)
-        seq.append_token(token, res.logprobs[j], top)
+            seq.append_token(token, res.logprobs[j], top)
         self.check_stop(group, seq, structured)
 
     def check_stop(self, group: SequenceGroup, seq: Sequence, structured: list | None = None) -> None:
         """Whether ``seq``'s last token ends it. A structured sequence's grammar takes the
         token first; with ``structured`` (a list) that is deferred: the sequence is appended
         to it, and ``_accept_structured`` finishes the check for all of a step's at once."""
-        params = group.sampling_params
         old_len = len(seq.output_text)
         if self.detokenizer is not None:
-            self.detokenizer.update(seq, params.skip_special_tokens)
+            self.detokenizer.update(seq, group.sampling_params.skip_special_tokens)
         grammar = seq.grammar
         if grammar is not None:
             if structured is not None:
@@ -181,13 +184,14 @@ class OutputProcessor:
     def _check_rest(self, group: SequenceGroup, seq: Sequence, old_len: int) -> None:
         """The stop conditions after the grammar's: EOS, stop ids and strings, length."""
         params = group.sampling_params
-        token = seq.output_token_ids[-1]
-        n_out = len(seq.output_token_ids)
+        out_ids = seq.output_token_ids
+        token = out_ids[-1]
+        n_out = len(out_ids)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
                 return
             if params.stop:
@@ -197,9 +201,10 @@ class OutputProcessor:
                     seq.output_text = seq.output_text[: i + len(stop) if params.include_stop_str_in_output else i]
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                     return
-        if params.max_tokens is not None and n_out >= params.max_tokens:
+        max_tokens = params.max_tokens
+        if max_tokens is not None and n_out >= max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH
-        elif len(seq) >= self.max_model_len:
+        elif n_out + len(seq.prompt_token_ids) >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:

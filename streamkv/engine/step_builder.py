@@ -46,24 +46,32 @@ class StepBuilder:
             del self.sent[seq_id]
         step.finished_ids = gone
         tables, sent = self.block_tables, self.sent
+        append = step.seqs.append
         for s in sched.scheduled:
             seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
-            known = sent.get(seq.seq_id)
+            seq_id, start = seq.seq_id, seq.num_computed_tokens
+            known = sent.get(seq_id)
             if known is None or start < known.next_start:
                 if known is not None:
-                    step.finished_ids.append(seq.seq_id)
+                    step.finished_ids.append(seq_id)
                 step.new_seqs.append(self._new_seq(s.group, seq))
-                known = sent[seq.seq_id] = _Sent(seq, [], start)
-            tokens = [seq.token_at(start)] if n == 1 else seq.token_window(start)[:n]
-            sample = s.do_sample
-            item = SeqStep(seq.seq_id, tokens, start, sample)
-            table, prev = tables[seq.seq_id], known.table
-            n_prev = len(prev)
-            if n_prev <= len(table) and table[:n_prev] == prev:  # unchanged or grown: the usual
-                if len(table) > n_prev:
-                    item.new_blocks = table[n_prev:]
-                    prev.extend(item.new_blocks)
+                known = sent[seq_id] = _Sent(seq, [], start)
+            # Sequence.token_at / token_window and ScheduledSeq.do_sample, inline (per row per step).
+            prompt, out = seq.prompt_token_ids, seq.output_token_ids
+            n_prompt = len(prompt)
+            if n == 1:
+                tokens = [prompt[start] if start < n_prompt else out[start - n_prompt]]
+            else:
+                tokens = seq.token_window(start)[:n]
+            sample = start + n == n_prompt + len(out)
+            item = SeqStep(seq_id, tokens, start, sample)
+            table, prev = tables[seq_id], known.table
+            n_prev, n_table = len(prev), len(table)
+            if n_table == n_prev and table == prev:  # unchanged: most steps
+                pass
+            elif n_prev < n_table and table[:n_prev] == prev:  # grown
+                item.new_blocks = table[n_prev:]
+                prev.extend(item.new_blocks)
             else:  # a block replaced (copy-on-write) or the table shrank
                 keep = _common_prefix(prev, table)
                 item.num_kept_blocks, item.new_blocks = keep, table[keep:]
@@ -71,13 +79,13 @@ class StepBuilder:
             if sample:
                 group = s.group
                 p = group.sampling_params
-                if not seq.output_token_ids and len(group.seqs) == 1 and not p.use_beam_search:
+                if not out and len(group.seqs) == 1 and not p.use_beam_search:
                     item.num_samples = p.best_of
                 if seq.grammar is not None:  # structured outputs: the tokens it may sample
                     # Of the state after its input token: a pending one is not accepted yet.
                     item.token_mask = MASK_FOLLOWS if seq.has_pending else seq.grammar.mask_bytes()
             known.next_start = start + n
-            step.seqs.append(item)
+            append(item)
         return step
 
     def _new_seq(self, group: SequenceGroup, seq: Sequence) -> NewSeq:

@@ -153,3 +153,51 @@ def test_swap_keeps_sharing_within_a_group():
     for s in (p, c):
         bm.free(s)
     bm.check_no_leaks()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "step", "fork", "free"]), st.integers(0, 10**6),
+                              st.integers(1, 12)), max_size=50),
+       block_size=st.sampled_from([1, 2, 4]), caching=st.booleans())
+def test_blocks_needed_is_what_ensure_slots_takes(ops, block_size, caching):
+    """blocks_needed's in-place shortcut (the new tokens fit the table, the block written is
+    not shared) and its general path both count exactly the free blocks ensure_slots then
+    takes, for decodes and chunks, after forks (copy-on-write) and cache hits; the block
+    written is then never shared."""
+    bm = BlockManager(block_size, num_device_blocks=32, num_cpu_blocks=0, enable_prefix_caching=caching, watermark=0.0)
+    seqs: dict[int, Sequence] = {}
+    next_id = 0
+    for op, pick, n in ops:
+        live = sorted(seqs)
+        if op == "alloc":
+            seq = Sequence(next_id, [t % 2 for t in range(n)])
+            next_id += 1
+            if bm.can_allocate(SequenceGroup("g", [seq], SamplingParams())) == AllocStatus.OK:
+                bm.allocate(seq)
+                seqs[seq.seq_id] = seq
+        elif op == "step" and live:
+            seq = seqs[live[pick % len(live)]]
+            k = min(seq.num_uncomputed_tokens, 1 + pick % 5)  # a chunk or a decode
+            need, free = bm.blocks_needed(seq, k), bm.device.num_free
+            if need <= free:
+                copies = bm.ensure_slots(seq, k)
+                assert free - bm.device.num_free == need and len(copies) <= 1
+                table = bm.tables[seq.seq_id]
+                assert len(table) * block_size >= seq.num_computed_tokens + k
+                assert bm.device.ref_counts[table[seq.num_computed_tokens // block_size]] == 1  # not shared
+                seq.num_computed_tokens += k
+                bm.mark_computed(seq)
+                if seq.num_uncomputed_tokens == 0:
+                    seq.output_token_ids.append(pick % 2)
+        elif op == "fork" and live:
+            parent = seqs[live[pick % len(live)]]
+            child = parent.fork(next_id, 1)
+            next_id += 1
+            bm.fork(parent, child)
+            seqs[child.seq_id] = child
+        elif op == "free" and live:
+            bm.free(seqs.pop(live[pick % len(live)]))
+        _check_refcounts(bm)
+    for seq in seqs.values():
+        bm.free(seq)
+    bm.check_no_leaks()

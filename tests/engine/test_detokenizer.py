@@ -34,9 +34,9 @@ def _stream(detok: Detokenizer, prompt: list[int], output: list[int]) -> tuple[s
 
 def test_backend_and_wrapper_decode_the_same_stream(tok):
     fast = Detokenizer(tok)
-    assert fast._backend_decode is not None  # SmolLM2 ships a fast tokenizer
-    slow = Detokenizer(tok)
-    slow._backend_decode = None  # transformers' decode
+    assert fast.uses_backend  # SmolLM2 ships a fast tokenizer
+    slow = Detokenizer(tok, use_backend=False)  # transformers' decode
+    assert not slow.uses_backend
     prompt = tok("Say something:").input_ids
     output = tok(TEXT).input_ids + [tok.eos_token_id]
     text, pieces = _stream(fast, prompt, output)
@@ -88,3 +88,58 @@ def test_holdback_cost_does_not_grow_with_stop_or_text_length():
     assert _cost(prose, short) < 5 * base + 1e-4  # 4x the text, same cost
     periodic = ["ab" * 31 + "c"] * 32  # many candidate k, each a long compare: the exact worst case
     assert _cost(("ab" * 20 + "x") * 3 + "ab" * 30, periodic) < 2e-3
+
+
+# -- the one-decode-per-token scheme against the plain two-window algorithm ----------------
+def _reference_stream(tok, prompt: list[int], output: list[int], skip_special: bool) -> list[str]:
+    """The incremental algorithm as first written: per token, decode the window and its
+    prefix (special ids filtered out first), emit the difference unless it ends in U+FFFD."""
+    special = set(tok.all_special_ids)
+
+    def decode(ids):
+        ids = [t for t in ids if not (skip_special and t in special)]
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    tokens = list(prompt)
+    prefix_offset, read_offset = max(len(prompt) - 6, 0), len(prompt)
+    pieces = []
+    for t in output:
+        tokens.append(t)
+        prefix, full = decode(tokens[prefix_offset:read_offset]), decode(tokens[prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            pieces.append(full[len(prefix):])
+            prefix_offset, read_offset = read_offset, len(tokens)
+        else:
+            pieces.append("")
+    return pieces
+
+
+def _random_tokens(rng: random.Random, tok, n: int) -> list[int]:
+    """Tokens that split multi-byte characters (byte pieces), special ids, real words."""
+    words = tok(TEXT).input_ids
+    pool = [lambda: rng.randrange(0, 300), lambda: rng.choice(tok.all_special_ids),
+            lambda: rng.randrange(len(tok)), lambda: rng.choice(words)]
+    return [rng.choice(pool)() for _ in range(n)]
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_fast_detokenizer_matches_the_two_window_algorithm(tok, skip_special):
+    """The Detokenizer caches one token's text length and filters special ids only when a
+    window holds one: same pieces as decoding both windows every time, for random streams of
+    byte pieces (half characters), special tokens and words, through the backend and through
+    transformers' decode, with a shared cache across sequences."""
+    rng = random.Random(1)
+    fast, slow = Detokenizer(tok), Detokenizer(tok, use_backend=False)
+    for _ in range(60):
+        prompt = _random_tokens(rng, tok, rng.randrange(0, 10))
+        output = _random_tokens(rng, tok, rng.randrange(1, 40))
+        want = _reference_stream(tok, prompt, output, skip_special)
+        for detok in (fast, slow):
+            seq = Sequence(0, list(prompt))
+            got = []
+            for t in output:
+                seq.output_token_ids.append(t)
+                got.append(detok.update(seq, skip_special))
+            assert got == want
+            assert seq.output_text == "".join(want)
+    assert fast._one_len  # the cache was used
