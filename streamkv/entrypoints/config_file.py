@@ -71,6 +71,8 @@ def _tokens(flag: str, action: argparse.Action, value: Any, key: str, path: str)
     if value is None:
         return []  # the flag's own default
     repeatable = isinstance(action.default, list) or type(action).__name__ == "_AppendAction"
+    if action.nargs in ("+", "*"):  # several values after one flag (served-model-name: [a, b])
+        return [flag, *map(str, value if isinstance(value, list) else [value])]
     if isinstance(value, list):
         if not repeatable:
             raise ConfigFileError(f"{path}: {key!r} takes one value, got a list")

@@ -50,14 +50,16 @@ __all__ = ["ENGINE_ERRORS", "OpenAIServing", "engine_error", "request_failed"]
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, max_queue_len: int | None = None,
-                 sse_keepalive: float = 15.0, auto_tool_choice: bool = True) -> None:
+                 sse_keepalive: float = 15.0, auto_tool_choice: bool = True, aliases: tuple[str, ...] = ()) -> None:
         self.engine, self.model_name, self.auto_tool_choice = engine, model_name, auto_tool_choice
+        # vLLM's several --served-model-name: any may be asked for; a response names the one asked.
+        self.names = {model_name, *aliases}
         self.max_queue_len, self.sse_keepalive = max_queue_len, sse_keepalive
         self.logprobs = LogprobFormatter(lambda: engine.tokenizer)
 
     # -- admission ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.names:
             raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
 
     async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -155,7 +157,7 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams, notify = await self.start(rid, prompts, params, _renamed(req))
         num_prompt = sum(len(p) for p in prompts)
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        head = {"id": rid, "object": "text_completion", "created": created, "model": req.model or self.model_name}
         if req.stream:
             return self.sse(self._completion_stream(head, streams, notify, req, params, echo, num_prompt), streams)
         final = await self.collect(request, streams, notify)
@@ -263,7 +265,7 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams, notify = await self.start(rid, [ids], params,
                                            {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)})
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model or self.model_name}
         responder = ChatResponder(req, self.logprobs, params.logprobs if req.logprobs else None)
         if req.stream:
             head["object"] = "chat.completion.chunk"

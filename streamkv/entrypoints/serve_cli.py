@@ -37,7 +37,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on ('0.0.0.0': every interface)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: from MODEL)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients use (default: from MODEL); several: any may be asked for, "
+                        "the first is the one in the logs and metrics")
     s.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="Jinja chat template (a file or the template itself) instead of the tokenizer's")
     s.add_argument("--root-path", default="",
@@ -147,7 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
     failed: list[bool] = []
     server: uvicorn.Server | None = None
-    model_name = args.served_model_name or served_name(args.model)
+    names = args.served_model_name or [served_name(args.model)]
+    model_name = names[0]
     scheme = "https" if args.ssl_certfile else "http"
 
     def on_load_failure() -> None:
@@ -167,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "request preempted will fail; set --swap-space or --num-swap-blocks")
 
     app = build_app(engine, ServerConfig(
-        model_name=model_name, api_key=args.api_key or None,
+        model_name=model_name, model_aliases=tuple(dict.fromkeys(names[1:])), api_key=args.api_key or None,
         allowed_origins=origins, hosts=hosts, max_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,

@@ -63,6 +63,8 @@ _PAGE_HEADERS = {
 @dataclass
 class ServerConfig:
     model_name: str
+    # More names the model answers to (vLLM's --served-model-name A B ...: A is model_name).
+    model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     hosts: HostPolicy = field(default_factory=HostPolicy)
@@ -99,7 +101,7 @@ async def read_json(request: Request, limit: int) -> dict:
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     serving = OpenAIServing(engine, config.model_name, config.max_queue_len, config.sse_keepalive,
-                            config.auto_tool_choice)
+                            config.auto_tool_choice, config.model_aliases)
     tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
 
@@ -135,10 +137,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         return JSONResponse({"version": __version__})
 
     async def models(request: Request) -> Response:
-        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "streamkv"}
-        if engine.info is not None:
-            card["max_model_len"] = engine.info.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = []
+        for name in (config.model_name, *config.model_aliases):
+            card = {"id": name, "object": "model", "created": 0, "owned_by": "streamkv"}
+            if engine.info is not None:
+                card["max_model_len"] = engine.info.max_model_len
+            cards.append(card)
+        return JSONResponse({"object": "list", "data": cards})
 
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

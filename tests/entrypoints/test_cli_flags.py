@@ -60,7 +60,7 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
                     "enable-prefix-caching: false\nallowed-origins: [http://a.example, http://b.example]\n"
                     "model: /models/x\nenable-log-requests: true\n")
     args = _parse("serve", "--config", str(path), "--port", "9002", "--allowed-origins", "http://c.example")
-    assert (args.port, args.served_model_name, args.max_model_len) == (9002, "from-file", 512)
+    assert (args.port, args.served_model_name, args.max_model_len) == (9002, ["from-file"], 512)
     assert args.enable_prefix_caching is False and args.enable_log_requests is True
     assert args.allowed_origins == ["http://c.example"]  # the command line's list replaces the file's
     assert args.model == "/models/x"

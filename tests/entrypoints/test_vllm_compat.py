@@ -223,3 +223,22 @@ def test_engine_refusals_name_the_field_as_the_request_spelled_it():
         assert e["param"] == "response_format" and e["message"].startswith("response_format: the json cannot")
         e = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "logprobs": 5}).json()["error"]
         assert e["param"] == "logprobs" and e["message"].startswith("logprobs must be at most")
+
+
+def test_several_served_model_names(tmp_path):
+    parse = build_parser().parse_args
+    assert parse(["serve", "m", "--served-model-name", "smol", "gpt-4o"]).served_model_name == ["smol", "gpt-4o"]
+    path = tmp_path / "serve.yaml"
+    path.write_text("served-model-name: [smol, gpt-4o]\n")
+    from streamkv.entrypoints.cli import parse_args
+
+    assert parse_args(build_parser(), ["serve", "--config", str(path)]).served_model_name == ["smol", "gpt-4o"]
+    with make_client(FakeEngine(step_delay=0.0005), model_aliases=("gpt-4o",)) as http:
+        wait_healthy(http)
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["fake", "gpt-4o"]
+        for name in ("gpt-4o", "fake"):  # either name; the response names the one asked for
+            r = http.post("/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == name
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})
+        assert r.json()["model"] == "fake"  # none asked for: the first
+        assert http.post("/v1/completions", json={"model": "gpt-5", "prompt": "a"}).status_code == 404
