@@ -39,6 +39,8 @@ class ChatResponder:
         self.mode = req.tool_mode()
         named = req.named_tool()
         self.name = named.function.name if named is not None else None
+        last = req.messages[-1]
+        self.echo = (last.text() or "") if req.echo and last.role == "assistant" else ""
 
     def _logprobs(self, token_ids: list[int], lps) -> dict | None:
         return self.fmt.chat_logprobs(token_ids, lps, self.top) if self.top is not None else None
@@ -54,6 +56,8 @@ class ChatResponder:
         elif self.mode == "required":
             calls = parse_required(c.text)
             content = None if calls else c.text
+        if self.echo:  # vLLM's chat echo: the continued turn comes back whole
+            content = self.echo + (content or "")
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
@@ -71,7 +75,7 @@ class ChatResponder:
 
     # -- streamed -------------------------------------------------------------------------
     def opening(self, states: list[ChoiceState]) -> list[dict]:
-        return [{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [{"index": st.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                  "finish_reason": None} for st in states]
 
     def stream_choices(self, states: list[ChoiceState]) -> Callable[[int, RequestOutput], Iterator[dict]]:

@@ -234,7 +234,8 @@ class ChatCompletionRequest(SamplingRequest):
     documents: Unsupported = None
     continue_final_message: bool = Field(
         False, description="vLLM: the output continues the last (assistant) message; needs add_generation_prompt=false")
-    echo: Unsupported = None
+    echo: bool = Field(False, description="vLLM: the reply's content starts with the last message's when that "
+                                          "is the assistant's (with continue_final_message: the whole turn)")
 
     @field_validator("messages")
     @classmethod

@@ -32,7 +32,7 @@ SUBPROTOCOL = "streamkv"
 _CHAT_KEYS = {"type", "id", "messages", "params"}
 # The socket streams one sample's text: no sample counts, no tool calls, no prompt logprobs.
 _PARAMS_NOT_ALLOWED = ("messages", "stream", "stream_options", "n", "best_of", "use_beam_search",
-                       "tools", "tool_choice", "prompt_logprobs")
+                       "tools", "tool_choice", "prompt_logprobs", "echo", "return_token_ids")
 
 
 class ChatSocket:

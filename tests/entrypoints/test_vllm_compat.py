@@ -99,6 +99,17 @@ def test_continue_final_message(api):
     client.chat.completions.create(model="fake", max_tokens=2, messages=messages,
                                    extra_body={"add_generation_prompt": False})
     assert engine.prompt == "<user>hi<assistant>Hel</>"
+    # vLLM's chat echo: the continued turn comes back whole.
+    r = client.chat.completions.create(model="fake", max_tokens=2, messages=messages, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "echo": True})
+    text = r.choices[0].message.content
+    assert text.startswith("Hel") and len(text) == 5
+    chunks = list(client.chat.completions.create(model="fake", max_tokens=2, messages=messages, stream=True, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text  # the fake is deterministic
+    assert chunks[0].choices[0].delta.content == "Hel"
+    r = client.chat.completions.create(model="fake", max_tokens=2, messages=messages[:1], extra_body={"echo": True})
+    assert len(r.choices[0].message.content) == 2  # the last message is the user's: nothing to echo
     with pytest.raises(openai.BadRequestError) as e:  # as vLLM: both at once is a contradiction
         client.chat.completions.create(model="fake", max_tokens=2, messages=messages,
                                        extra_body={"continue_final_message": True})
