@@ -69,6 +69,8 @@ class SamplingRequest(StructuredFields, PassiveFields):
     stream_options: StreamOptions | None = None
     prompt_logprobs: TopK | None = Field(None, description="vLLM: logprobs of the prompt tokens (top k)")
     return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids too")
+    request_id: str | None = Field(None, min_length=1, max_length=128,
+                                   description="vLLM: the request's id (the response's is cmpl-/chatcmpl- + it)")
     truncate_prompt_tokens: Int | None = Field(
         None, description="vLLM: keep only the prompt's last k tokens (-1: the context length)")
 

@@ -76,9 +76,11 @@ class OpenAIServing:
         try:
             for rid, p in zip(ids, prompts, strict=True):
                 submitted.append(self.engine.submit(rid, p, params, notify=notify, arrival=now))
-        except BaseException:
+        except BaseException as e:
             for stream, _ in submitted:
                 self.engine.abort(stream.request_id)
+            if isinstance(e, ValueError):  # only a client's request_id can be in use already
+                raise APIError(str(e), param="request_id", code="duplicate_request_id") from None
             raise
         results = await asyncio.gather(*(self.engine.wait_accepted(*sub) for sub in submitted), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -154,7 +156,7 @@ class OpenAIServing:
                 it = iter(await self.engine.run_tokenizer(lambda tok: [tok.decode(ids) for ids in todo],
                                                           sum(map(len, todo))))
                 echo = [p if keep else next(it) for p, keep in zip(req.prompt, as_sent)]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
         streams, notify = await self.start(rid, prompts, params, _renamed(req))
         num_prompt = sum(len(p) for p in prompts)
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model or self.model_name}
@@ -262,7 +264,7 @@ class OpenAIServing:
         req = validate(ChatCompletionRequest, body)
         params = req.params()
         ids = await self.chat_prompt(req)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
         streams, notify = await self.start(rid, [ids], params,
                                            {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)})
         head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model or self.model_name}
@@ -286,8 +288,7 @@ class OpenAIServing:
 
 
 def _returned(req: CompletionRequest, text: str, ids: list[int], lps, finish: str | None, stop):
-    """What a completion choice returns of its output: all of it, or nothing but the end of
-    an echo-only request (its one sampled token is the prefill pass's, not asked for)."""
+    """A choice's output as returned: all of it, or for an echo-only request only its end."""
     if not req.echo_only:
         return text, ids, lps, finish, stop
     return "", [], [] if lps is not None else None, "length" if finish is not None else None, None

@@ -6,6 +6,8 @@ chat-template fields ``chat_template_kwargs`` and ``continue_final_message``."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import openai
 import pytest
@@ -253,3 +255,26 @@ def test_several_served_model_names(tmp_path):
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})
         assert r.json()["model"] == "fake"  # none asked for: the first
         assert http.post("/v1/completions", json={"model": "gpt-5", "prompt": "a"}).status_code == 404
+
+
+def test_request_id_names_the_request():
+    engine = FakeEngine(step_delay=0.05)
+    with make_client(engine) as http:
+        wait_healthy(http)
+        r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "request_id": "job-7"}).json()
+        assert r["id"] == "cmpl-job-7"
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
+                                                    "request_id": "job-7"}).json()
+        assert r["id"] == "chatcmpl-job-7"
+        # The same id twice at once: the second is refused (a 400, not a 500), the first runs on.
+        body = {"prompt": "a", "max_tokens": 20, "request_id": "dup"}
+        first: list = []
+        t = threading.Thread(target=lambda: first.append(http.post("/v1/completions", json=body)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while "cmpl-dup" not in engine.requests and time.monotonic() < deadline:
+            time.sleep(0.001)
+        r = http.post("/v1/completions", json=body)
+        t.join()
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+        assert first[0].status_code == 200
