@@ -134,6 +134,8 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.best_of is None:
             self.best_of = self.n
+        if self.top_k == 0 and type(self.top_k) is int:
+            self.top_k = -1  # vLLM's rule: 0 and -1 both mean every token
         self.verify()
 
     def verify(self) -> None:
@@ -149,7 +151,7 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", "must be -1 (disable) or at least 1")
+            raise bad("top_k", "must be 0 or -1 (disable) or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -158,6 +160,11 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.min_tokens and self.structured_outputs is not None:
+            # The grammar decides where a structured output ends (engine/structured.py): a
+            # finished grammar allows only a stop token, which min_tokens would ban. Refused
+            # rather than dropped.
+            raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output ends)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -43,17 +43,24 @@ def test_bad_input_raises_and_engine_keeps_working(llm):
     [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2, "best_of": 1}, "best_of"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop": [""]}, "stop"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        # A finished grammar allows only a stop token, which min_tokens bans: refused, not dropped.
+        ({"min_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}}, "min_tokens"),
     ],
 )
 def test_sampling_params_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_top_k_zero_means_off_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k == SamplingParams().top_k == -1
+    assert SamplingParams(top_k=5).top_k == 5
 
 
 def test_stop_string_is_trimmed_and_streamed_text_never_shows_it(llm):
