@@ -14,7 +14,9 @@ Two executors, each run with async scheduling off and on (SchedulerConfig.async_
   than its CPU time); "hidden" is the share of the time that could overlap, the shorter of
   host and GPU, that did: (host + gpu - wall) / min(host, gpu). 100% is a perfect overlap.
 
-Prints a table; --profile prints the top of a cProfile listing of one instant run.
+Prints a table; --profile prints the top of a cProfile listing of one instant run. "GC ms" is
+the part of the engine CPU spent in Python's cyclic collector; ``--gc-freeze`` freezes the
+start-up heap first, as ``streamkv serve`` does, so that full collections skip it.
 
 On a shared or busy machine compare two checkouts as a ratio measured in one session:
 ``--against DIR`` runs this benchmark alternately on DIR's streamkv and on this one's
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -121,6 +124,23 @@ class _TimedStep:
         return self.out
 
 
+class _GcTimer:
+    """A gc callback: the engine thread's CPU time in the cyclic collector, and how many full
+    (oldest-generation) collections ran. A full one walks every tracked object, the imported
+    libraries' too (~0.15 s for ~300k objects on the 2-core CI box), so without --gc-freeze
+    whether one falls inside a run moves its per-step figure by ~1 ms or more."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+            return
+        self.seconds += time.thread_time() - self._start
+        self.full += info["generation"] == 2
+
+
 def _engine(args, executor: Executor, async_scheduling: bool) -> LLMEngine:
     blocks = executor.num_blocks
     cfg = engine_config(args.model, device="cpu", max_num_seqs=args.num_seqs, num_kv_blocks=blocks,
@@ -140,8 +160,13 @@ def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
     executor = (InstantExecutor(blocks, args.seed, args.model) if mode == "instant"
                 else SlowDeviceExecutor(blocks, args.seed, gpu_s, args.model))
     engine = _engine(args, executor, async_scheduling)
+    if args.gc_freeze:  # what `streamkv serve` does once the engine is up (entrypoints/server.py)
+        gc.collect()
+        gc.freeze()
+    gc_time = _GcTimer()
     prof = cProfile.Profile() if profile else None
     steps, wall, cpu = 0, time.perf_counter(), time.thread_time()
+    gc.callbacks.append(gc_time)
     if prof:
         prof.enable()
     while engine.has_unfinished_requests():
@@ -149,8 +174,12 @@ def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
         steps += 1
     if prof:
         prof.disable()
-        pstats.Stats(prof).sort_stats(args.sort).print_stats(25)
+    gc.callbacks.remove(gc_time)
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    if args.gc_freeze:
+        gc.unfreeze()
+    if prof:
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(25)
     wall_ms = wall / steps * 1e3
     gpu_ms = args.gpu_ms if mode == "gpu" else 0.0
     # The host's time per step as it ran here (a busy box stretches it past its CPU time):
@@ -160,6 +189,7 @@ def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
         "mode": mode, "async_scheduling": engine.async_scheduling, "steps": steps,
         "overlapped_steps": engine.overlapped_steps, "wall_ms_per_step": wall_ms,
         "engine_cpu_ms_per_step": cpu / steps * 1e3, "host_ms_per_step": host_ms, "gpu_ms": gpu_ms,
+        "gc_ms_per_step": gc_time.seconds / steps * 1e3, "full_collections": gc_time.full,
         "profiled": profile,
     }
     if mode == "gpu":
@@ -184,6 +214,8 @@ def main() -> int:
                     help="outputs for finished requests only, as offline LLM.generate asks")
     ap.add_argument("--sort", default="cumulative", help="cProfile sort key (cumulative, tottime)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() the heap before the steps, as `streamkv serve` does after start-up")
     ap.add_argument("--tree", default=None, help="the checkout whose streamkv to run (default: this one)")
     ap.add_argument("--against", default=None,
                     help="another checkout: run both alternately, one process per run, and compare")
@@ -199,15 +231,15 @@ def main() -> int:
     if args.profile:
         run(args, "instant", False, profile=True)
     print(f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
-          f"{', finished-only outputs' if args.finished_only else ''}")
+          f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}")
     print(f"{'executor':<9} {'async':<6} {'steps':>6} {'overlapped':>10} {'engine CPU ms':>13} {'host ms':>8} "
-          f"{'GPU ms':>7} {'wall ms':>8} {'max(host,GPU)':>13} {'hidden':>7}")
+          f"{'GPU ms':>7} {'wall ms':>8} {'max(host,GPU)':>13} {'hidden':>7} {'GC ms':>6} {'full GCs':>8}")
     for r in rows:
         ideal = f"{r['ideal_ms_per_step']:.2f}" if "ideal_ms_per_step" in r else "-"
         hidden = f"{r['hidden']:.0%}" if "hidden" in r else "-"
         print(f"{r['mode']:<9} {'on' if r['async_scheduling'] else 'off':<6} {r['steps']:>6} {r['overlapped_steps']:>10} "
               f"{r['engine_cpu_ms_per_step']:>13.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_ms']:>7.1f} "
-              f"{r['wall_ms_per_step']:>8.2f} {ideal:>13} {hidden:>7}")
+              f"{r['wall_ms_per_step']:>8.2f} {ideal:>13} {hidden:>7} {r['gc_ms_per_step']:>6.2f} {r['full_collections']:>8}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "runs": rows}, f, indent=2)
@@ -223,6 +255,8 @@ def _child_argv(args, tree: str) -> list[str]:
         argv += ["--model", args.model]
     if args.finished_only:
         argv.append("--finished-only")
+    if args.gc_freeze:
+        argv.append("--gc-freeze")
     return argv
 
 
@@ -236,13 +270,14 @@ def _compare(args) -> int:
             done = subprocess.run(_child_argv(args, tree), check=True, capture_output=True, text=True)
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
-          f"{', finished-only outputs' if args.finished_only else ''}; {args.repeat} alternating runs each")
+          f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}; "
+          f"{args.repeat} alternating runs each")
     print(f"against: {trees['against']}\nthis:    {trees['this']}")
     print(f"{'executor':<9} {'async':<6} {'figure':<15} {'against min':>11} {'median':>7} "
           f"{'this min':>9} {'median':>7} {'ratio min':>9} {'median':>7}")
     table = []
     for i, row in enumerate(runs["this"][0]):
-        for key in ("engine_cpu_ms_per_step", "wall_ms_per_step"):
+        for key in ("engine_cpu_ms_per_step", "wall_ms_per_step", "gc_ms_per_step"):
             a = [r[i][key] for r in runs["against"]]
             t = [r[i][key] for r in runs["this"]]
             fig = {"mode": row["mode"], "async_scheduling": row["async_scheduling"], "figure": key,

@@ -204,7 +204,8 @@ class BlockManager:
         table = self.tables[seq.seq_id]
         copies: list[tuple[int, int]] = []
         first = seq.num_computed_tokens // self.block_size
-        if self._needs_cow(seq, table, first):
+        # The ref-count test first: it rules out a copy for most rows without the call.
+        if first < len(table) and self.device.ref_counts[table[first]] > 1 and self._needs_cow(seq, table, first):
             src = table[first]
             dst = self.device.allocate()
             self.device.decref(src)

@@ -59,8 +59,8 @@ class Detokenizer:
         # The window, not a copy of the sequence.
         window = out[start - n_prompt :] if start >= n_prompt else prompt[start:] + out
         split = seq.read_offset - start
-        if skip_special and self._special and not self._special.isdisjoint(window):
-            special = self._special
+        special, decode = self._special, self._decode
+        if skip_special and special and not special.isdisjoint(window):
             head = [t for t in window[:split] if t not in special]
             window = head + [t for t in window[split:] if t not in special]
             split = len(head)
@@ -68,10 +68,10 @@ class Detokenizer:
             token = window[0]
             prefix_len = self._one_len.get(token)
             if prefix_len is None:
-                prefix_len = self._one_len[token] = len(self._decode(window[:1]))
+                prefix_len = self._one_len[token] = len(decode(window[:1]))
         else:
-            prefix_len = len(self._decode(window[:split]))
-        full = self._decode(window)
+            prefix_len = len(decode(window[:split]))
+        full = decode(window)
         if len(full) > prefix_len and not full.endswith("\ufffd"):
             new = full[prefix_len:]
             seq.output_text += new

@@ -209,8 +209,10 @@ class OutputProcessor:
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:
         params = group.sampling_params
-        finished = group.finished
         seqs = group.seqs
+        if len(seqs) == 1 and not params.use_beam_search:  # the common case (per request per step)
+            return self._single_output(group, seqs[0], params.stop, params.logprobs is not None)
+        finished = group.finished
         if params.use_beam_search:
             seqs = ranked_beams(group) if finished else group.seqs
         elif finished and params.best_of > params.n:
@@ -234,11 +236,6 @@ class OutputProcessor:
                     seq.stop_reason,
                 )
             )
-        metrics = {"arrival_time": group.arrival_time}
-        if group.first_token_time is not None:
-            metrics["first_token_time"] = group.first_token_time
-        if group.finished_time is not None:
-            metrics["finished_time"] = group.finished_time
         return RequestOutput(
             group.request_id,
             group.prompt,
@@ -246,9 +243,32 @@ class OutputProcessor:
             completions,
             finished,
             group.error,
-            metrics,
+            _metrics(group),
             group.prompt_logprobs,
         )
+
+    def _single_output(self, group: SequenceGroup, seq: Sequence, stop: list[str] | None,
+                       want_logprobs: bool) -> RequestOutput:
+        """make_output for a request of one sequence, without beam search: no ranking."""
+        text, status = seq.output_text, seq.status
+        finished = status.finished
+        if stop and not finished:
+            text = text[: len(text) - holdback(text, stop)]
+        completion = CompletionOutput(
+            0 if finished else seq.sample_index, text, seq.output_token_ids[:], seq.cumulative_logprob,
+            seq.output_logprobs[:] if want_logprobs else None, status.finish_reason, seq.stop_reason,
+        )
+        return RequestOutput(group.request_id, group.prompt, seq.prompt_token_ids, [completion], finished,
+                             group.error, _metrics(group), group.prompt_logprobs)
+
+
+def _metrics(group: SequenceGroup) -> dict[str, float]:
+    metrics = {"arrival_time": group.arrival_time}
+    if group.first_token_time is not None:
+        metrics["first_token_time"] = group.first_token_time
+    if group.finished_time is not None:
+        metrics["finished_time"] = group.finished_time
+    return metrics
 
 
 def _logprob_entry(token: int, logprob: float, top: list[tuple[int, float]] | None) -> dict[int, Logprob]:
