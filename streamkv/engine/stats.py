@@ -132,9 +132,17 @@ class EngineStats:
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, used)
         if not self.bm.tables or (self.steps - 1) % MEMORY_SAMPLE_EVERY:
             return
+        self._sample_memory()
+
+    def _sample_memory(self) -> None:
+        """The KV figures of this step: every held block once (a shared block holds the most
+        tokens any sharer has written), walked without a dict entry per full block: full
+        blocks are gathered into one set, and only the partly filled ones (about one per
+        sequence) go through Python (256 sequences of 1k tokens: ~2 ms a sample before)."""
         block_size = self.bm.block_size
         tables = self.bm.tables
-        fill: dict[int, int] = {}  # block -> tokens in it (the most any sharer has written)
+        full_blocks: list[int] = []  # blocks some sharer has filled
+        part: dict[int, int] = {}  # other blocks -> tokens in them (the most any sharer has written)
         will: dict[int, int] = {}  # partly filled block -> slots any sharer will ever write
         for group in self.scheduler.running:
             for seq in group.seqs:
@@ -142,37 +150,41 @@ class EngineStats:
                 if table is None:
                     continue
                 seq_len = seq.num_computed_tokens
-                full = min(seq_len // block_size, len(table))
-                # Full blocks hold block_size tokens, the most there is: no comparison needed.
-                fill.update(dict.fromkeys(table[:full], block_size))
-                if full == len(table):
+                n = len(table)
+                full = min(seq_len // block_size, n)
+                full_blocks += table[:full]
+                if full == n:
                     continue
                 final = final_len(len(seq.prompt_token_ids), group.sampling_params, self.max_model_len) - 1
-                for i in range(full, len(table)):
+                for i in range(full, n):
                     block = table[i]
                     filled = min(max(seq_len - i * block_size, 0), block_size)
-                    if filled >= fill.get(block, 0):
-                        fill[block] = filled
+                    if filled >= part.get(block, 0):
+                        part[block] = filled
                     written = min(max(final - i * block_size, 0), block_size)
                     if written > will.get(block, 0):
                         will[block] = written
-        self._record_waste(fill, will)
-        if fill:
-            self._util_sum += sum(fill.values()) / (len(fill) * block_size)
+        full_set = set(full_blocks)
+        partial = [f for b, f in part.items() if b not in full_set]
+        num_blocks = len(full_set) + len(partial)
+        token = len(full_set) * block_size + sum(partial)
+        internal = sum(block_size - max(w, block_size if b in full_set else part[b]) for b, w in will.items())
+        self._record_waste(token, num_blocks, internal)
+        if num_blocks:
+            self._util_sum += token / (num_blocks * block_size)
             self._util_steps += 1
         logical = self.bm.num_logical_blocks()
         if logical:
-            self._saving_sum += 1 - len(fill) / logical
+            self._saving_sum += 1 - num_blocks / logical
             self._saving_steps += 1
 
-    def _record_waste(self, fill: dict[int, int], will: dict[int, int]) -> None:
+    def _record_waste(self, token: int, num_blocks: int, internal: int) -> None:
+        """``token``: computed tokens in the ``num_blocks`` distinct held blocks; ``internal``:
+        their slots that no sharer will ever write (paged allocation)."""
         if isinstance(self.bm, ContiguousBlockManager):
             waste = contiguous_waste(self.bm, self.scheduler.running, self.max_model_len)
         else:
-            bs = self.bm.block_size
-            token = sum(fill.values())
-            internal = sum(bs - max(w, fill[b]) for b, w in will.items())
-            waste = KVWaste(token, len(fill) * bs - token - internal, internal, 0)
+            waste = KVWaste(token, num_blocks * self.bm.block_size - token - internal, internal, 0)
         if waste.total == 0:
             return
         for kind, share in waste.shares().items():
