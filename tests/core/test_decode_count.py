@@ -26,9 +26,9 @@ class RecordingCost(StepCostModel):
         super().__init__(ratio=2.0)
         self.asked: list[int] = []
 
-    def budget(self, decodes: int, token_budget: int) -> int:
+    def budget(self, decodes: int, token_budget: int, context_tokens: int = 0) -> int:
         self.asked.append(decodes)
-        return super().budget(decodes, token_budget)
+        return super().budget(decodes, token_budget, context_tokens)
 
 
 def recount(groups: list[SequenceGroup]) -> int | None:
