@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,14 @@ from streamkv.sequence import CompletionOutput, RequestOutput
 class ChatOutput:
     choices: list[dict]
     num_tokens: int
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _finish(reason: str | None, called: bool) -> str | None:
@@ -52,15 +61,18 @@ class ChatResponder:
         if self.mode == "auto":
             content, calls = parse_hermes(c.text, self.req.parallel_tool_calls)
         elif self.mode == "named":
-            content, calls = None, [tool_call(self.name, c.text)]
+            # Cut off by max_tokens, the arguments are not JSON: no call, as in vLLM.
+            cut = c.finish_reason == "length" and not _is_json(c.text)
+            content, calls = (c.text, None) if cut else ("", [tool_call(self.name, c.text)])
         elif self.mode == "required":
             calls = parse_required(c.text)
-            content = None if calls else c.text
+            content = "" if calls or c.finish_reason == "length" else c.text
         if self.echo:  # vLLM's chat echo: the continued turn comes back whole
             content = self.echo + (content or "")
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            msg["tool_calls"] = calls
+        # vLLM's message: every key present (null, or [] without calls).
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                               "audio": None, "function_call": None, "tool_calls": calls or [],
+                               "reasoning_content": None}
         return msg, c.finish_reason if self.mode == "named" else _finish(c.finish_reason, bool(calls))
 
     def whole(self, out: RequestOutput) -> ChatOutput:
@@ -68,9 +80,8 @@ class ChatResponder:
         for c in out.outputs:
             msg, finish = self.message(c)
             choices.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
-            if self.req.return_token_ids:
-                choices[-1]["token_ids"] = c.token_ids
+                            "finish_reason": finish, "stop_reason": c.stop_reason,
+                            "token_ids": c.token_ids if self.req.return_token_ids else None})
         return ChatOutput(choices, sum(len(c.token_ids) for c in out.outputs))
 
     # -- streamed -------------------------------------------------------------------------
@@ -86,9 +97,11 @@ class ChatResponder:
         def choices(_: int, out: RequestOutput) -> Iterator[dict]:
             for d in deltas(states, 0, n, out):
                 k, done = d.choice.index, d.finish_reason is not None
-                delta, called = self._delta(k, d.text, done, d.choice, parsers[k], texts)
+                delta, called = self._delta(k, d.text, d.finish_reason, d.choice, parsers[k], texts)
                 if not delta and not done and self.top is None and not self.req.return_token_ids:
                     continue
+                if done and "content" not in delta:  # vLLM's last chunk: clients concatenate content
+                    delta["content"] = ""
                 choice = {"index": k, "delta": delta, "logprobs": self._logprobs(d.token_ids, d.logprobs),
                           "finish_reason": d.finish_reason if self.mode == "named" else _finish(d.finish_reason, called)}
                 if done:
@@ -99,9 +112,10 @@ class ChatResponder:
 
         return choices
 
-    def _delta(self, k: int, text: str, done: bool, st: ChoiceState, parser: HermesStream,
+    def _delta(self, k: int, text: str, finish: str | None, st: ChoiceState, parser: HermesStream,
                texts: list[str]) -> tuple[dict, bool]:
         """This choice's delta for ``text``, and whether it has called a tool."""
+        done = finish is not None
         if self.mode == "auto":
             content = parser.feed(text) + (parser.finish() if done else "")
             delta: dict[str, Any] = {"content": content} if content else {}
@@ -121,7 +135,7 @@ class ChatResponder:
             if not done:
                 return {}, False
             calls = parse_required(texts[k])
-            if calls is None:
-                return {"content": texts[k]}, False
+            if calls is None:  # cut off by max_tokens: no call, no content (vLLM's answer)
+                return {"content": "" if finish == "length" else texts[k]}, False
             return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, True
         return ({"content": text} if text else {}), False

@@ -171,16 +171,18 @@ class OpenAIServing:
                 text, ids, lps, finish, stop = _returned(req, c.text, c.token_ids, c.logprobs, c.finish_reason,
                                                          c.stop_reason)
                 num_out += len(ids)
+                # vLLM's choice: its optional keys null when not asked for.
                 choice = {"index": i * params.n + c.index, "text": (echo[i] if echo else "") + text,
                           "logprobs": self._completion_lps(ChoiceState(0), req, out, ids, lps, True),
-                          "finish_reason": finish, "stop_reason": stop}
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(out.prompt_logprobs)
-                if req.return_token_ids:
-                    choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=ids)
+                          "finish_reason": finish, "stop_reason": stop,
+                          "prompt_logprobs": None if req.prompt_logprobs is None
+                          else self.logprobs.prompt_logprobs(out.prompt_logprobs),
+                          "prompt_token_ids": out.prompt_token_ids if req.return_token_ids else None,
+                          "token_ids": ids if req.return_token_ids else None}
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({**head, "choices": choices, "usage": usage_of(num_prompt, num_out)})
+        return JSONResponse({**head, "choices": choices, "usage": usage_of(num_prompt, num_out),
+                             "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None})
 
     def _completion_lps(self, st: ChoiceState, req: CompletionRequest, out: RequestOutput, token_ids, lps,
                         first: bool) -> dict | None:
@@ -279,12 +281,12 @@ class OpenAIServing:
         if final is None:
             return Response(status_code=499)
         out: ChatOutput = responder.whole(final[0])
-        body = {**head, "choices": out.choices, "usage": usage_of(len(ids), out.num_tokens)}
-        if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.logprobs.prompt_logprobs(final[0].prompt_logprobs)
-        if req.return_token_ids:
-            body["prompt_token_ids"] = ids
-        return JSONResponse(body)
+        return JSONResponse({
+            **head, "choices": out.choices, "usage": usage_of(len(ids), out.num_tokens),
+            "system_fingerprint": None, "service_tier": None,
+            "prompt_logprobs": None if req.prompt_logprobs is None
+            else self.logprobs.prompt_logprobs(final[0].prompt_logprobs),
+            "prompt_token_ids": ids if req.return_token_ids else None, "kv_transfer_params": None})
 
 
 def _returned(req: CompletionRequest, text: str, ids: list[int], lps, finish: str | None, stop):

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamkv.entrypoints.chat_messages import Tool
+from streamkv.entrypoints.openai_protocol import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ANY_OBJECT = {"type": "object"}
+_DEF_KEYS = ("$defs", "definitions")
 
 
 def call_id() -> str:
@@ -32,17 +34,40 @@ def call_id() -> str:
 def forced_tool_schema(tools: list[Tool], named: Tool | None, parallel: bool) -> dict[str, Any]:
     if named is not None:
         return named.function.parameters or _ANY_OBJECT
+    defs: dict[str, dict[str, Any]] = {}
     calls = [
         {"type": "object",
          "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                        "arguments": t.function.parameters or _ANY_OBJECT},
+                        "arguments": _hoist_defs(t.function.parameters or _ANY_OBJECT, defs, t.function.name)},
          "required": ["name", "arguments"], "additionalProperties": False}
         for t in tools
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    schema.update(defs)
     return schema
+
+
+def _hoist_defs(params: dict[str, Any], defs: dict[str, dict[str, Any]], tool: str) -> dict[str, Any]:
+    """``params`` without its ``$defs`` (or draft-07 ``definitions``), which join ``defs``: a
+    ``$ref`` ("#/$defs/X") points from the root of the schema it is in, and a tool's
+    parameters are not the root of the combined ``required`` schema. Pydantic writes
+    ``$defs`` for any nested model, so most tools need this. The same name defined two ways
+    by two tools cannot share the root: a 400."""
+    out = params
+    for key in _DEF_KEYS:
+        own = params.get(key)
+        if not isinstance(own, dict):
+            continue
+        into = defs.setdefault(key, {})
+        for name, definition in own.items():
+            if into.get(name, definition) != definition:
+                raise APIError(f"tool {tool!r} defines '{key}/{name}' differently from another tool; "
+                               'tool_choice "required" needs one definition per name', param="tools")
+            into[name] = definition
+        out = {k: v for k, v in out.items() if k != key}
+    return out
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:

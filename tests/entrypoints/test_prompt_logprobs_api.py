@@ -37,7 +37,7 @@ def test_echo_with_logprobs_scores_the_prompt_first(engine_client):
     assert lp["token_logprobs"][:4] == [None, -0.01, -0.02, -0.03]
     assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"b": -0.01, chr(999): -5.0}
     assert lp["text_offset"] == [0, 1, 2, 3, 4, 5] and choice["text"] == "abcd" + "".join(lp["tokens"][4:])
-    assert "prompt_logprobs" not in choice
+    assert choice["prompt_logprobs"] is None  # vLLM's null: not asked for
     # logprobs=1: the top one of each prompt position (and the prompt's own token).
     r = client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 2, "echo": True, "logprobs": 1}).json()
     assert r["choices"][0]["logprobs"]["top_logprobs"][1] == {"b": -0.01}

@@ -219,7 +219,7 @@ def test_named_choice_forces_the_arguments_schema(api):
     r = client.chat.completions.create(**KW, messages=USER, tools=[WEATHER, TIME], tool_choice=NAMED)
     assert engine.params.structured_outputs.json == WEATHER["function"]["parameters"]
     (choice,) = r.choices
-    assert choice.message.content is None and choice.finish_reason == "stop"
+    assert choice.message.content == "" and choice.finish_reason == "stop"  # vLLM's "" beside forced calls
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
@@ -245,3 +245,49 @@ def test_required_choice_forces_a_call_list(api):
                                                  tool_choice="required", stream=True))
     calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
     assert [tc.function.name for tc in calls] == ["get_time"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# What pydantic writes for a tool whose arguments hold a nested model: "$defs" and "$ref".
+NESTED = {"type": "function", "function": {"name": "book", "parameters": {
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"]}}}
+
+
+def test_required_hoists_each_tools_defs_to_the_root():
+    schema = forced_tool_schema(tools(NESTED, TIME), None, True)
+    assert schema["$defs"] == NESTED["function"]["parameters"]["$defs"]
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["arguments"]
+    jsonschema.validate([{"name": "book", "arguments": {"to": {"city": "Oslo"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "book", "arguments": {"to": {"town": 1}}}], schema)
+    # The same name twice with one meaning is fine; with two meanings, a 400 naming tools.
+    forced_tool_schema(tools(NESTED, NESTED), None, True)
+    other = json.loads(json.dumps(NESTED).replace('"city"', '"town"'))
+    with pytest.raises(Exception) as e:
+        forced_tool_schema(tools(NESTED, other), None, True)
+    assert getattr(e.value, "param", None) == "tools"
+
+
+@pytest.mark.parametrize("api", ['[{"name": "book", "arguments": {"to": {"city": "Oslo"}}}]'], indirect=True)
+def test_required_with_defs_is_served(api):
+    client, engine = api
+    r = client.chat.completions.create(**KW, messages=USER, tools=[NESTED], tool_choice="required")
+    assert "$defs" in engine.params.structured_outputs.json
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"to": {"city": "Oslo"}} and r.choices[0].message.content == ""
+
+
+@pytest.mark.parametrize("api", ['[{"name": "get_time", "arguments": {}}]'], indirect=True)
+def test_a_forced_call_cut_off_by_max_tokens_is_no_call(api):
+    client, _ = api
+    cut = {**KW, "max_tokens": 5}
+    r = client.chat.completions.create(**cut, messages=USER, tools=[WEATHER, TIME], tool_choice="required")
+    (choice,) = r.choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and choice.message.content == ""
+    r = client.chat.completions.create(**cut, messages=USER, tools=[WEATHER, TIME], tool_choice=NAMED)
+    (choice,) = r.choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    chunks = list(client.chat.completions.create(**cut, messages=USER, tools=[WEATHER, TIME],
+                                                 tool_choice="required", stream=True))
+    assert not [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert chunks[-1].choices[0].delta.content == "" and chunks[-1].choices[0].finish_reason == "length"
