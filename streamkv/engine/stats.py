@@ -25,13 +25,14 @@ requests batched together (the paper's Fig 13).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 from streamkv.core.block_manager import BlockManager
 from streamkv.core.contiguous import ContiguousBlockManager, final_len
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine.request_metrics import RequestMetrics
-from streamkv.sequence import SequenceGroup
+from streamkv.sequence import Sequence, SequenceGroup
 
 # 256 sequences of 1k tokens are 16k table entries: a few ms of Python, against a decode step
 # of ~10 ms on an H200 with CUDA graphs. Every 8th step keeps the average within reach.
@@ -97,6 +98,7 @@ class EngineStats:
         self._saving_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._first_sampled: weakref.WeakSet[Sequence] = weakref.WeakSet()  # record_step's
         # vLLM's per-step and per-request histograms (queue / prefill / decode times, ...).
         self.request_metrics = RequestMetrics(self.max_model_len)
 
@@ -105,14 +107,22 @@ class EngineStats:
         time; None takes the time of this call."""
         self.steps += 1
         rm, start = self.request_metrics, started if started is not None else time.monotonic()
-        # A one-token step of a sequence that already has output is a decode (generation)
-        # token; everything else (prompts, chunks, recomputation) is prompt work. The request
-        # metrics ride on this one pass (a step of 256 requests is walked once).
+        # Generation tokens are sampled tokens, as vLLM counts them: a decode row's one, and
+        # the first token a prompt's last chunk samples (its first_token_time is set by this
+        # step's outputs, after ``start``; once per group: with async scheduling the next
+        # step began before it was set). Everything else (prompts, chunks, recomputation)
+        # is prompt work. The request metrics ride on this one pass (a step of 256 requests
+        # is walked once).
         generated = prompt = requests = 0
         last_group = None
         for s in sched.scheduled:
-            n = s.num_new_tokens
-            if n == 1 and s.seq.output_token_ids:
+            n, first = s.num_new_tokens, s.group.first_token_time
+            if first is not None and first >= start and s.seq not in self._first_sampled:
+                self._first_sampled.add(s.seq)
+                prompt += n
+                generated += 1
+                rm.scheduled(s.group, start)
+            elif n == 1 and s.seq.output_token_ids:
                 generated += 1
             else:
                 prompt += n

@@ -72,4 +72,30 @@ def test_engine_stats_feed_the_request_metrics_in_one_pass():
     stats.record_step(SchedulerOutput(scheduled=[ScheduledSeq(group, seq, 4)]), started=2.0)
     h = stats.request_metrics.snapshot()
     assert (h["queue_time"]["sum"], h["prefill_time"]["sum"], h["decode_time"]["sum"]) == (1.0, 1.0, 0.0)
-    assert sum(h["iteration_tokens"]["counts"]) == 1 and h["iteration_tokens"]["sum"] == 4
+    # 4 prompt tokens and the token they sampled (vLLM counts it as generated).
+    assert sum(h["iteration_tokens"]["counts"]) == 1 and h["iteration_tokens"]["sum"] == 4 + 1
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (4, 1)
+
+
+def test_a_requests_first_token_counts_as_generated_once():
+    """vLLM's generation_tokens_total counts every sampled token, the prefill's first one too;
+    with async scheduling the next step may begin before that token is set: not counted twice."""
+    from streamkv.core.block_manager import BlockManager
+    from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+    from streamkv.engine.stats import EngineStats
+
+    bm = BlockManager(16, num_device_blocks=8, num_cpu_blocks=0)
+    seq = Sequence(0, [1, 2, 3])
+    group = SequenceGroup("r", [seq], SamplingParams(max_tokens=3), arrival_time=1.0)
+    stats = EngineStats(bm, SimpleNamespace(running=[], num_preemptions=0, num_swapped_out_blocks=0,
+                                            num_swapped_in_blocks=0, waiting=(), swapped=()))
+    seq.output_token_ids.append(7)
+    group.first_token_time = 2.5
+    stats.record_step(SchedulerOutput(scheduled=[ScheduledSeq(group, seq, 3)]), started=2.0)
+    seq.output_token_ids.append(8)  # the next step began (2.2) before the first token was set (2.5)
+    stats.record_step(SchedulerOutput(scheduled=[ScheduledSeq(group, seq, 1)]), started=2.2)
+    seq.output_token_ids.append(9)
+    group.finished_time = 4.0
+    stats.record_step(SchedulerOutput(scheduled=[ScheduledSeq(group, seq, 1)]), started=3.0)
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (3, 3)
+    assert stats.request_metrics.snapshot()["iteration_tokens"]["sum"] == 3 + 3
