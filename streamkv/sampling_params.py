@@ -3,9 +3,35 @@
 from __future__ import annotations
 
 import json as _json
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+# Bounds on what a request may carry (docs/api.md, "Limits a request must respect"). The
+# sampler computes in float32 (and the CUDA kernel flushes denormals), so every number must
+# stay finite there and never round to 0 where 0 changes the meaning: top_p 1e-46 became 0
+# in float32 and the nucleus test ``mass above < top_p`` could then never pass (issue 26).
+# Any top_p <= 1/vocab already selects only the most likely token, so 1e-8 loses nothing.
+MIN_TOP_P = 1e-8
+MAX_TEMPERATURE = 100.0  # past this every distribution is uniform to float32's precision
+MIN_REPETITION_PENALTY = 0.01  # a logit divided by less overflows float32
+MAX_LENGTH_PENALTY = 10.0  # beam scores divide by len ** length_penalty (Python floats)
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+
+
+_F32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+
+
+def _real(x: object) -> bool:
+    """A finite int or float that float32 holds without underflow: 0 or at least float32's
+    smallest normal in magnitude (a denormal is flushed to 0 by the CUDA kernel). A bool is
+    not a number here."""
+    return (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            and (x == 0 or abs(x) >= _F32_TINY))
 
 
 class InvalidParameter(ValueError):
@@ -140,20 +166,16 @@ class SamplingParams:
 
     def verify(self) -> None:
         def bad(name: str, why: str) -> InvalidParameter:
-            return InvalidParameter(name, f"{name} {why}, got {getattr(self, name)!r}.")
+            got = repr(getattr(self, name))  # a hostile value may be megabytes long
+            return InvalidParameter(name, f"{name} {why}, got {got if len(got) <= 80 else got[:77] + '...'}.")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise bad("best_of", f"must be an integer >= n ({self.n})")
-        if not 0.0 <= self.temperature:
-            raise bad("temperature", "must be non-negative")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
+        self._check_numbers(bad)
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be 0 or -1 (disable) or at least 1")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -167,23 +189,9 @@ class SamplingParams:
             raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output ends)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "must be in (0, 2]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        for t, b in (self.logit_bias or {}).items():
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise bad("logit_bias", "must map non-negative integer token ids to numbers")
-            if isinstance(b, bool) or not isinstance(b, int | float) or not -100.0 <= b <= 100.0:
-                raise bad("logit_bias", "values must be numbers in [-100, 100]")
+        self._check_sizes(bad)
         if self.prompt_logprobs is not None and (
             not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0
         ):
@@ -209,6 +217,41 @@ class SamplingParams:
                 # beams are chosen; stop_token_ids (which end a hypothesis like EOS) are the
                 # supported way to end beams early.
                 raise bad("stop", "is not supported with use_beam_search (use stop_token_ids)")
+
+    def _check_numbers(self, bad) -> None:
+        """Every float the sampler reads: finite, and in a range where float32 keeps it."""
+        if not _real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}]")
+        if not _real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1.0:
+            raise bad("top_p", f"must be a number in [{MIN_TOP_P:g}, 1] (any top_p below 1/vocabulary already "
+                               "keeps only the most likely token)")
+        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be a number in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be a number in [-2, 2]")
+        if not _real(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", f"must be a number in [{MIN_REPETITION_PENALTY:g}, 2]")
+        if not _real(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
+            raise bad("length_penalty", f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
+
+    def _check_sizes(self, bad) -> None:
+        """Stop strings, stop token ids and logit bias: their kinds and counts (every one of
+        them is looked at per step, on the engine thread)."""
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters long")
+        ids = self.stop_token_ids
+        if len(ids) > MAX_STOP_TOKEN_IDS or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("logit_bias", "must map non-negative integer token ids to numbers")
+            if not _real(b) or not -100.0 <= b <= 100.0:
+                raise bad("logit_bias", "values must be numbers in [-100, 100]")
 
     def check_max_logprobs(self, max_logprobs: int) -> None:
         """Refuse logprobs / prompt_logprobs above the engine's cap (-1: no cap)."""

@@ -56,7 +56,7 @@ def full_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generat
     pick = (weights / exponentials(part, token_ids, 0, generator)).argmax(-1, keepdim=True)
     score = x.gather(1, pick)
     above = torch.where(x > score, probs, 0.0).sum(-1)
-    ok = (above < top_p) | (top_p >= 1.0)
+    ok = _in_nucleus(above, top_p)
     chosen = pick.squeeze(1).clone()
     # The seeded streams' keys as of this step: by the time deferred rounds run, the
     # worker may have moved its requests on to the next step.
@@ -68,6 +68,12 @@ def full_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generat
             rejected = (~ok_).nonzero().squeeze(1)  # the round's one host sync
             if rejected.numel() == 0:
                 return
+            if round_ >= MAX_ROUNDS:
+                # A safety net, never reached with admitted values (each round accepts with
+                # probability >= top_p): the most likely token is always in the nucleus.
+                rows = rejected if active is None else active[rejected]
+                chosen[rows] = xs[rejected].argmax(-1)
+                return
             # Redraw among the tokens more likely than the rejected one: the nucleus is inside.
             w = torch.where(xs[rejected] > score_[rejected], w[rejected], 0.0)
             xs, ps = xs[rejected], ps[rejected]
@@ -77,7 +83,7 @@ def full_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generat
             pick_ = (w / exponentials(live, token_ids, round_, generator)).argmax(-1, keepdim=True)
             score_ = xs.gather(1, pick_)
             tp = top_p[active]
-            ok_ = (torch.where(xs > score_, ps, 0.0).sum(-1) < tp) | (tp >= 1.0)
+            ok_ = _in_nucleus(torch.where(xs > score_, ps, 0.0).sum(-1), tp)
             chosen[active] = torch.where(ok_, pick_.squeeze(1), chosen[active])
 
     if defer:
@@ -102,6 +108,18 @@ def exponentials(part: list[tuple], token_ids: torch.Tensor, round_: int, genera
     sel = _on(dev, seeded)
     q[sel] = hashed_exponentials(keys, token_ids[sel] if token_ids.dim() == 2 else token_ids)
     return q
+
+
+# Redraw rounds of a top-p draw before it takes the most likely token (see ``rounds``).
+MAX_ROUNDS = 64
+
+
+def _in_nucleus(above: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Whether a drawn token with ``above`` probability mass strictly more likely than it
+    lies in the top-p nucleus. A token with nothing above it is the most likely one, always
+    in the nucleus: without that clause a top_p that rounds to 0 in float32 (1e-46) rejected
+    every draw forever and hung the engine thread (issue 26)."""
+    return (above < top_p) | (above <= 0.0) | (top_p >= 1.0)
 
 
 @dataclass(frozen=True, slots=True)
