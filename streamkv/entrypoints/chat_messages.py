@@ -13,7 +13,6 @@ from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from streamkv.entrypoints.openai_protocol import OpenAIModel
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -47,9 +46,11 @@ class ToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     """One turn. ``developer`` is read as ``system``; an assistant turn may carry
-    ``tool_calls`` instead of content; a ``tool`` turn answers the call ``tool_call_id``."""
+    ``tool_calls`` instead of content; a ``tool`` turn answers the call ``tool_call_id``.
+    A role OpenAI does not name (``ipython``, ``observation``, ...) reaches the chat template
+    as it is, as vLLM passes it: a template that does not know it says so (a 400)."""
 
-    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    role: str = Field(min_length=1, max_length=64)
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="assistant turns only")
     tool_call_id: str | None = Field(None, validate_default=True, description="tool turns: the call answered")

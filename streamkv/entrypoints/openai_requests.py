@@ -9,7 +9,7 @@ Fields that change nothing in the output are accepted and listed under "inert" (
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -28,7 +28,14 @@ MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 
 Samples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
 # Logprob counts: the engine caps them (--max-logprobs, checked when the request is added).
-TopK = Annotated[int, Field(ge=0)]
+# -1 is vLLM's "the whole vocabulary" (so it passes the cap only with --max-logprobs -1).
+TopK = Annotated[int, Field(ge=-1)]
+
+
+def whole_vocab(k: int | None, vocab_size: int | None) -> int | None:
+    """A logprob count with vLLM's -1 read as the vocabulary's size (unknown: left as -1, which
+    SamplingParams refuses by name)."""
+    return vocab_size if k == -1 and vocab_size is not None else k
 
 
 def _is_ids(v: Any) -> bool:
@@ -69,10 +76,14 @@ class SamplingRequest(StructuredFields, PassiveFields):
     stream_options: StreamOptions | None = None
     prompt_logprobs: TopK | None = Field(None, description="vLLM: logprobs of the prompt tokens (top k)")
     return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids too")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description='vLLM: logprobs name tokens "token_id:ID" (default: --return-tokens-as-token-ids)')
     request_id: str | None = Field(None, min_length=1, max_length=128,
                                    description="vLLM: the request's id (the response's is cmpl-/chatcmpl- + it)")
     truncate_prompt_tokens: Int | None = Field(
-        None, description="vLLM: keep only the prompt's last k tokens (-1: the context length)")
+        None, description="vLLM: keep only k of the prompt's tokens (-1: the context length)")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description='vLLM: "left" (default) cuts the prompt\'s start, "right" its end')
 
     @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
     @classmethod
@@ -94,12 +105,12 @@ class SamplingRequest(StructuredFields, PassiveFields):
         return v
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's token ids after ``truncate_prompt_tokens`` (its end is kept, as in vLLM)."""
+        """The prompt's token ids after ``truncate_prompt_tokens``: its end is kept, as in vLLM,
+        or its start with ``truncation_side: "right"``."""
         k = self.truncate_prompt_tokens
-        if k is None:
+        if k is None or len(ids) <= (k := max_model_len if k == -1 else k):
             return ids
-        k = max_model_len if k == -1 else k
-        return ids[-k:] if len(ids) > k else ids
+        return ids[:k] if self.truncation_side == "right" else ids[-k:]
 
     @field_validator("early_stopping", mode="plain", json_schema_input_type=bool | str)
     @classmethod
@@ -200,14 +211,18 @@ class CompletionRequest(SamplingRequest):
         sends it): the prompt comes back, with its logprobs, and no completion."""
         return self.echo and self.max_tokens == 0
 
-    def params(self) -> SamplingParams:
+    def params(self, vocab_size: int | None = None) -> SamplingParams:
+        logprobs = whole_vocab(self.logprobs, vocab_size)
         # OpenAI's legacy echo + logprobs: the prompt's tokens are scored too.
-        echoed = self.logprobs if self.echo and self.logprobs is not None else None
-        prompt_lps = max((k for k in (echoed, self.prompt_logprobs) if k is not None), default=None)
+        echoed = logprobs if self.echo and logprobs is not None else None
+        prompt_lps = max((k for k in (echoed, whole_vocab(self.prompt_logprobs, vocab_size)) if k is not None),
+                         default=None)
+        if -1 in (logprobs, self.prompt_logprobs):  # the vocabulary's size is unknown here
+            prompt_lps = -1 if prompt_lps is not None else None
         # The prefill pass that scores the prompt samples one token too (vLLM does the same);
         # an echo-only response leaves it out.
         max_tokens = 1 if self.echo_only else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, prompt_lps, self.structured())
+        return self.sampling_params(max_tokens, logprobs, prompt_lps, self.structured())
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -258,9 +273,16 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError('may only be ["text"]')
         return v
 
+    @field_validator("tools")
+    @classmethod
+    def _some_tools(cls, v: list[Tool]) -> list[Tool]:
+        if not v:
+            raise ValueError("must not be empty (leave it out to offer no tools)")
+        return v
+
     def tool_mode(self) -> str:
-        """none | auto | required | named. ``auto`` with no tools is ``none`` (some clients
-        always send it); a forced choice with no tools is refused (``params``)."""
+        """none | auto | required | named (unset: ``auto`` with tools, else ``none``). A
+        choice other than ``none`` without tools is refused (``params``), as vLLM does."""
         choice = self.tool_choice or "auto"
         if isinstance(choice, NamedToolChoice):
             return "named"
@@ -274,18 +296,18 @@ class ChatCompletionRequest(SamplingRequest):
     def constraint_source(self) -> str | None:
         return "tool_choice" if self.tool_mode() in ("required", "named") else super().constraint_source()
 
-    def params(self) -> SamplingParams:
+    def params(self, vocab_size: int | None = None) -> SamplingParams:
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError("'continue_final_message' needs add_generation_prompt=false", param="continue_final_message")
-        top = self.top_logprobs
+        top = whole_vocab(self.top_logprobs, vocab_size)
         if top is not None and not self.logprobs:
             raise APIError("'top_logprobs' needs logprobs=true", param="top_logprobs")
         # OpenAI's newer name wins over the deprecated one when both are sent, as in vLLM.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         constraint = self.structured()
         mode = self.tool_mode()
-        if mode in ("required", "named") and not self.tools:
-            raise APIError("'tool_choice' needs tools", param="tool_choice")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise APIError("'tool_choice' needs tools: when using tool_choice, tools must be set", param="tool_choice")
         if mode == "named" and self.named_tool() is None:
             raise APIError(f"'tool_choice' names {self.tool_choice.function.name!r}, which is not in tools",
                            param="tool_choice")
@@ -294,5 +316,5 @@ class ChatCompletionRequest(SamplingRequest):
                 raise APIError(f"a forced tool_choice cannot be combined with '{constraint[1]}'", param="tool_choice")
             schema = forced_tool_schema(self.tools, self.named_tool(), self.parallel_tool_calls)
             constraint = ({"json": schema}, "tool_choice")
-        return self.sampling_params(max_tokens, (top or 0) if self.logprobs else None, self.prompt_logprobs,
-                                    constraint)
+        return self.sampling_params(max_tokens, (top or 0) if self.logprobs else None,
+                                    whole_vocab(self.prompt_logprobs, vocab_size), constraint)

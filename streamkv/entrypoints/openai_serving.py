@@ -50,14 +50,24 @@ __all__ = ["ENGINE_ERRORS", "OpenAIServing", "engine_error", "request_failed"]
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, max_queue_len: int | None = None,
-                 sse_keepalive: float = 15.0, auto_tool_choice: bool = True, aliases: tuple[str, ...] = ()) -> None:
+                 sse_keepalive: float = 15.0, auto_tool_choice: bool = True, aliases: tuple[str, ...] = (),
+                 tokens_as_ids: bool = False) -> None:
         self.engine, self.model_name, self.auto_tool_choice = engine, model_name, auto_tool_choice
+        self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids: the requests' default
         # vLLM's several --served-model-name: any may be asked for; a response names the one asked.
         self.names = {model_name, *aliases}
         self.max_queue_len, self.sse_keepalive = max_queue_len, sse_keepalive
         self.logprobs = LogprobFormatter(lambda: engine.tokenizer)
 
     # -- admission ------------------------------------------------------------------------
+    def formatter(self, req: SamplingRequest) -> LogprobFormatter:
+        asked = req.return_tokens_as_token_ids
+        return self.logprobs.with_ids(self.tokens_as_ids if asked is None else asked)
+
+    def vocab_size(self) -> int | None:
+        """For vLLM's -1 ("every token") in logprob counts; None before the model is known."""
+        return self.engine.info.vocab_size if self.engine.info is not None else None
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
             raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
@@ -135,7 +145,7 @@ class OpenAIServing:
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, request: Request, body: dict) -> Response:
         req = validate(CompletionRequest, body)
-        params = req.params()
+        params = req.params(self.vocab_size())
         self.check_model(req.model)
         self.engine.check_alive()
         tok = self.engine.tokenizer
@@ -188,9 +198,11 @@ class OpenAIServing:
                         first: bool) -> dict | None:
         if req.logprobs is None:
             return None
+        fmt = self.formatter(req)
         if req.echo and first:
-            return self.logprobs.echoed_logprobs(st, out, req.logprobs, token_ids, lps)
-        return self.logprobs.completion_logprobs(st, token_ids, lps)
+            k = self.vocab_size() if req.logprobs == -1 else req.logprobs
+            return fmt.echoed_logprobs(st, out, k, token_ids, lps)
+        return fmt.completion_logprobs(st, token_ids, lps)
 
     def _completion_stream(self, head, streams, notify, req: CompletionRequest, params: SamplingParams, echo,
                            num_prompt) -> AsyncIterator[bytes]:
@@ -264,29 +276,42 @@ class OpenAIServing:
 
     async def chat(self, request: Request, body: dict) -> Response:
         req = validate(ChatCompletionRequest, body)
-        params = req.params()
+        if not req.stream:
+            out = await self.chat_whole(request, req)
+            return Response(status_code=499) if out is None else JSONResponse(out)
+        params = req.params(self.vocab_size())
         ids = await self.chat_prompt(req)
         rid, created = f"chatcmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
         streams, notify = await self.start(rid, [ids], params,
                                            {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)})
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model or self.model_name}
-        responder = ChatResponder(req, self.logprobs, params.logprobs if req.logprobs else None)
-        if req.stream:
-            head["object"] = "chat.completion.chunk"
-            states = [ChoiceState(k) for k in range(params.n)]
-            extra = {"prompt_token_ids": ids} if req.return_token_ids else None
-            return self.sse(self._stream(head, streams, notify, states, req, len(ids), responder.stream_choices(states),
-                                         responder.opening(states), extra), streams)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": req.model or self.model_name}
+        responder = ChatResponder(req, self.formatter(req), params.logprobs if req.logprobs else None)
+        states = [ChoiceState(k) for k in range(params.n)]
+        extra = {"prompt_token_ids": ids} if req.return_token_ids else None
+        return self.sse(self._stream(head, streams, notify, states, req, len(ids), responder.stream_choices(states),
+                                     responder.opening(states), extra), streams)
+
+    async def chat_whole(self, request: Request | None, req: ChatCompletionRequest) -> dict | None:
+        """A chat completion answered whole; None if the client went away first."""
+        params = req.params(self.vocab_size())
+        ids = await self.chat_prompt(req)
+        rid, created = f"chatcmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
+        streams, notify = await self.start(rid, [ids], params,
+                                           {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)})
         final = await self.collect(request, streams, notify)
         if final is None:
-            return Response(status_code=499)
+            return None
+        responder = ChatResponder(req, self.formatter(req), params.logprobs if req.logprobs else None)
         out: ChatOutput = responder.whole(final[0])
-        return JSONResponse({
-            **head, "choices": out.choices, "usage": usage_of(len(ids), out.num_tokens),
+        # vLLM's response: its optional keys null when not asked for.
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": req.model or self.model_name,
+            "choices": out.choices, "usage": usage_of(len(ids), out.num_tokens),
             "system_fingerprint": None, "service_tier": None,
             "prompt_logprobs": None if req.prompt_logprobs is None
             else self.logprobs.prompt_logprobs(final[0].prompt_logprobs),
-            "prompt_token_ids": ids if req.return_token_ids else None, "kv_transfer_params": None})
+            "prompt_token_ids": ids if req.return_token_ids else None, "kv_transfer_params": None}
 
 
 def _returned(req: CompletionRequest, text: str, ids: list[int], lps, finish: str | None, stop):

@@ -54,6 +54,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                          "request is a 400, as in vLLM without this flag)")
     tc.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
                     help="the model's tool-call format: Hermes-style <tool_call> JSON (SmolLM2's, Qwen2's)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:ID" unless a request says otherwise (vLLM\'s flag)')
     lg = p.add_argument_group("logging")
     lg.add_argument("--disable-log-stats", action="store_true",
                     help="no periodic stats line (throughput, queues, KV usage, prefix-cache hit rate)")
@@ -174,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=origins, hosts=hosts, max_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
-        auto_tool_choice=args.enable_auto_tool_choice,
+        auto_tool_choice=args.enable_auto_tool_choice, tokens_as_ids=args.return_tokens_as_token_ids,
         on_ready=announce,
     ))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

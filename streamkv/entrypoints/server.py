@@ -39,6 +39,7 @@ from streamkv.entrypoints.security import (
     check_origin,
 )
 from streamkv.entrypoints.tokenize_serving import TokenizeServing
+from streamkv.entrypoints.vllm_routes import VLLMRoutes, model_permission
 from streamkv.entrypoints.websocket import chat_ws
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class ServerConfig:
     ws_max_active: int = 8
     # tool_choice "auto" parses the model's Hermes-style calls (--enable-auto-tool-choice).
     auto_tool_choice: bool = True
+    # Logprobs name tokens "token_id:ID" by default (--return-tokens-as-token-ids).
+    tokens_as_ids: bool = False
     web_dir: Path | None = WEB_DIR
     on_load_failure: Callable[[], None] | None = field(default=None, repr=False)
     # Awaited once the model is loaded (serve logs its "ready:" line there).
@@ -86,7 +89,14 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+# A JSON body sent as a form (curl -d without -H) is refused, as vLLM (FastAPI) refuses it.
+_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
 async def read_json(request: Request, limit: int) -> dict:
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() in _FORM_TYPES:
+        raise APIError("the request body must be JSON, sent with 'Content-Type: application/json'",
+                       code="invalid_content_type")
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
@@ -101,7 +111,7 @@ async def read_json(request: Request, limit: int) -> dict:
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     serving = OpenAIServing(engine, config.model_name, config.max_queue_len, config.sse_keepalive,
-                            config.auto_tool_choice, config.model_aliases)
+                            config.auto_tool_choice, config.model_aliases, config.tokens_as_ids)
     tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
 
@@ -139,7 +149,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     async def models(request: Request) -> Response:
         cards = []
         for name in (config.model_name, *config.model_aliases):
-            card = {"id": name, "object": "model", "created": 0, "owned_by": "streamkv"}
+            card = {"id": name, "object": "model", "created": 0, "owned_by": "streamkv", "root": config.model_name,
+                    "parent": None, "permission": [model_permission()]}
             if engine.info is not None:
                 card["max_model_len"] = engine.info.max_model_len
             cards.append(card)
@@ -203,6 +214,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         WebSocketRoute("/v1/chat/ws", chat_ws),
         Route("/v1/kv/stream", api(KVView(engine).stream, body=False)),  # the live KV-cache view
         *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (entrypoints/prefixes.py)
+        *VLLMRoutes(engine, serving, health).routes(api),  # /ping, /invocations, /load, ... (vllm_routes.py)
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))

@@ -107,11 +107,19 @@ def clamp(lp: float) -> float:
 class LogprobFormatter:
     """OpenAI's two logprobs shapes; token texts are decoded once per token id and cached."""
 
-    def __init__(self, tokenizer: Callable[[], object]) -> None:
-        self.tokenizer = tokenizer
-        self._token_text: dict[int, str] = {}
+    def __init__(self, tokenizer: Callable[[], object], as_ids: bool = False,
+                 cache: dict[int, str] | None = None) -> None:
+        self.tokenizer, self.as_ids = tokenizer, as_ids
+        self._token_text: dict[int, str] = {} if cache is None else cache
+
+    def with_ids(self, as_ids: bool) -> LogprobFormatter:
+        """This formatter, or one that names tokens ``token_id:ID`` (vLLM's
+        ``return_tokens_as_token_ids``: a token that is not whole UTF-8 text stays exact)."""
+        return LogprobFormatter(self.tokenizer, True, self._token_text) if as_ids and not self.as_ids else self
 
     def token_text(self, tid: int) -> str:
+        if self.as_ids:
+            return f"token_id:{tid}"
         text = self._token_text.get(tid)
         if text is None:
             tok = self.tokenizer()

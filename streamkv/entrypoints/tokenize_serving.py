@@ -28,6 +28,7 @@ class TokenizeRequest(OpenAIModel):
     tools: list[Tool] | None = Field(None, description="messages: the tools offered, rendered as a chat renders them")
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    return_token_strs: bool = Field(False, description="vLLM: each token's string too (token_strs)")
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -65,7 +66,11 @@ class TokenizeServing:
         else:
             ids = await self.engine.run_tokenizer(
                 lambda t: t.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False), len(req.prompt))
-        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids})
+        strs = None
+        if req.return_token_strs:
+            strs = await self.engine.run_tokenizer(lambda t: t.convert_ids_to_tokens(ids), len(ids))
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids,
+                             "token_strs": strs})
 
     async def detokenize(self, request: Request, body: dict) -> Response:
         req = validate(DetokenizeRequest, body)

@@ -47,7 +47,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT, "metadata": {"k": 1}}, "metadata.k"),
-    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("/tokenize", {"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),  # any other role is the template's
     ("/tokenize", {}, "prompt"),
     ("/detokenize", {"tokens": ["a"]}, "tokens[0]"),
     ("/detokenize", {"tokens": [10**6]}, "tokens"),

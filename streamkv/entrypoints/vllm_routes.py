@@ -1,0 +1,112 @@
+"""Routes vLLM serves beside the OpenAI API, for the tools built around it:
+
+- ``GET|POST /ping`` and ``POST /invocations``: SageMaker's health check and its one
+  inference route (a body with ``messages`` is a chat completion, with ``prompt`` a
+  completion);
+- ``POST /v1/chat/completions/batch``: several conversations (``messages`` is a list of
+  them) with one set of parameters, answered whole as one ``chat.completion`` whose choice
+  ``index`` is the conversation's;
+- ``GET /load``: requests in the engine now (running, waiting or swapped), vLLM's
+  ``server_load``, which load balancers read;
+- ``GET /tokenizer_info``: the tokenizer's class, its configuration and chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.entrypoints.openai_protocol import APIError, validate
+from streamkv.entrypoints.openai_requests import ChatCompletionRequest
+from streamkv.entrypoints.openai_serving import OpenAIServing
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+class VLLMRoutes:
+    def __init__(self, engine: AsyncEngine, serving: OpenAIServing, health: Callable) -> None:
+        self.engine, self.serving, self.health = engine, serving, health
+
+    def routes(self, api: Callable) -> list[Route]:
+        return [
+            Route("/ping", self.health, methods=["GET", "POST"]),
+            Route("/invocations", api(self.invocations), methods=["POST"]),
+            Route("/v1/chat/completions/batch", api(self.chat_batch), methods=["POST"]),
+            Route("/load", api(self.load, body=False)),
+            Route("/tokenizer_info", api(self.tokenizer_info, body=False)),
+        ]
+
+    async def invocations(self, request: Request, body: dict) -> Response:
+        if "messages" in body:
+            return await self.serving.chat(request, body)
+        if "prompt" in body:
+            return await self.serving.completions(request, body)
+        raise APIError("/invocations takes a chat completion ('messages') or a completion ('prompt')")
+
+    async def chat_batch(self, request: Request, body: dict) -> Response:
+        convs = body.get("messages")
+        if not isinstance(convs, list) or not convs or not all(isinstance(c, list) for c in convs):
+            raise APIError("'messages' must be a non-empty array of conversations (arrays of messages)",
+                           param="messages")
+        if body.get("stream"):
+            raise APIError("a batch is answered whole: stream must be false", param="stream")
+        if body.get("n", 1) != 1:
+            raise APIError("a batch takes n=1 (one choice per conversation)", param="n")
+        reqs = []
+        for i, conv in enumerate(convs):
+            try:
+                reqs.append(validate(ChatCompletionRequest, {**body, "messages": conv}))
+            except APIError as e:  # name the conversation in the parameter
+                if e.param and e.param.startswith("messages"):
+                    e.param = f"messages[{i}]{e.param[len('messages'):]}"
+                raise
+        for req in reqs:  # every conversation's parameters checked before any runs
+            req.params(self.serving.vocab_size())
+        outs = await asyncio.gather(*(self.serving.chat_whole(request, req) for req in reqs))
+        if any(out is None for out in outs):
+            return Response(status_code=499)
+        first, choices = outs[0], []
+        for i, out in enumerate(outs):
+            choices.extend({**c, "index": i} for c in out["choices"])
+        usage = {k: sum(out["usage"][k] for out in outs) for k in first["usage"]}
+        return JSONResponse({**first, "choices": choices, "usage": usage})
+
+    async def load(self, request: Request) -> Response:
+        s = self.engine.stats or {}
+        return JSONResponse({"server_load": sum(s.get(k, 0) for k in ("num_running", "num_waiting", "num_swapped"))})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        self.engine.check_alive()
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer", 404, "not_found_error")
+        config = {k: v for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if _is_plain(v)}
+        return JSONResponse({**config, "tokenizer_class": type(tok).__name__,
+                             "chat_template": getattr(tok, "chat_template", None)})
+
+
+def model_permission() -> dict[str, Any]:
+    """The ``permission`` entry of vLLM's model card (what OpenAI's cards once carried)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}
+
+
+def _is_plain(v: Any) -> bool:
+    """JSON-able: tokenizer configs hold AddedToken objects and paths beside plain values."""
+    if isinstance(v, _PLAIN):
+        return True
+    if isinstance(v, list | tuple):
+        return all(_is_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_plain(x) for k, x in v.items())
+    return False
