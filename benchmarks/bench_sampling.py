@@ -178,8 +178,6 @@ def main() -> int:
     ap.add_argument("--sampler-only", action="store_true", help="time the Sampler alone on random logits")
     ap.add_argument("--vocab-size", type=int, default=None, help="--sampler-only: default the model's")
     ap.add_argument("--calls", type=int, default=20, help="--sampler-only: timed calls per mode")
-    ap.add_argument("--max-prefill-step-ratio", type=float, default=None, help="the prefill cap (0 = off; "
-                    "default: the engine's): it admits prompts by the step times it measures")
     ap.add_argument("--sampler-paths", default="auto", help="comma list: auto (the Sampler's dispatch: the "
                     "kernel on CUDA), torch (its torch reference path); in-process executor only")
     ap.add_argument("--profile-steps", type=int, default=0, help="then per case, GPU ms per step over a run of "
@@ -207,10 +205,9 @@ def main() -> int:
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     per_seq = -(-(args.prompt_len + args.output_len) // 16) + 1
     blocks = args.num_kv_blocks or (min(args.num_requests, args.max_num_seqs) * per_seq + 16 if on_cpu else None)
-    extra = {} if args.max_prefill_step_ratio is None else {"max_prefill_step_ratio": args.max_prefill_step_ratio}
     llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks, num_swap_blocks=0,
-              distributed_executor_backend=args.distributed_executor_backend, **extra)
+              distributed_executor_backend=args.distributed_executor_backend)
     vocab = load_config(resolve_model_dir(args.model))["vocab_size"]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]

@@ -20,8 +20,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.step_report import print_step_report, run_streamkv_steps  # noqa: E402
-
 
 def run_streamkv(llm, requests, keep: list | None = None) -> float:
     from streamkv import SamplingParams
@@ -175,13 +173,6 @@ def main() -> int:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap the next step's scheduling with this one's device work "
                          "(default: the engine's, on on a GPU and off on a CPU)")
-    ap.add_argument("--max-prefill-step-ratio", type=float, default=None,
-                    help="the engine's cap on prompt tokens beside decodes (0 = none; default: the engine's). "
-                         "To choose it, sweep e.g. 0, 1.5, 2, 3 with --step-report: output tok/s and TTFT "
-                         "against the prompt-step / decode-step ratios (p99, max, steps over 2x)")
-    ap.add_argument("--seed-prefill-cap", action=argparse.BooleanOptionalAction, default=None,
-                    help="seed the prefill cap's fit with timed warm-up steps at start (engine/step_warmup.py; "
-                         "default: the engine's, on; it runs only while the cap is on)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: embedded SmolLM2)")
@@ -205,9 +196,6 @@ def main() -> int:
                     help="also run transformers' generate_batch (paged|sdpa, continuous batching) and "
                          "streamkv on the first N requests, each --cb-output-len tokens, same run")
     ap.add_argument("--cb-output-len", type=int, default=256)
-    ap.add_argument("--step-report", action="store_true",
-                    help="time every engine step of the main run: prompt-bearing vs decode-only step "
-                         "times, and time to first token with every request arriving at once")
     ap.add_argument("--json-out", default="bench_results/throughput.json")
     args = ap.parse_args()
 
@@ -237,10 +225,6 @@ def main() -> int:
               "num_kv_blocks": blocks, "num_swap_blocks": 0,
               "device": args.device, "dtype": args.dtype, "load_format": args.load_format,
               "async_scheduling": args.async_scheduling}
-    if args.max_prefill_step_ratio is not None:
-        kwargs["max_prefill_step_ratio"] = args.max_prefill_step_ratio
-    if args.seed_prefill_cap is not None:
-        kwargs["seed_prefill_cap"] = args.seed_prefill_cap
     if args.workload_file:
         with open(args.workload_file) as f:
             requests = [Request(p, min(o, args.max_output_len)) for p, o in json.load(f)][: args.num_requests]
@@ -289,15 +273,9 @@ def main() -> int:
 
     run_streamkv(llm, requests[:4])  # warm-up
     rows = []
-    step_report = None
-    if args.step_report:
-        t, step_report = run_streamkv_steps(llm, requests)
-    else:
-        t = run_streamkv(llm, requests)
+    t = run_streamkv(llm, requests)
     rows.append({"system": "streamkv", "batch": f"continuous (<= {args.max_num_seqs})", "seconds": t, "output_tok_s": out_tokens / t})
     print(f"streamkv: {t:.1f}s, {out_tokens / t:.1f} output tok/s", flush=True)
-    if step_report:
-        print_step_report(step_report)
     if args.cb_requests:
         from benchmarks.workloads import Request as _Req
 
@@ -339,10 +317,10 @@ def main() -> int:
               "output_tokens": out_tokens, "rows": rows, "ratio_vs_best_baseline": ratio,
               "ratio_vs_transformers_cb": (rows[1]["output_tok_s"] / rows[2]["output_tok_s"]
                                            if args.cb_requests else None),
-              "stats": llm.stats(), "step_report": step_report,
+              "stats": llm.stats(),
               # the settings the engine resolved (the defaults depend on the device)
               "async_scheduling": llm.engine.async_scheduling,
-              "max_prefill_step_ratio": llm.engine.config.scheduler.max_prefill_step_ratio}
+              "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens}
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=2)

@@ -22,7 +22,6 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Every power of two from 1 to 256 (the paper's Fig 18b sweep; docs/kernels.md "Block sizes").
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
-DEFAULT_GPU_PREFILL_STEP_RATIO = 2.0
 
 
 def arg(default: Any, help: str, **meta: Any) -> Any:
@@ -79,9 +78,13 @@ class CacheConfig:
         return DEFAULT_GPU_SWAP_SPACE_GIB if device_type == "cuda" else 0.0
 
 
-# Provisional: the default step token budget of chunked prefill, until a measured sweep on
-# the GPU picks one (a bigger budget prefills faster; a smaller one keeps decode steps short).
+# The step token budget of chunked prefill, the one rule that bounds a step (decodes first,
+# then prompt chunks oldest first). On a GPU a bigger budget admits a burst sooner and costs
+# inter-token latency while prompts flow; the GPU default is the sweep's pick
+# (docs/benchmarks.md "Token budget"). On a CPU the step is compute-bound, so a prompt chunk
+# stalls decodes for its whole length: the smaller budget keeps streams moving.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass
@@ -89,23 +92,12 @@ class SchedulerConfig:
     max_num_seqs: int = arg(256, "most sequences in one step")
     max_num_batched_tokens: int | None = arg(
         None, "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
-              f"default max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs)")
+              f"default max({DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a "
+              "CPU, max_num_seqs)")
     preemption_mode: str = arg("auto", "how a preempted request gives its blocks back ('auto': the cheaper "
                                        "of swap and recompute by a measured cost model)", choices=PREEMPTION_MODES)
     preemption_cost_profile: str | None = arg(None, "the measured swap/recompute costs 'auto' uses: a profile of "
                                                     "streamkv/core/preemption_costs.json (default: its default)")
-    # None: on for a model on a GPU, off on a CPU. On a CPU the step is the host's own work:
-    # there is no device to overlap with, and the cap's shorter mixed steps cost more steps
-    # than they save (make bench: both on cost ~11% of tokens/s; docs/benchmarks.md).
-    max_prefill_step_ratio: float | None = arg(
-        None, "cap the prompt tokens of a step that carries decodes so it takes at most this many "
-              "times a decode-only step (fitted online from step times; 0 = no cap, the whole token "
-              f"budget; default {DEFAULT_GPU_PREFILL_STEP_RATIO} on a GPU, 0 on a CPU)")
-    # With the cap on (a GPU's default), the warm-up costs ~0.2 s at start on the H200; it
-    # runs nothing when the cap is off (a CPU's default). docs/benchmarks.md "Session 6".
-    seed_prefill_cap: bool = arg(True, "time ~10 synthetic steps at start to seed the prefill cap's step-time "
-                                       "fit, so the cap holds from the first step (unseeded it holds once ~32 "
-                                       "steps are timed); engine/step_warmup.py")
     # On a GPU by default: with one fill thread and the one-kernel mask step the H200 ran
     # json_schema at 0.72x of unconstrained overlapped against 0.57x in turn (batch 64, same
     # call; docs/benchmarks.md "Session 7"). Off on a CPU, where async scheduling is off too.
@@ -125,8 +117,6 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
             )
-        if self.max_prefill_step_ratio is not None and self.max_prefill_step_ratio < 0:
-            raise ValueError(f"max_prefill_step_ratio must be >= 0, got {self.max_prefill_step_ratio}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -141,12 +131,15 @@ class SchedulerConfig:
         """This config with the device-dependent defaults filled in for a model on
         ``device_type`` ("cuda" or "cpu")."""
         gpu = device_type == "cuda"
-        ratio = self.max_prefill_step_ratio
         overlap = self.async_scheduling
         structured = self.overlap_structured
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            default = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if gpu else DEFAULT_MAX_NUM_BATCHED_TOKENS
+            budget = max(default, self.max_num_seqs)
         return replace(
             self,
-            max_prefill_step_ratio=(DEFAULT_GPU_PREFILL_STEP_RATIO if gpu else 0.0) if ratio is None else ratio,
+            max_num_batched_tokens=budget,
             async_scheduling=gpu if overlap is None else overlap,
             overlap_structured=gpu if structured is None else structured,
         )

@@ -36,7 +36,6 @@ from operator import attrgetter
 from streamkv.config import SchedulerConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
 from streamkv.core.preemption import auto_mode, load_costs
-from streamkv.core.step_budget import StepCostModel, decode_context
 from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput, decode_rows, demands
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -60,11 +59,6 @@ class Scheduler:
         # Groups preempted by the last schedule(). With async scheduling one of them may still
         # get a token from the step in flight, and finish by it while waiting or swapped.
         self._preempted: list[SequenceGroup] = []
-        # The engine reports each step's time here; it caps prompt chunks beside decodes. The
-        # engine resolves the device default (SchedulerConfig.on_device); a scheduler built
-        # without one (unit tests, simulators) has no cap.
-        ratio = config.max_prefill_step_ratio
-        self.step_cost = StepCostModel(0.0 if ratio is None else ratio)
 
     # -- queues -------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -144,18 +138,9 @@ class Scheduler:
         num_seqs = 0
         bm, max_seqs = self.bm, self.config.max_num_seqs
         decodes, prefills = [], []
-        rows = 0
         for group in sorted(self.running, key=_arrival):
-            n = decode_rows(group)
-            if n is None:
-                prefills.append(group)
-            else:
-                decodes.append(group)
-                rows += n
+            (prefills if decode_rows(group) is None else decodes).append(group)
         budget = self.config.token_budget
-        if self.step_cost.enabled and decodes:
-            context = decode_context(decodes) if self.step_cost.context_term else 0
-            budget = self.step_cost.budget(rows, budget, context)
         queue = decodes + prefills
         running = self.running = []
         scheduled = out.scheduled

@@ -21,7 +21,6 @@ from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
 from streamkv.engine.step_pipeline import InFlight, masks_due, overlappable, send_masks
-from streamkv.engine.step_warmup import WarmupReport, WarmupShape, seed_step_cost
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor
 from streamkv.executor.factory import create_executor
@@ -107,11 +106,6 @@ class LLMEngine:
         self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
         self._inflight: InFlight | None = None
         self.overlapped_steps = 0  # steps whose successor was submitted before their outputs were read
-        self.step_warmup: WarmupReport | None = None  # the prefill cap's fit, seeded before any request
-        if self.scheduler.step_cost.enabled and sched.seed_prefill_cap:
-            shape = WarmupShape(sched.token_budget, sched.max_num_seqs, bm.block_size, bm.device.num_blocks,
-                                info.max_model_len, info.vocab_size)
-            self.step_warmup = seed_step_cost(executor, self.scheduler.step_cost, shape, bm.device.num_used)
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
 
     # -- requests -----------------------------------------------------------------------
@@ -206,7 +200,6 @@ class LLMEngine:
         step = InFlight(sched, started)
         if not sched.is_empty:
             inputs = self.step_builder.build(sched)
-            step.submitted = time.perf_counter()
             try:
                 step.handle = self.executor.submit(inputs)
                 if self.config.scheduler.overlap_structured:  # only then do masks follow a step
@@ -228,24 +221,12 @@ class LLMEngine:
             result = step.handle.result() if step.handle is not None else StepOutput()
         except StepFailed as e:
             return self._fail_step(sched, e)
-        if step.handle is not None and self.scheduler.step_cost.enabled and sched.scheduled:
-            timed = getattr(step.handle, "device_seconds", None)  # optional (executor/base.py)
-            self._observe_step_time(sched, timed() if timed is not None else time.perf_counter() - step.submitted)
         outputs = self.outputs.process(sched, result, finished_only, advanced=step.advanced)
         self.stats_.record_step(sched, step.started)
         for out in outputs:
             if out.finished:
                 self.groups.pop(out.request_id, None)
         return outputs
-
-    def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Feeds the scheduler's step-cost fit (core/step_budget.py): decode rows, prompt
-        tokens, the step's time on the device and, with its context term, the decode rows'
-        lengths (as the scheduler counted them, core/step_budget.decode_context; a row may
-        have grown by a token or two since, async scheduling, a negligible share)."""
-        cost, decodes = self.scheduler.step_cost, sched.num_decodes
-        context = sum(len(s.seq) for s in sched.scheduled if s.num_new_tokens == 1) if cost.context_term else 0
-        cost.observe(decodes, sched.num_batched_tokens - decodes, seconds, context)
 
     def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[RequestOutput]:
         """The worker could not run this step: its requests end with the error (their blocks

@@ -93,7 +93,6 @@ class InFlight:
     overlaps: bool = False  # the next step may be scheduled before this one's outputs
     handle: StepHandle | None = None  # None: nothing to run
     error: StepFailed | None = None  # the executor refused it at submit
-    submitted: float = 0.0  # time.perf_counter() at submit
     advanced: bool = False  # OutputProcessor.advance ran for it
     masks_due: list[Sequence] | None = None  # structured rows whose token masks follow (None: none, or sent)
 

@@ -12,10 +12,6 @@ from streamkv.messages import StepInput, StepOutput
 class StepHandle(Protocol):
     def result(self) -> StepOutput: ...
 
-    # Optional: the step's own time on the device, once its result is in (the engine's
-    # step-cost fit; without it the engine times hand-off to result).
-    # def device_seconds(self) -> float: ...
-
 
 class DoneStep:
     """The handle of a step that already ran, in ``seconds``."""
@@ -27,9 +23,6 @@ class DoneStep:
 
     def result(self) -> StepOutput:
         return self.output
-
-    def device_seconds(self) -> float:
-        return self.seconds
 
 
 class Executor(abc.ABC):

@@ -73,7 +73,6 @@ class Ok(msgspec.Struct, tag="ok", array_like=True):
 class Out(msgspec.Struct, tag="out", array_like=True):
     output: StepOutput
     worker_s: float  # rank 0's time from the step's launch to its samples (IPC statistics)
-    device_s: float = 0.0  # the step's own time on the device (the engine's step-cost fit)
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):

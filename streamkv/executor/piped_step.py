@@ -21,7 +21,7 @@ class PipedStep:
     """A step written to every rank. ``result()`` returns its StepOutput or raises its
     StepFailed (or the executor's WorkerError)."""
 
-    __slots__ = ("_pipe", "sent", "done", "output", "error", "device_s")
+    __slots__ = ("_pipe", "sent", "done", "output", "error")
 
     def __init__(self, pipe: StepPipe, sent: float) -> None:
         self._pipe = pipe
@@ -29,7 +29,6 @@ class PipedStep:
         self.done = False
         self.output: StepOutput | None = None
         self.error: StepFailed | None = None
-        self.device_s = 0.0
 
     def result(self) -> StepOutput:
         while not self.done:
@@ -37,10 +36,6 @@ class PipedStep:
         if self.error is not None:
             raise self.error
         return self.output
-
-    def device_seconds(self) -> float:
-        """Rank 0's time on the device for this step (after ``result()``)."""
-        return self.device_s
 
 
 class StepPipe:
@@ -72,7 +67,7 @@ class StepPipe:
         except StepFailed as e:
             step.error = e
         else:
-            step.output, step.device_s = out.output, out.device_s
+            step.output = out.output
             self.steps += 1
             self.roundtrip_s += time.perf_counter() - step.sent
             self.worker_s += out.worker_s

@@ -207,7 +207,7 @@ def _answer(rank: int, conn: Connection, step: _Launched) -> bool:
         return True
     if rank == 0:
         elapsed = time.perf_counter() - step.started
-        conn.send_bytes(ipc.encode(ipc.Out(step.output, elapsed, step.handle.device_seconds())))
+        conn.send_bytes(ipc.encode(ipc.Out(step.output, elapsed)))
     else:
         conn.send_bytes(ipc.encode(ipc.Ok()))
     return False

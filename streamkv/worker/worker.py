@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 
@@ -142,7 +141,6 @@ class Worker:
         last_failed, self._last_failed = self._last_failed, False
         if last_failed and self.rank == 0:
             self._without_samples(seqs)
-        timer = _StepTimer(self.device)
         # Order matters: blocks swapped out this step may be reused by copies and new slots.
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
@@ -152,8 +150,11 @@ class Worker:
         except Exception as e:
             self._last_failed = True
             raise self.step_failed(e) from e
-        timer.stop()
-        return LaunchedStep(self, result, timer)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(self, result, done)
 
     def _without_samples(self, seqs: list[SeqInput]) -> None:
         """The step before failed here, after the engine had sent this one (a step in flight):
@@ -183,10 +184,10 @@ class Worker:
 class LaunchedStep:
     """A step on its way through the device (Executor.submit's handle for this worker)."""
 
-    __slots__ = ("_worker", "_result", "_timer")
+    __slots__ = ("_worker", "_result", "_done")
 
-    def __init__(self, worker: Worker, result: StepResult, timer: _StepTimer) -> None:
-        self._worker, self._result, self._timer = worker, result, timer
+    def __init__(self, worker: Worker, result: StepResult, done: torch.cuda.Event | None) -> None:
+        self._worker, self._result, self._done = worker, result, done
 
     def result(self) -> StepOutput:
         try:
@@ -205,38 +206,4 @@ class LaunchedStep:
     def ready(self) -> bool:
         """Whether the device is done with the step, so that ``result()`` will not wait for
         it (always, on a CPU, where the step ran inside ``launch``)."""
-        return self._timer.done()
-
-    def device_seconds(self) -> float:
-        """How long the device worked on this step (after ``result()``)."""
-        return self._timer.seconds()
-
-
-class _StepTimer:
-    """A step's time on the device: CUDA events around its work (the start event runs when
-    the step before is done, so a pipelined step is timed alone); on a CPU, where a step
-    runs inside ``launch``, the wall time of that."""
-
-    __slots__ = ("_start", "_end", "_wall")
-
-    def __init__(self, device: torch.device) -> None:
-        self._start = self._end = None
-        if device.type == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        self._wall = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._start is not None:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
-        self._wall = time.perf_counter() - self._wall
-
-    def done(self) -> bool:
-        return self._end is None or self._end.query()
-
-    def seconds(self) -> float:
-        if self._end is None:
-            return self._wall
-        self._end.synchronize()
-        return self._start.elapsed_time(self._end) / 1e3
+        return self._done is None or self._done.query()

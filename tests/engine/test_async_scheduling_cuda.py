@@ -20,16 +20,13 @@ def test_greedy_with_graphs(tiny_llama_dir):
 
 
 def test_preemption_and_chunks(tiny_llama_dir):
-    # The prefill cap off: on a GPU it may hold prompts beside decodes (core/step_budget.py),
-    # and then too few sequences run at once to run out of blocks and preempt.
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     _, stats = _same(tiny_llama_dir, params, num_kv_blocks=40, preemption_mode="recompute",
-                     enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=4,
-                     max_prefill_step_ratio=0.0, **CUDA)
+                     enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=4, **CUDA)
     assert stats["num_preemptions"] > 0
 
 
-def test_penalties_seeds_and_step_cap(tiny_llama_dir):
+def test_penalties_and_seeds(tiny_llama_dir):
     params = [
         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, presence_penalty=0.8,
                        frequency_penalty=0.5, repetition_penalty=1.3),
@@ -37,4 +34,4 @@ def test_penalties_seeds_and_step_cap(tiny_llama_dir):
         SamplingParams(temperature=0.9, seed=12, max_tokens=14, ignore_eos=True, top_p=0.8, logprobs=2),
         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, min_tokens=6),
     ]
-    _same(tiny_llama_dir, params * 4, PROMPTS * 4, num_kv_blocks=256, max_prefill_step_ratio=2.0, **CUDA)
+    _same(tiny_llama_dir, params * 4, PROMPTS * 4, num_kv_blocks=256, **CUDA)

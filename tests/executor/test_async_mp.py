@@ -138,7 +138,7 @@ def test_replies_are_read_in_send_order_and_rank1_gets_the_pending_token(tiny4_d
         b_out = b.result()
         first = a.result().results
         token = first[0].token_ids[0]
-        assert first[1].token_ids == [token] and a.device_seconds() > 0
+        assert first[1].token_ids == [token]
         twin = executor.submit(StepInput([SeqStep(1, [token], 3)]))
         executor.num_available_blocks()  # reads twin's reply first
         assert twin.result().results[1].token_ids == b_out.results[0].token_ids
