@@ -217,8 +217,8 @@ class CompletionRequest(SamplingRequest):
         echoed = logprobs if self.echo and logprobs is not None else None
         prompt_lps = max((k for k in (echoed, whole_vocab(self.prompt_logprobs, vocab_size)) if k is not None),
                          default=None)
-        if -1 in (logprobs, self.prompt_logprobs):  # the vocabulary's size is unknown here
-            prompt_lps = -1 if prompt_lps is not None else None
+        if vocab_size is None and -1 in (self.logprobs, self.prompt_logprobs) and prompt_lps is not None:
+            prompt_lps = -1  # the vocabulary is unknown here: SamplingParams refuses it by name
         # The prefill pass that scores the prompt samples one token too (vLLM does the same);
         # an echo-only response leaves it out.
         max_tokens = 1 if self.echo_only else self.max_tokens

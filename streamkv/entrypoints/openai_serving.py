@@ -69,7 +69,7 @@ class OpenAIServing:
         return self.engine.info.vocab_size if self.engine.info is not None else None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
+        if model and model not in self.names:  # "" is the default model, as in vLLM
             raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
 
     async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
