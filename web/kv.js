@@ -1,12 +1,15 @@
-// The live view of the paged KV cache (the paper's Figures 6 and 7): the physical block pool
-// as a grid, each running request's block table as a row of the physical blocks it maps to,
-// copy-on-write / preemption / swap events as they happen, and the headline numbers.
-// Fed by GET /v1/kv/stream (server-sent events, docs/api.md); connected only while shown.
+// The live view of the paged KV cache (the paper's Figures 6 and 7), laid out to teach:
+// a short explanation, each running request's block table (logical block i -> physical
+// block), the events with the blocks they touched, the last minute on a time axis, and the
+// physical pool as a compact overview (kv_pool.js). Fed by GET /v1/kv/stream (server-sent
+// events, docs/api.md); connected only while shown.
 "use strict";
 
 import { authHeaders } from "./transport.js";
+import { NAMES, PoolView } from "./kv_pool.js";
+import { Timeline } from "./kv_timeline.js";
+import { diffSnapshots } from "./kv_diff.js";
 
-const NAMES = { ".": "free", c: "cached", u: "used", s: "shared", p: "pinned" };
 const pct = (x) => (100 * x).toFixed(1) + " %";
 const HEADLINE = [
   ["kv_usage", "KV usage", (h) => pct(h.kv_usage)],
@@ -18,20 +21,30 @@ const HEADLINE = [
   ["prefix_cache_hit_rate", "prefix hits", (h) => pct(h.prefix_cache_hit_rate)],
   ["queues", "run / wait / swap", (h) => `${h.running} / ${h.waiting} / ${h.swapped}`],
 ];
-const EVENTS = [
-  ["cow_copies", (d) => `copy-on-write: ${d} block${d > 1 ? "s" : ""} copied before a write`],
-  ["preemptions", (d) => `preempted ${d} request${d > 1 ? "s" : ""} (out of blocks)`],
-  ["swapped_out_blocks", (d) => `swapped ${d} block${d > 1 ? "s" : ""} out to CPU`],
-  ["swapped_in_blocks", (d) => `swapped ${d} block${d > 1 ? "s" : ""} back in`],
-  ["evictions", (d) => `evicted ${d} cached block${d > 1 ? "s" : ""}`],
-  ["prefix_cache_hits", (d) => `prefix cache: ${d} prompt tokens reused`],
-];
+const MARK_MS = 4000; // how long a copied or reused block stays outlined
 
 function el(tag, cls, text) {
   const e = document.createElement(tag);
   if (cls) e.className = cls;
   if (text !== undefined) e.textContent = text;
   return e;
+}
+
+function explainer(blockSize) {
+  const box = el("div", "kv-explain");
+  const lines = [
+    ["Block", ` = the keys and values (K/V) of ${blockSize} tokens. A request's cache grows one block at a time, so at most ${blockSize - 1} slots sit empty.`],
+    ["Block table", " = one row per sequence: logical block 0, 1, 2… (its order in the text) → the physical block that holds it, anywhere in the pool, like a page table."],
+    ["Orange", " = shared: several tables point at the same block (×N is its ref count), e.g. n samples of one prompt or a cached prefix."],
+    ["Copy-on-write", " = before a sequence writes into a shared block it gets its own copy; outlined blocks were just copied or reused."],
+    ["Prefix cache", " = a prompt that starts like an earlier one maps the blocks already computed; a block is shared only once computed."],
+  ];
+  for (const [term, text] of lines) {
+    const p = el("p");
+    p.append(el("b", "", term), document.createTextNode(text));
+    box.appendChild(p);
+  }
+  return box;
 }
 
 export class KVView {
@@ -43,11 +56,15 @@ export class KVView {
     this.timer = null;
     this.last = null;
     this.events = [];
+    this.marks = new Map(); // physical block -> {cls, until}
+    this.mine = null; // the reply on screen: {id (engine request id) | null, seen: ids before it began}
+    this.mineIds = new Set();
     this.build();
   }
 
   build() {
     this.status = el("p", "kv-status", "not connected");
+    this.explain = explainer(16);
     this.headline = el("div", "kv-headline");
     this.stats = {};
     for (const [key, label] of HEADLINE) {
@@ -58,20 +75,38 @@ export class KVView {
       this.stats[key] = value;
       this.headline.appendChild(box);
     }
-    this.legend = el("div", "kv-legend");
-    this.grid = el("div", "kv-grid");
-    this.grid.setAttribute("role", "img");
-    this.cpuTitle = el("h3", "", "CPU swap space");
-    this.cpuGrid = el("div", "kv-grid kv-cpu");
     this.tables = el("div", "kv-tables");
     this.eventList = el("ol", "kv-events");
+    this.timeline = new Timeline();
+    this.legend = el("div", "kv-legend");
+    this.device = new PoolView("Physical block pool", "kv-device");
+    this.cpu = new PoolView("CPU swap space", "kv-cpu");
+    this.cpuNote = el("p", "kv-caption", "Preempting a request by swapping moves its blocks here; they come back when it resumes.");
+    this.cpu.box.appendChild(this.cpuNote);
     this.root.replaceChildren(
-      this.status, this.headline,
-      el("h3", "", "Physical KV blocks"), this.legend, this.grid,
-      this.cpuTitle, this.cpuGrid,
+      this.status, this.explain,
       el("h3", "", "Block tables (logical → physical)"), this.tables,
-      el("h3", "", "Events"), this.eventList);
-    this.grid.addEventListener("mouseover", (ev) => this.explain(ev));
+      el("h3", "", "Events"), this.eventList,
+      this.headline, this.timeline.box,
+      this.legend, this.device.box, this.cpu.box);
+    this.device.grid.addEventListener("mouseover", (ev) => this.device.describe(ev.target, this.refCounts(), this.owners()));
+    this.cpu.grid.addEventListener("mouseover", (ev) => this.cpu.describe(ev.target, {}, new Map()));
+  }
+
+  // -- the reply on screen --------------------------------------------------------------
+  // `id` is the engine's request id when the page knows it (HTTP requests name their own);
+  // a WebSocket reply's is not sent to the page, so the first request that appears after
+  // the reply began is taken as it (exact on a server with one user, a guess otherwise).
+  follow(id) {
+    const seen = new Set((this.last ? this.last.requests : []).map((r) => r.request_id));
+    this.mine = { id: id || null, seen, guessed: !id };
+    if (id) this.mineIds.add(id);
+  }
+
+  claim(snap) {
+    if (!this.mine || this.mine.id) return;
+    const fresh = snap.requests.find((r) => !this.mine.seen.has(r.request_id));
+    if (fresh) { this.mine.id = fresh.request_id; this.mineIds.add(fresh.request_id); }
   }
 
   // -- the stream ----------------------------------------------------------------------
@@ -86,10 +121,12 @@ export class KVView {
       this.setStatus(`disconnected (${e.message}), retrying in ${(delay / 1000).toFixed(1)} s`);
       this.timer = setTimeout(() => this.start(), delay);
     });
+    this.tick = setInterval(() => this.timeline.draw(), 1000);
   }
 
   stop() {
     clearTimeout(this.timer);
+    clearInterval(this.tick);
     const abort = this.abort;
     this.abort = null;
     if (abort) abort.abort();
@@ -120,20 +157,56 @@ export class KVView {
   setStatus(text) { this.status.textContent = text; this.root.dataset.state = text.split(" ")[0]; }
 
   // -- drawing -------------------------------------------------------------------------
-  show(snap) {
+  refCounts() { return this.last ? this.last.ref_counts : {}; }
+
+  // physical block -> ["seq 3 (logical 0)", ...] over the tables on screen
+  owners() {
+    const out = new Map();
+    for (const r of this.last ? this.last.requests : []) {
+      for (const s of r.seqs) {
+        if (s.status === "swapped") continue;
+        s.table.forEach((b, i) => { if (!out.has(b)) out.set(b, []); out.get(b).push(`seq ${s.seq_id} (logical ${i})`); });
+      }
+    }
+    return out;
+  }
+
+  show(snap, now = Date.now()) {
     const h = snap.headline;
     for (const [key, , fmt] of HEADLINE) {
       this.stats[key].textContent = fmt(h, snap);
       this.stats[key].parentElement.dataset.value = key in h ? String(h[key]) : "";
     }
+    if (snap.block_size && this.blockSize !== snap.block_size) {
+      this.blockSize = snap.block_size;
+      const fresh = explainer(snap.block_size);
+      this.explain.replaceWith(fresh);
+      this.explain = fresh;
+    }
     this.root.dataset.seq = String(snap.seq);
+    this.claim(snap);
+    const found = this.last ? diffSnapshots(this.last, snap) : { events: [], marks: [] };
+    for (const m of found.marks) this.marks.set(m.block, { cls: m.cls, until: now + MARK_MS });
+    for (const [b, m] of this.marks) if (m.until < now) this.marks.delete(b);
     this.drawLegend(snap);
-    this.drawGrid(this.grid, snap.device, snap.ref_counts);
-    this.cpuTitle.hidden = this.cpuGrid.hidden = !snap.cpu.num_blocks;
-    this.drawGrid(this.cpuGrid, snap.cpu, {});
+    this.device.marks = new Map([...this.marks].map(([b, m]) => [b, m.cls]));
+    this.device.mine = this.mineBlocks(snap);
+    this.device.draw(snap.device, `${snap.block_size} tokens each`);
+    this.cpu.box.hidden = !snap.cpu.num_blocks;
+    if (snap.cpu.num_blocks) this.cpu.draw(snap.cpu, "CPU RAM");
     this.drawTables(snap);
-    this.noteEvents(snap);
+    this.timeline.add(snap, this.last && this.last.counters, now);
+    this.noteEvents(found.events, now);
     this.last = snap;
+  }
+
+  mineBlocks(snap) {
+    const out = new Set();
+    for (const r of snap.requests) {
+      if (!this.mineIds.has(r.request_id)) continue;
+      for (const s of r.seqs) if (s.status !== "swapped") s.table.forEach((b) => out.add(b));
+    }
+    return out;
   }
 
   drawLegend(snap) {
@@ -143,45 +216,44 @@ export class KVView {
       item.append(el("i", `cell st-${NAMES[letter] || "other"}`), document.createTextNode(name));
       this.legend.appendChild(item);
     }
+    for (const [cls, name] of [["cow", "just copied (copy-on-write)"], ["hit", "reused from the prefix cache"], ["mine", "the reply on screen"]]) {
+      const item = el("span", "kv-key");
+      item.append(el("i", `cell st-used ${cls}`), document.createTextNode(name));
+      this.legend.appendChild(item);
+    }
   }
 
-  drawGrid(grid, pool, refCounts) {
-    const cells = pool.cells;
-    if (grid.childElementCount !== cells.length) {
-      const frag = document.createDocumentFragment();
-      for (let i = 0; i < cells.length; i++) frag.appendChild(el("i"));
-      grid.replaceChildren(frag);
+  blockEl(block, state, refCount) {
+    const b = el("span", `blk st-${state}`, String(block));
+    b.dataset.block = String(block);
+    const mark = this.marks.get(block);
+    if (mark && state !== "swapped") b.classList.add(mark.cls);
+    if (refCount) {
+      b.appendChild(el("sup", "rc", "×" + refCount));
+      b.title = `physical block ${block}, shared: ref count ${refCount}`;
     }
-    grid.dataset.perCell = String(pool.blocks_per_cell);
-    const kids = grid.children;
-    for (let i = 0; i < cells.length; i++) {
-      const cls = "cell st-" + (NAMES[cells[i]] || "other");
-      if (kids[i].className !== cls) kids[i].className = cls;
-    }
-    this.refCounts = refCounts;
-  }
-
-  explain(ev) {
-    const i = Array.prototype.indexOf.call(this.grid.children, ev.target);
-    if (i < 0 || !this.last) return;
-    const per = this.last.device.blocks_per_cell;
-    const state = NAMES[this.last.device.cells[i]] || "?";
-    const rc = per === 1 && this.refCounts[String(i)] ? `, ref count ${this.refCounts[String(i)]}` : "";
-    ev.target.title = per === 1 ? `block ${i}: ${state}${rc}` : `blocks ${i * per}–${i * per + per - 1}: ${state}`;
+    return b;
   }
 
   drawTables(snap) {
-    const per = snap.device.blocks_per_cell, cells = snap.device.cells;
+    const per = snap.device.blocks_per_cell, cells = snap.device.cells, rcs = snap.ref_counts;
     const rows = snap.requests.map((req) => {
-      const box = el("div", "kv-request");
-      box.appendChild(el("div", "kv-req-id", `${req.request_id.slice(0, 22)} · ${req.seqs.length} seq${req.seqs.length > 1 ? "s" : ""}`));
+      const mine = this.mineIds.has(req.request_id);
+      const box = el("div", "kv-request" + (mine ? " mine" : ""));
+      box.dataset.requestId = req.request_id;
+      const label = el("div", "kv-req-id", `${req.request_id.slice(0, 22)} · ${req.seqs.length} seq${req.seqs.length > 1 ? "s" : ""}`);
+      if (mine) label.prepend(el("b", "kv-mine-tag", this.mine && this.mine.guessed && this.mine.id === req.request_id ? "your reply (newest request) · " : "your reply · "));
+      box.appendChild(label);
       for (const s of req.seqs) {
         const row = el("div", "kv-row" + (s.status === "swapped" ? " swapped" : ""));
-        row.appendChild(el("span", "kv-row-label", `seq ${s.seq_id} · ${s.num_tokens} tok`));
-        s.table.forEach((block) => {
-          const state = s.status === "swapped" ? "swapped" : NAMES[cells[Math.floor(block / per)]] || "used";
-          const b = el("span", `blk st-${state}`, String(block));
-          b.dataset.block = String(block);
+        row.dataset.seq = String(s.seq_id);
+        const where = s.status === "swapped" ? " · swapped to CPU" : "";
+        row.appendChild(el("span", "kv-row-label", `seq ${s.seq_id} · ${s.num_tokens} tok${where}`));
+        s.table.forEach((block, i) => {
+          const swapped = s.status === "swapped";
+          const state = swapped ? "swapped" : NAMES[cells[Math.floor(block / per)]] || "used";
+          const b = this.blockEl(block, state, swapped ? 0 : rcs[String(block)]);
+          if (!b.title) b.title = `logical block ${i} → ${swapped ? "CPU" : "physical"} block ${block}`;
           row.appendChild(b);
         });
         if (s.num_blocks > s.table.length) row.appendChild(el("span", "kv-more", `+${s.num_blocks - s.table.length}`));
@@ -190,21 +262,17 @@ export class KVView {
       return box;
     });
     if (snap.num_requests_left_out) rows.push(el("p", "kv-more", `+ ${snap.num_requests_left_out} more requests`));
-    if (!rows.length) rows.push(el("p", "kv-idle", "no request holds blocks"));
+    if (!rows.length) rows.push(el("p", "kv-idle", "no request holds blocks: send a message and watch its table grow"));
     this.tables.replaceChildren(...rows);
   }
 
-  noteEvents(snap) {
-    const prev = this.last && this.last.counters;
-    if (!prev) return;
-    const time = new Date().toLocaleTimeString();
-    for (const [key, text] of EVENTS) {
-      const d = snap.counters[key] - prev[key];
-      if (d > 0) this.events.unshift({ key, text: `${time} ${text(d)}` });
-    }
+  noteEvents(found, now) {
+    const time = new Date(now).toLocaleTimeString();
+    for (const e of found) this.events.unshift({ ...e, time });
     this.events.length = Math.min(this.events.length, 12);
     this.eventList.replaceChildren(...this.events.map((e) => {
-      const li = el("li", "ev-" + e.key, e.text);
+      const li = el("li", "ev-" + e.key, `${e.time} ${e.text}`);
+      if (e.blocks && e.blocks.length) li.dataset.blocks = e.blocks.join(",");
       return li;
     }));
   }
