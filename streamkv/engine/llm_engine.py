@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from streamkv.config import EngineConfig
@@ -109,6 +110,12 @@ class LLMEngine:
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
 
     # -- requests -----------------------------------------------------------------------
+    def defer_until_compiled(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
+        """True when ``params``' grammar compiles now on a compile thread: ``resume`` runs
+        when it is done, and ``add_request`` should wait till then (the server's engine
+        thread never compiles a grammar: issue 26)."""
+        return self.structured.defer(params, resume)
+
     def add_request(
         self,
         request_id: str,
@@ -252,5 +259,6 @@ class LLMEngine:
         return self.stats_.as_dict()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 

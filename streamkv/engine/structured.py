@@ -5,9 +5,13 @@ The grammar engine is xgrammar (docs/architecture.md, "Structured outputs": on S
 49,152-token vocabulary it fills a mask and accepts a token in ~5 us, llguidance in ~36 us).
 Life of a structured sequence:
 
-- ``admit`` (LLMEngine.add_request) compiles the spec, cached by its canonical form, so a
-  schema or pattern the grammar engine refuses is an InvalidParameter before the request
-  queues; ``new_grammar`` gives the prompt's sequence its matcher.
+- A spec is checked against static limits (engine/grammar_limits.py) and compiled on a
+  compile thread under a time budget, cached by a digest of its canonical form
+  (engine/grammar_compiler.py). The server's engine thread never compiles: ``defer``
+  starts the compile and the submission comes back once it is done (engine_commands.py).
+  ``admit`` (LLMEngine.add_request) then finds the outcome, so a spec past a limit or one
+  the grammar engine refuses is an InvalidParameter before the request queues;
+  ``new_grammar`` gives the prompt's sequence its matcher.
 - The mask of a sequence's *next* token is filled when it is needed, from the matcher's
   state after the last accepted token: by the step builder, which sends it as
   ``SeqStep.token_mask``, or, when the step was built while that token was still being
@@ -29,12 +33,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections import OrderedDict
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from streamkv.engine.background_import import BackgroundImport
+from streamkv.engine.grammar_compiler import COMPILE_TIMEOUT_S, CompileCache
+from streamkv.engine.grammar_limits import check_spec
 from streamkv.sampling_params import InvalidParameter, SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -126,7 +133,8 @@ class StructuredOutputManager:
     tokenizer table is built on the first structured request, so engines that never see
     one pay only the import, off their thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: the mask covers every row entry
         self.eos_token_ids = sorted(eos_token_ids)
@@ -136,12 +144,23 @@ class StructuredOutputManager:
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fill_masks
         self._staging: Any = None  # layers/mask_staging.py's MaskStaging: where fill_masks writes
         self._stop_words: np.ndarray | None = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._setup_lock = threading.Lock()  # the first compiles may run on two threads
+        self._cache = CompileCache(self._compile, COMPILE_CACHE_SIZE, compile_timeout_s)
 
     def admit(self, params: SamplingParams) -> None:
-        """Compile the request's grammar (cached); InvalidParameter if it cannot be."""
+        """Compile the request's grammar (cached); InvalidParameter if it cannot be. Waits
+        for the compile (at most its budget) unless ``defer`` ran first."""
         if params.structured_outputs is not None:
             self._compiled(params.structured_outputs)
+
+    def defer(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
+        """True when the request's grammar is compiling now, off this thread: ``resume`` is
+        called (on a compile thread) once it is done, and the request should be added then.
+        False when there is nothing to wait for (no grammar, or its outcome is cached)."""
+        spec = params.structured_outputs
+        if spec is None or self.tokenizer is None:
+            return False
+        return self._cache.request(*spec.key(), resume)
 
     def new_grammar(self, params: SamplingParams) -> SequenceGrammar | None:
         spec = params.structured_outputs
@@ -164,19 +183,18 @@ class StructuredOutputManager:
         return self._staging.fill(len(grammars), lambda words: self._batch.batch_fill_next_token_bitmask(matchers, words))
 
     def _compiled(self, spec: StructuredOutputs) -> Any:
-        key = spec.key()
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
-        compiled = self._compile(*key)
-        self._cache[key] = compiled
-        if len(self._cache) > COMPILE_CACHE_SIZE:
-            self._cache.popitem(last=False)
-        return compiled
+        if self.tokenizer is None:
+            self._setup()  # raises: no tokenizer, no grammar
+        return self._cache.compile_now(*spec.key())
+
+    def shutdown(self) -> None:
+        self._cache.shutdown()
 
     def _compile(self, kind: str, text: str) -> Any:
-        compiler = self._setup()
+        """On a compile thread: the static limits first, then the grammar engine."""
+        check_spec(kind, text)
+        with self._setup_lock:
+            compiler = self._setup()
         try:
             if kind == "json":
                 # Whitespace as json.dumps writes it (", " and ": "): free whitespace lets a
