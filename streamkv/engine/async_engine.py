@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from streamkv.engine.engine_commands import EngineCommands, Submission
 from streamkv.engine.engine_thread import EngineThread, LoopSide
 from streamkv.engine.llm_engine import EngineInfo, LLMEngine
-from streamkv.engine.recovery import RestartBudget
+from streamkv.engine.recovery import EngineRestartedError, RestartBudget
 from streamkv.engine.request_book import RequestBook
 from streamkv.engine.request_stream import (
     EngineDeadError,
@@ -32,6 +32,7 @@ from streamkv.engine.request_stream import (
 )
 from streamkv.engine.serving_logs import StatsLogger, log_request
 from streamkv.engine.tokenizer_lanes import TokenizerLanes
+from streamkv.engine.watchdog import STEP_TIMEOUT_S
 from streamkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "EngineNotReadyError"
 class AsyncEngine:
     def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.25,
                  restarts: RestartBudget | None = None, log_stats_interval: float | None = None,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, step_timeout_s: float = STEP_TIMEOUT_S,
+                 stop_timeout_s: float = 10.0) -> None:
         self._log_requests = log_requests  # one line per request (engine/serving_logs.py)
         self.observers: list[Observer] = []
         self._commands = EngineCommands()
@@ -54,13 +56,17 @@ class AsyncEngine:
         # Tokenization and chat templates run there, never on the event loop.
         self._tokenizer_lanes = TokenizerLanes()
         side = LoopSide(ready=self._on_ready, dead=self._on_dead, recovering=self._on_recovering,
-                        restarted=self._on_restarted, outputs=self._book.dispatch, verdicts=self._book.resolve)
+                        restarted=self._on_restarted, outputs=self._book.dispatch, verdicts=self._book.resolve,
+                        stalled=self._on_stalled)
         # Worker processes that die are restarted (a new engine from ``build``) and the
         # running requests resume by recompute (engine/recovery.py), within the restart
         # budget. The operator's log: a stats line every log_stats_interval seconds (None: none).
         self._thread = EngineThread(build, self._commands, side, self._tokenizer_lanes, restarts or RestartBudget(),
                                   stats_interval,
-                                  StatsLogger(log_stats_interval) if log_stats_interval is not None else None)
+                                  StatsLogger(log_stats_interval) if log_stats_interval is not None else None,
+                                  step_timeout_s)
+        self._stop_timeout_s = stop_timeout_s  # stop() waits no longer for a stuck engine thread
+        self._stalled: str | None = None  # why, while the watchdog sees a step past its limit
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = asyncio.Event()
         self._ready_or_dead: asyncio.Future | None = None
@@ -104,7 +110,12 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._dead is None and self._recovering is None
+        return self._ready.is_set() and self._dead is None and self._recovering is None and self._stalled is None
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the engine thread is stuck in a step (the watchdog's report), else None."""
+        return self._stalled
 
     @property
     def dead(self) -> BaseException | None:
@@ -112,9 +123,15 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         self._thread.stop()
-        if self._thread.started:
-            await asyncio.to_thread(self._thread.join)
+        # Polled, not joined on an executor thread: a stuck engine thread must not hold the
+        # shutdown (and the interpreter's exit, which joins executor threads) forever.
+        deadline = time.monotonic() + self._stop_timeout_s
+        while self._thread.started and not self._thread.join(0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         self._tokenizer_lanes.shutdown()
+        if self._thread.started and not self._thread.join(0):
+            logger.error("the engine thread is still in a step after %g s; stopping without it", self._stop_timeout_s)
+            return  # its workers end with this process (they watch their parent)
         if self.engine is not None:
             self.engine.shutdown()
 
@@ -127,6 +144,8 @@ class AsyncEngine:
             raise EngineNotReadyError("the model is still loading")
         if self._recovering is not None:
             raise EngineRecoveringError(f"the workers are being restarted after a failure ({self._recovering})")
+        if self._stalled is not None:
+            raise EngineRecoveringError(f"the engine is stuck: {self._stalled}")
 
     def drain(self) -> None:
         """Refuse new requests from now on; running ones go on."""
@@ -223,7 +242,16 @@ class AsyncEngine:
     def _on_recovering(self, why: str) -> None:
         self._recovering = why
 
-    def _on_restarted(self, handed: threading.Event) -> None:
+    def _on_stalled(self, why: str | None) -> None:
+        self._stalled = why
+
+    def _on_restarted(self, handed: threading.Event, stalled: str | None = None) -> None:
+        if stalled is not None:
+            self._stalled = None
+            ended = self._book.end_suspects(EngineRestartedError(
+                f"{stalled}; the engine was restarted and this request, suspected of causing it, was ended"))
+            logger.error("watchdog: ended %d request(s) suspected of stalling the engine: %s", len(ended),
+                         ", ".join(ended))
         resumed = self._book.resume_all(self._loop, self.tokenizer)
         self._recovering = None
         logger.info("the workers are back; %d request(s) resume by recompute", resumed)

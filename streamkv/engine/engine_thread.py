@@ -1,6 +1,8 @@
 """The engine thread: it builds the ``LLMEngine``, applies the event loop's commands between
 steps, steps, and hands outputs back to the loop; failed worker processes are restarted in
-a new engine, within a budget (engine/recovery.py).
+a new engine, within a budget (engine/recovery.py). A step that runs past its limit is
+interrupted by a watchdog (engine/watchdog.py) and handled like a worker failure, except that
+the requests suspected of causing it end with an error instead of resuming.
 
 Why a thread and not ``run_in_executor`` per step: the engine is not thread-safe, so every
 call into it (add, abort, step, stats) must come from one thread.
@@ -21,6 +23,7 @@ from streamkv.engine.llm_engine import EngineInfo, LLMEngine
 from streamkv.engine.recovery import RestartBudget
 from streamkv.engine.serving_logs import StatsLogger
 from streamkv.engine.tokenizer_lanes import TokenizerLanes
+from streamkv.engine.watchdog import STEP_TIMEOUT_S, StepClock, StepTimeout, StepWatchdog
 from streamkv.sequence import RequestOutput
 
 # The async engine's lines keep the one logger name they had before it was split in modules.
@@ -35,7 +38,10 @@ class LoopSide:
     ready: Callable[[], None]
     dead: Callable[[BaseException], None]
     recovering: Callable[[str], None]  # why
-    restarted: Callable[[threading.Event], None]  # set it once the resumed requests are queued
+    # Set the event once the resumed requests are queued; the str: why the step was
+    # interrupted (the watchdog), None after a worker failure.
+    restarted: Callable[[threading.Event, str | None], None]
+    stalled: Callable[[str | None], None]  # a step runs past its limit (why), or None: no more
     outputs: Callable[[list[RequestOutput], int], None]  # and the scheduler's waiting count
     verdicts: Callable[[Verdicts, int], None]  # on the submissions applied, and the same count
 
@@ -46,7 +52,7 @@ class EngineThread:
 
     def __init__(self, build: Callable[[], LLMEngine], commands: EngineCommands, side: LoopSide,
                  lanes: TokenizerLanes, restarts: RestartBudget, stats_interval: float,
-                 stats_logger: StatsLogger | None) -> None:
+                 stats_logger: StatsLogger | None, step_timeout_s: float = STEP_TIMEOUT_S) -> None:
         self._build = build
         self._commands = commands
         self._side = side
@@ -61,11 +67,15 @@ class EngineThread:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._clock = StepClock()
+        self._watchdog = StepWatchdog(self._clock, step_timeout_s, lambda why: self._post(side.stalled, why),
+                                      lambda: self._post(side.stalled, None))
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="streamkv-engine", daemon=True)
         self._thread.start()
+        self._watchdog.start(self._thread)
 
     @property
     def started(self) -> bool:
@@ -76,8 +86,12 @@ class EngineThread:
         self._stopping = True
         self._commands.wake()
 
-    def join(self) -> None:
-        self._thread.join()
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end (at most ``timeout`` s); whether it has."""
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._watchdog.stop()
+        return not self._thread.is_alive()
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         self._loop.call_soon_threadsafe(fn, *args)
@@ -101,6 +115,10 @@ class EngineThread:
         while engine is not None:
             try:
                 return self._serve(engine)
+            except StepTimeout as e:
+                if self._stopping:
+                    return
+                engine = self._restart(engine, e, self._watchdog.stalled or "an engine step ran past its limit")
             except BaseException as e:
                 if self._stopping or not _workers_failed(e):
                     logger.exception("the engine died in a step")
@@ -124,7 +142,9 @@ class EngineThread:
                 if probe is not None:
                     probe()
                 continue
+            self._clock.begin()
             outputs = engine.step()
+            self._clock.end()
             waiting = engine.num_waiting()
             if outputs or waiting != last_waiting:
                 self._post(self._side.outputs, outputs, waiting)
@@ -138,11 +158,16 @@ class EngineThread:
         if self._stats_logger is not None:
             self._stats_logger.maybe_log(self.stats, now)
 
-    def _restart(self, old: LLMEngine, error: BaseException) -> LLMEngine | None:
+    def _restart(self, old: LLMEngine, error: BaseException, stalled: str | None = None) -> LLMEngine | None:
         """A new engine (new worker processes, KV pools built again) in place of ``old``;
-        None once the restart budget is spent (then the engine is dead)."""
+        None once the restart budget is spent (then the engine is dead). ``stalled``: the
+        watchdog interrupted a step (why); ``old`` may be mid-step, so it is rebuilt too."""
+        self._clock.end()
+        if stalled is not None:
+            error = RuntimeError(stalled)
         start = time.monotonic()
-        logger.error("the worker processes failed: %s; restarting them", str(error).splitlines()[0])
+        what = "an engine step stalled" if stalled is not None else "the worker processes failed"
+        logger.error("%s: %s; restarting them", what, str(error).splitlines()[0])
         self._post(self._side.recovering, str(error).splitlines()[0])
         try:
             old.shutdown()
@@ -167,7 +192,7 @@ class EngineThread:
         self.engine, self.stats = engine, engine.stats()
         logger.warning("worker processes restarted in %.1f s", time.monotonic() - start)
         handed = threading.Event()
-        self._post(self._side.restarted, handed)
+        self._post(self._side.restarted, handed, stalled)
         handed.wait()  # the resumed requests are queued before the next step
         return engine
 

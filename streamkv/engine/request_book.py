@@ -121,6 +121,18 @@ class RequestBook:
                 sub.accepted.set_exception(error)
 
     # -- faults -------------------------------------------------------------------------------
+    def end_suspects(self, error: BaseException) -> list[str]:
+        """After the watchdog broke a stuck step: end the requests that may have caused it.
+        The engine stepped fine before they came, so the suspects are the requests taken that
+        have no output yet; if every one has some, all of them (any could be it). Returns
+        their ids; the rest resume (``resume_all``)."""
+        taken = [rid for rid in self._streams if rid in self._subs and _was_taken(self._subs[rid].accepted)]
+        fresh = [rid for rid in taken if self._streams[rid].last is None]
+        suspects = fresh or taken
+        for rid in suspects:
+            self.forget(rid).fail(error)
+        return suspects
+
     def resume_all(self, loop: asyncio.AbstractEventLoop, tokenizer: Any) -> int:
         """After a worker restart: every request the old engine had taken goes into the new
         one from where its stream stands (those not yet taken are still queued). Returns how

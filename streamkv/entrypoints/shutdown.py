@@ -7,12 +7,21 @@ no ``[DONE]``, and a non-streaming request got a plain-text 500 (issue 13). Here
 ends the requests instead, so each response finishes by its own path: an error event and
 ``[DONE]`` (SSE), a 503 JSON (non-streaming), an error message then a 1012 close (WebSocket).
 A second Ctrl-C still quits at once (uvicorn's ``force_exit``).
+
+The process always ends on time, even with the engine thread stuck in a step (issue 26: a
+hung step made SIGTERM wait forever and two Ctrl-Cs did nothing): the drain does not wait
+for a stuck engine, the engine's stop is bounded, and a last-resort timer ends the process
+(``os._exit``) ``EXIT_MARGIN_S`` after the drain and grace periods, or ``FORCE_EXIT_S``
+after a second Ctrl-C, if something still holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import threading
 
 import uvicorn
 from sse_starlette.sse import AppStatus
@@ -23,6 +32,20 @@ from streamkv.engine.async_engine import AsyncEngine, EngineStoppingError
 logger = logging.getLogger(__name__)
 
 _POLL = 0.05
+EXIT_MARGIN_S = 15.0  # the engine's bounded stop (10 s) and the interpreter's exit
+FORCE_EXIT_S = 3.0
+
+
+def exit_after(seconds: float, status: int) -> None:
+    """End the process after ``seconds`` unless it has ended by itself (a daemon timer)."""
+    def end() -> None:
+        logging.getLogger(__name__).error("shutdown: still running after its time; exiting now")
+        logging.shutdown()
+        os._exit(status)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
 
 
 class DrainingServer(uvicorn.Server):
@@ -34,7 +57,14 @@ class DrainingServer(uvicorn.Server):
         # engine ends them (end_all below), each with its error event and [DONE].
         AppStatus.disable_automatic_graceful_drain()
 
+    def handle_exit(self, sig: int, frame) -> None:
+        second = self.should_exit and sig == signal.SIGINT
+        super().handle_exit(sig, frame)
+        if second:
+            exit_after(FORCE_EXIT_S, 130)
+
     async def shutdown(self, sockets=None) -> None:
+        exit_after(self.drain_timeout + self.grace + EXIT_MARGIN_S, 1)
         loop = asyncio.get_running_loop()
         logger.info("shutting down: refusing new connections, letting running requests finish for up to %g s",
                     self.drain_timeout)
@@ -47,7 +77,7 @@ class DrainingServer(uvicorn.Server):
             conn.shutdown()  # idle keep-alive sockets close now, busy ones after their response
 
         deadline = loop.time() + self.drain_timeout
-        while not self.force_exit and loop.time() < deadline and (
+        while not self.force_exit and loop.time() < deadline and self.engine.stalled is None and (
                 self.engine.num_open_streams or self._connections(websocket=False)):
             await asyncio.sleep(_POLL)
         left = self.engine.num_open_streams
