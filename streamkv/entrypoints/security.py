@@ -69,6 +69,11 @@ class HostPolicy:
             names.add(split_host(bind_host)[0])
         return cls(frozenset(names), "*" in extra)
 
+    @property
+    def loopback_only(self) -> bool:
+        """Whether only loopback names reach this server (bound to loopback, no extra hosts)."""
+        return not self.any_host and self.names <= frozenset(LOOPBACK_NAMES)
+
     def allows(self, name: str, local_addr: str | None = None) -> bool:
         if self.any_host or name in self.names or name.endswith(".localhost"):
             return True

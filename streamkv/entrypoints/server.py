@@ -83,6 +83,9 @@ class ServerConfig:
     on_load_failure: Callable[[], None] | None = field(default=None, repr=False)
     # Awaited once the model is loaded (serve logs its "ready:" line there).
     on_ready: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
+    # The live KV view (/v1/kv/stream). None: on only when the server listens on loopback
+    # alone, as its rows, even anonymous, show other users' activity (issue 26).
+    kv_view: bool | None = None
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -212,7 +215,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/openapi.json", openapi),
         Route("/docs", docs),
         WebSocketRoute("/v1/chat/ws", chat_ws),
-        Route("/v1/kv/stream", api(KVView(engine).stream, body=False)),  # the live KV-cache view
+        Route("/v1/kv/stream", api(KVView(engine, enabled=config.kv_view if config.kv_view is not None
+                                          else config.hosts.loopback_only).stream, body=False)),  # the live KV-cache view
         *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (entrypoints/prefixes.py)
         *VLLMRoutes(engine, serving, health).routes(api),  # /ping, /invocations, /load, ... (vllm_routes.py)
     ]
