@@ -3,8 +3,8 @@
 // the browser, as a user sees them (time to first token includes queueing and delivery).
 "use strict";
 
-import { renderMarkdown } from "./markdown.js";
-import { history, markFailed, newId, Store } from "./store.js";
+import { enhance, renderMarkdown } from "./markdown.js";
+import { append, history, markFailed, newId, showBranch, siblings, Store } from "./store.js";
 import { KVView } from "./kv.js";
 import { authHeaders, ChatSocket, startHttpStream, startHttpWhole } from "./transport.js";
 
@@ -15,10 +15,35 @@ const apiKey = () => sessionStorage.getItem("streamkv.api_key") || "";
 let active = null; // the generation in flight
 let editing = null; // id of the user message being edited
 
-const socket = new ChatSocket({
-  apiKey,
-  onStatus: (state, text) => { $("status").dataset.state = state; $("status").textContent = text; },
-});
+const socket = new ChatSocket({ apiKey, onStatus: showStatus });
+store.onError = notice;
+
+// -- connection state ------------------------------------------------------------------
+// The header says what is known: connected, or why not (the server is unreachable, or it
+// wants an API key) with a live countdown to the next attempt. Send is off meanwhile.
+let statusTimer = 0, statusWhy = "";
+function showStatus(state, text, retryAt) {
+  clearInterval(statusTimer);
+  const el = $("status");
+  el.dataset.state = state;
+  setRunning(!!active);
+  if (state !== "disconnected") { el.textContent = text; statusWhy = ""; return; }
+  const draw = () => {
+    const secs = Math.max(0, Math.ceil((retryAt - Date.now()) / 1000));
+    el.textContent = `${statusWhy || "server unreachable"} · retrying in ${secs} s`;
+  };
+  draw();
+  statusTimer = setInterval(draw, 500);
+  fetch("/v1/models", { headers: authHeaders(apiKey()) }).then((r) => {
+    statusWhy = r.status === 401 ? "the server needs an API key (Settings)" : r.ok ? "chat socket closed" : `server error ${r.status}`;
+  }, () => { statusWhy = "server unreachable"; }).finally(draw);
+}
+
+function notice(text) {
+  const n = $("notice");
+  n.textContent = text;
+  n.hidden = !text;
+}
 
 // -- parameters ------------------------------------------------------------------------
 function requestParams() {
@@ -81,6 +106,7 @@ function fillUser(el, conv, msg) {
   }
   const body = Object.assign(document.createElement("div"), { className: "body", textContent: msg.content });
   el.append(body, actions(
+    ...branchNav(conv, msg),
     button("Edit", () => { if (!active) { editing = msg.id; renderLog(); } }, "edit-btn"),
     button("Copy", (ev) => copyText(msg.content, ev.currentTarget), "copy-btn"),
   ));
@@ -99,6 +125,7 @@ function fillAssistant(el, conv, msg) {
   }
   const body = Object.assign(document.createElement("div"), { className: "body markdown" });
   body.innerHTML = renderMarkdown(msg.content || "");
+  enhance(body);
   for (const pre of body.querySelectorAll("pre")) {
     pre.prepend(button("copy", (ev) => copyText(pre.querySelector("code").textContent, ev.currentTarget), "code-copy"));
   }
@@ -107,12 +134,32 @@ function fillAssistant(el, conv, msg) {
   const stats = Object.assign(document.createElement("span"), { className: "stats", textContent: statsText(msg) });
   if (msg.stats && msg.stats.tps !== null && !msg.stats.live) stats.dataset.tps = msg.stats.tps.toFixed(2);
   const last = conv.messages[conv.messages.length - 1] === msg;
-  const buttons = [stats];
+  const buttons = [stats, ...branchNav(conv, msg)];
   if (!msg.pending) {
     if (msg.content) buttons.push(button("Copy", (ev) => copyText(msg.content, ev.currentTarget), "copy-btn"));
-    if (last) buttons.push(button(msg.failed ? "Retry" : "Regenerate", () => regenerate(conv, msg), "regen-btn"));
+    if (last && msg.stats && msg.stats.finish_reason === "length" && !msg.choices) {
+      buttons.push(button("Continue", () => continueReply(conv, msg), "continue-btn"));
+    }
+    buttons.push(button(msg.failed ? "Retry" : "Regenerate", () => regenerate(conv, msg), "regen-btn"));
   }
   el.appendChild(actions(...buttons));
+}
+
+// ‹ 2/3 ›: the versions of a message kept by Regenerate and Edit.
+function branchNav(conv, msg) {
+  const all = siblings(conv, msg);
+  if (all.length < 2) return [];
+  const i = all.indexOf(msg);
+  const go = (j) => { if (!active && all[j]) { editing = null; showBranch(conv, all[j]); store.save(); renderLog(); } };
+  const prev = button("‹", () => go(i - 1), "branch-prev");
+  const next = button("›", () => go(i + 1), "branch-next");
+  prev.disabled = i === 0;
+  next.disabled = i === all.length - 1;
+  prev.title = next.title = "other versions of this message (kept by Regenerate and Edit)";
+  const label = Object.assign(document.createElement("span"), { className: "branch-label", textContent: `${i + 1}/${all.length}` });
+  const nav = Object.assign(document.createElement("span"), { className: "branches" });
+  nav.append(prev, label, next);
+  return [nav];
 }
 
 function actions(...children) {
@@ -156,7 +203,12 @@ function renderSidebar() {
     const li = document.createElement("li");
     li.classList.toggle("current", c.id === store.currentId);
     const open = button(c.title, () => { if (!active) { editing = null; store.select(c.id); renderLog(); closeSidebarOnPhone(); } }, "conv-title");
-    const del = button("×", () => { if (!active || active.conv !== c) { store.remove(c.id); renderLog(); } }, "conv-delete");
+    const del = button("×", () => {
+      if (active && active.conv === c) return;
+      if (!confirm(`Delete "${c.title}"? This cannot be undone (Export keeps a copy).`)) return;
+      store.remove(c.id);
+      renderLog();
+    }, "conv-delete");
     del.title = "delete this conversation";
     li.append(open, del);
     return li;
@@ -165,15 +217,30 @@ function renderSidebar() {
 
 function setRunning(on) {
   $("stop").hidden = !on;
-  $("send").disabled = on;
+  $("send").disabled = on || !socket.connected;
+  $("send").title = socket.connected ? "" : "not connected to the server";
 }
 
 // -- generation ------------------------------------------------------------------------
-function generate(conv) {
+// A new reply under `parent`, or more of `cont` (a reply cut at max tokens).
+function generate(conv, { parent = conv.leaf, cont = null } = {}) {
   const { mode, params } = requestParams();
-  const messages = history(conv, store.settings.system);
-  const msg = { id: newId(), role: "assistant", content: "", pending: true };
-  conv.messages.push(msg);
+  let messages, msg, base = "";
+  if (cont) {
+    messages = history(conv, store.settings.system);
+    Object.assign(params, { continue_final_message: true, add_generation_prompt: false });
+    msg = cont;
+    base = msg.content;
+    msg.pending = true;
+  } else {
+    const upTo = conv.messages.findIndex((m) => m.id === parent) + 1;
+    messages = history(conv, store.settings.system, upTo);
+    msg = append(conv, { role: "assistant", content: "", pending: true }, parent);
+  }
+  // HTTP requests name themselves, so the KV view can mark the reply's own block table.
+  const rid = mode === "socket" ? null : "web-" + newId();
+  if (rid) params.request_id = rid;
+  kv.follow(rid ? "chatcmpl-" + rid : null);
   store.save();
   renderLog();
   const gen = { conv, msg, t0: performance.now(), tFirst: null, deltas: 0, texts: [], frame: 0, saved: 0 };
@@ -188,7 +255,7 @@ function generate(conv) {
       gen.deltas++;
       gen.texts[i] = (gen.texts[i] || "") + text;
       if (gen.texts.length > 1) msg.choices = Array.from(gen.texts, (t) => t || "");
-      msg.content = gen.texts[msg.chosen || 0] || "";
+      msg.content = base + (gen.texts[msg.chosen || 0] || "");
       const secs = (now - gen.tFirst) / 1000;
       // A delta is about one token; the exact count comes with the end of the reply.
       msg.stats = { live: true, tokens: null, ttft_ms: gen.tFirst - gen.t0, tps: secs > 0.2 ? (gen.deltas - 1) / secs : null };
@@ -240,27 +307,61 @@ function updateTitle(conv) {
 
 function sendMessage(text) {
   const conv = store.current;
-  conv.messages.push({ id: newId(), role: "user", content: text });
+  append(conv, { role: "user", content: text });
   updateTitle(conv);
   generate(conv);
 }
 
+// A new version of a reply, kept beside the old one (‹1/2›).
 function regenerate(conv, msg) {
   if (active) return;
-  const i = conv.messages.indexOf(msg);
-  conv.messages.splice(i);
-  const user = conv.messages[i - 1];
+  const user = conv.nodes.find((m) => m.id === msg.parent);
   if (user) user.failed = false;
-  generate(conv);
+  generate(conv, { parent: msg.parent });
 }
 
+function continueReply(conv, msg) {
+  if (active) return;
+  generate(conv, { cont: msg });
+}
+
+// An edited message is a new version of it; the old one and its replies stay a branch.
 function resendEdited(conv, msg, text) {
   if (active || !text.trim()) return;
   editing = null;
-  conv.messages.splice(conv.messages.indexOf(msg) + 1);
-  msg.content = text.trim();
-  msg.failed = false;
-  generate(conv);
+  const edited = append(conv, { role: "user", content: text.trim() }, msg.parent);
+  generate(conv, { parent: edited.id });
+}
+
+// -- export / import -------------------------------------------------------------------
+function exportAll() {
+  const blob = new Blob([store.exportJSON()], { type: "application/json" });
+  const a = Object.assign(document.createElement("a"), {
+    href: URL.createObjectURL(blob), download: `streamkv-chats-${new Date().toISOString().slice(0, 10)}.json` });
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(a.href), 10_000);
+}
+
+async function importFile(file) {
+  try {
+    const n = store.importJSON(await file.text());
+    notice(`imported ${n} conversation${n > 1 ? "s" : ""} from ${file.name}`);
+  } catch (e) {
+    notice(`could not import ${file.name}: ${e.message}`);
+  }
+  renderLog();
+}
+
+// -- theme -----------------------------------------------------------------------------
+// auto follows the OS (prefers-color-scheme); the button cycles auto → dark → light.
+const THEMES = ["auto", "dark", "light"];
+function setTheme(theme) {
+  document.documentElement.dataset.theme = theme;
+  localStorage.setItem("streamkv.theme", theme);
+  $("toggle-theme").textContent = { auto: "◐ auto", dark: "☾ dark", light: "☀ light" }[theme];
+  $("toggle-theme").title = `colour theme: ${theme} (click to change)`;
 }
 
 // -- the model card --------------------------------------------------------------------
@@ -323,6 +424,14 @@ $("new-chat").addEventListener("click", () => {
   $("input").focus();
 });
 $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
+$("export").addEventListener("click", exportAll);
+$("import").addEventListener("click", () => $("import-file").click());
+$("import-file").addEventListener("change", (ev) => { const f = ev.target.files[0]; ev.target.value = ""; if (f) importFile(f); });
+$("toggle-theme").addEventListener("click", () => {
+  const now = document.documentElement.dataset.theme || "auto";
+  setTheme(THEMES[(THEMES.indexOf(now) + 1) % THEMES.length]);
+});
+setTheme(THEMES.includes(localStorage.getItem("streamkv.theme")) ? localStorage.getItem("streamkv.theme") : "auto");
 
 // The KV view streams only while it is shown: a hidden pane costs the server nothing.
 const kv = new KVView($("kv-root"), apiKey);
@@ -336,5 +445,8 @@ $("toggle-kv").addEventListener("click", () => showKV($("kvpane").hidden));
 showKV(localStorage.getItem("streamkv.kv.open") === "1");
 
 renderLog();
+setRunning(false);
 socket.connect();
 loadModel();
+// For the browser tests and the curious: the page's state, from the devtools console.
+window.streamkv = { store, kv, socket };

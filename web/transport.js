@@ -4,7 +4,8 @@
 // HTTP request: the WebSocket protocol has no n, best_of or beams.
 //
 // A generation is driven through callbacks: onDelta(index, text), onDone({finish_reason,
-// usage}), onError(message). start*() returns a stop() function.
+// usage}), onError(message). start*() returns a stop() function. onStatus(state, text,
+// retryAt) says how the socket stands; retryAt is when the next attempt is due.
 "use strict";
 
 const sameOrigin = (path, ws = false) =>
@@ -46,11 +47,13 @@ export class ChatSocket {
       this.gens.clear();
       // Exponential backoff with jitter, so a restarted server is not hit by every tab at once.
       const delay = Math.min(15000, 500 * 2 ** this.attempt++) * (0.75 + Math.random() * 0.5);
-      this.onStatus("disconnected", `disconnected, retrying in ${(delay / 1000).toFixed(1)} s` +
-        (this.apiKey() ? "" : " (does the server need an API key?)"));
+      this.retryAt = Date.now() + delay;
+      this.onStatus("disconnected", "disconnected", this.retryAt);
       this.timer = setTimeout(() => this.connect(), delay);
     };
   }
+
+  get connected() { return !!this.ws && this.ws.readyState === WebSocket.OPEN; }
 
   reconnect() {
     const old = this.ws;

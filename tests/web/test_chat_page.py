@@ -63,7 +63,7 @@ def test_stop_ends_the_reply_and_the_page_can_send_again(page):
     assert not page.locator(".msg.failed").count()
 
 
-def test_regenerate_replaces_the_last_reply(page):
+def test_regenerate_keeps_the_old_reply_as_a_branch(page):
     use_settings(page, max_tokens=8, temperature=0)
     send(page, "Name a colour.")
     wait_reply_done(page)
@@ -77,12 +77,20 @@ def test_regenerate_replaces_the_last_reply(page):
     # Greedy: the same prompt gives the same reply, so the history sent was the same.
     assert page.locator(f"{REPLY} .body").inner_text() == first_text
     assert "8 tokens" in page.locator(f"{REPLY} .stats").inner_text()
+    assert page.locator(f"{REPLY} .branch-label").inner_text() == "2/2"
+    page.click(f"{REPLY} .branch-prev")
+    assert page.locator(REPLY).get_attribute("data-id") == first_id
+    assert page.locator(f"{REPLY} .branch-label").inner_text() == "1/2"
+    page.reload()  # the branches are kept with the conversation
+    page.wait_for_selector("#status[data-state=connected]")
+    assert page.locator(f"{REPLY} .branch-label").inner_text() == "1/2"
 
 
-def test_edit_and_resend_a_user_turn(page):
+def test_edit_and_resend_keeps_the_original_turn_as_a_branch(page):
     use_settings(page, max_tokens=6, temperature=0)
     send(page, "Name a fruit.")
     wait_reply_done(page)
+    first_reply = page.locator(f"{REPLY} .body").inner_text()
     page.click(".msg.user .edit-btn")
     page.fill(".msg.user textarea.edit", "Name a vegetable.")
     page.click(".msg.user .primary")
@@ -90,6 +98,10 @@ def test_edit_and_resend_a_user_turn(page):
     assert page.locator(".msg.user .body").all_inner_texts() == ["Name a vegetable."]
     assert page.locator(REPLY).count() == 1
     assert "6 tokens" in page.locator(f"{REPLY} .stats").inner_text()
+    assert page.locator(".msg.user .branch-label").inner_text() == "2/2"
+    page.click(".msg.user .branch-prev")  # the original question, with its own reply
+    assert page.locator(".msg.user .body").all_inner_texts() == ["Name a fruit."]
+    assert page.locator(f"{REPLY} .body").inner_text() == first_reply
 
 
 def test_overlong_prompt_fails_its_turn_and_the_next_turn_succeeds(page):
@@ -166,8 +178,8 @@ def test_markdown_renders_model_output_without_injection(page):
     out = page.evaluate(MARKDOWN_CASES)
     assert out["imgs"] == 0
     assert out["strong"] == "bold" and out["code"] == "<b>code</b>"
-    assert out["pre"] == "<script>alert(1)</script>"
-    assert out["links"] == ['https://example.com/a?b=1&c="2"']  # javascript: stays text
+    assert out["pre"].strip() == "<script>alert(1)</script>"
+    assert out["links"] == ["https://example.com/a?b=1&c=%222%22"]  # javascript: stays text
     assert out["items"] == 2 and "<img src=x onerror=alert(1)>" in out["text"]
 
 
