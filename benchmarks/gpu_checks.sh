@@ -9,6 +9,8 @@
 #     PARTS=speed OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # the GPU step's figures (~8 min)
 #     PARTS=eval OUT=/tmp/gpu bash benchmarks/gpu_checks.sh    # recovery, structured outputs,
 #                                       # swap vs recompute, the paper's Fig 12 point (~9 min)
+#     PARTS=serve OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # the served figures (issue 25):
+#                                       # SERVE_STEPS picks among them (one device call each)
 #     FULL=1 ... adds the whole decode-kernel matrix, a decode-graph profile, prefill kernel timing
 #     STEPS="tests throughput" ... runs only the named steps of the parts
 #
@@ -49,7 +51,7 @@ step() {  # step NAME SECONDS COMMAND...: appends the whole output to $LOG
 
 PARTS=${PARTS:-speed eval}
 SHAREGPT="--workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
-  --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report"
+  --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes="
 
 if [[ " $PARTS " == *" speed "* ]]; then
   # Checks: graphs, sampler, prefill kernel, and async scheduling on CUDA (CUDA tests skip on CPU).
@@ -73,32 +75,17 @@ if [[ " $PARTS " == *" speed "* ]]; then
   # transformers' own continuous batching (generate_batch) in the same run.
   step throughput 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT \
     --cb-requests ${CB_REQUESTS:-400} --cb-output-len 256 --json-out "$OUT/throughput.json"
-  # The same 1,000 without async scheduling, and without the prefill cap beside decodes.
+  # The same 1,000 without async scheduling.
   step throughput_sync 80 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --no-async-scheduling \
     --json-out "$OUT/throughput_sync.json"
-  step throughput_nocap 80 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --max-prefill-step-ratio 0 \
-    --json-out "$OUT/throughput_nocap.json"
   # The multiprocess executor (a worker process at TP 1, pipelined steps) against the in-process
   # one, 400 ShareGPT requests x <= 256 tokens, same call, greedy outputs compared.
   step throughput_mp 150 python3 benchmarks/bench_throughput.py --compare-executors $M8B \
     --workload-file bench_inputs/sharegpt_1000.json --num-requests 400 --max-output-len 256 \
     --max-num-seqs 256 --num-kv-blocks 20000 --rounds 1 --json-out "$OUT/executors_async.json"
-  # Engine decode steps at batch 256 and 1, context ~512 (448-token prompts, 128 outputs). The
-  # prefill cap is off for batch 256: with it, the 256 prompts trickle in beside the first
-  # decodes and few decode-only steps run at the full batch this step is meant to time.
-  step decode_b256 60 python3 benchmarks/bench_throughput.py $M8B --random-input-len 448 --max-output-len 128 \
-    --num-requests 256 --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
-    --max-prefill-step-ratio 0 \
-    --json-out "$OUT/decode_b256.json"
-  # The same batch at the context the issue's 17.6 ms was measured at (ShareGPT's ~110-token
-  # prompts): 96-token prompts + 64 outputs, contexts 96-160.
-  step decode_b256_short 50 python3 benchmarks/bench_throughput.py $M8B --random-input-len 96 --max-output-len 64 \
-    --num-requests 256 --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
-    --max-prefill-step-ratio 0 \
-    --json-out "$OUT/decode_b256_short.json"
-  step decode_b1 40 python3 benchmarks/bench_throughput.py $M8B --random-input-len 448 --max-output-len 128 \
-    --num-requests 1 --max-num-seqs 1 --num-kv-blocks 20000 --baseline-batch-sizes= --step-report \
-    --json-out "$OUT/decode_b1.json"
+  # Decode steps with graphs at batch 1 and 256, context 512 (the whole step, GPU time by kernel kind).
+  step decode_graphs_512 110 python3 benchmarks/bench_decode_graphs.py --model llama3-8b --dtype bfloat16 \
+    --batch-sizes 1 256 --context 512 --steps 30 --no-eager --out "$OUT/decode_graphs.json"
   # Sampling modes against greedy, 400 requests x 256 tokens, one engine.
   step sampling 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
     --max-num-seqs 256 --json-out "$OUT/sampling.json"
@@ -115,11 +102,10 @@ if [[ " $PARTS " == *" speed "* ]]; then
   # The sampler alone at batch 256 x 128k bf16: the CUDA kernel path against the torch path.
   step sampler_only 40 python3 benchmarks/bench_sampling.py --sampler-only --device cuda --vocab-size 128256 \
     --max-num-seqs 256 --calls 20 --json-out "$OUT/sampler_only.json"
-  # Sampling against greedy with the prefill cap off (admission then cannot differ between
-  # modes), the kernel and the torch path in one engine.
-  step sampling_nocap 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
-    --max-num-seqs 256 --max-prefill-step-ratio 0 --sampler-paths auto,torch --modes greedy,temp_top_p \
-    --json-out "$OUT/sampling_nocap.json"
+  # Sampling against greedy, the kernel and the torch path in one engine.
+  step sampling_paths 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
+    --max-num-seqs 256 --sampler-paths auto,torch --modes greedy,temp_top_p \
+    --json-out "$OUT/sampling_paths.json"
   # Prefill against transformers' contiguous forward (64 x 4000, 256 x 500).
   step prefill_e2e 100 python3 benchmarks/bench_prefill.py --e2e-only --rounds 1 --out "$OUT/prefill_e2e.json"
 fi
@@ -169,6 +155,44 @@ if [[ " $PARTS " == *" eval "* ]]; then
     --dtype float16 --device cuda --recompute-block-sizes 16 --write-costs cuda \
     --json-out "$OUT/swap_recompute_gpu.json"
   cp streamkv/core/preemption_costs.json "$OUT/" 2>/dev/null
+fi
+
+# The served figures (issue 25): `streamkv serve` under vLLM benchmark_serving's default call
+# (streaming /v1/completions, ignore_eos, ShareGPT text prompts) beside the offline engine on
+# the same requests. bench_inputs/sharegpt_serve.json is written on a CPU box:
+#     python benchmarks/bench_serve.py --save-dataset bench_inputs/sharegpt_serve.json \
+#         --num-prompts 2000 --seed 2026        # 104 prompt / 297 output tokens on average
+# bench_inputs/before25 is the tree before issue 25 (`git archive 37cc096 streamkv kernels_cu web`).
+# A device call is at most 10 minutes: run the steps in SERVE_STEPS-sized groups.
+SERVE="python3 benchmarks/bench_serve.py --model llama3-8b --dataset-file bench_inputs/sharegpt_serve.json"
+E8B="--tokenizer bench_inputs/smollm2-tokenizer --load-format dummy --device cuda --dtype bfloat16"
+if [[ " $PARTS " == *" serve "* ]]; then
+  export PATH=/tmp/site/bin:$PATH  # py-spy, carried as a wheel
+  step serve_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_shutdown_cuda.py \
+    tests/engine/test_async_scheduling_cuda.py tests/executor/test_async_mp_cuda.py
+  # The token budget: 1,000 at once, offline and served, prefix cache off (each run cold).
+  for b in ${BUDGETS:-2048 4096 8192 16384}; do
+    spy=""
+    [ "$b" = "${SPY_BUDGET:-8192}" ] && spy="--py-spy $OUT/pyspy_b$b"
+    step budget_$b 170 $SERVE --num-prompts 1000 --request-rate inf --offline $spy \
+      --engine-args "$E8B --no-enable-prefix-caching --max-num-batched-tokens $b" --json-out "$OUT/serve_b$b.json"
+  done
+  # The server's defaults: 1,000 at once beside the offline engine, then Poisson arrivals,
+  # 2,000 requests a point (long enough that a rate past capacity shows its growing queue).
+  step serve_burst 170 $SERVE --num-prompts 1000 --request-rate inf --offline --engine-args "$E8B" \
+    --json-out "$OUT/serve_burst.json"
+  step serve_poisson 560 $SERVE --num-prompts 2000 --request-rate ${RATES:-48,40,32,24,16} --engine-args "$E8B" \
+    --json-out "$OUT/serve_poisson.json"
+  step serve_poisson_low 400 $SERVE --num-prompts 2000 --request-rate ${LOW_RATES:-8} --engine-args "$E8B" \
+    --json-out "$OUT/serve_poisson_low.json"
+  # The in-process executor (offline's default) behind the server.
+  step serve_inprocess 170 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
+    --server-args "--distributed-executor-backend inprocess" --json-out "$OUT/serve_inprocess.json"
+  # The tree before issue 25, its defaults (the fitted prefill cap on), same requests.
+  step before_burst 200 $SERVE --num-prompts 1000 --request-rate inf --server-tree bench_inputs/before25 \
+    --engine-args "$E8B" --server-args "--limit-concurrency 4096" --json-out "$OUT/before_burst.json"
+  step before_poisson 400 $SERVE --num-prompts 2000 --request-rate ${BEFORE_RATES:-32,16} \
+    --server-tree bench_inputs/before25 --engine-args "$E8B" --json-out "$OUT/before_poisson.json"
 fi
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

@@ -22,6 +22,10 @@ class AllocStatus(enum.Enum):
     OK = enum.auto()
     LATER = enum.auto()
     NEVER = enum.auto()
+    # The next block the prefix cache misses is being computed by a running sequence with the
+    # same tokens before it: admitted now, the request would compute its own copy in the same
+    # step; a step later it maps that block instead.
+    SHARE_LATER = enum.auto()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -47,6 +51,11 @@ class BlockManager:
         self.cpu_tables: dict[int, list[int]] = {}  # tables of swapped-out sequences
         # Content keys of each sequence's full blocks, in order (prefix caching).
         self._keys: dict[int, list[bytes]] = {}
+        # Full prompt blocks allocated but not computed yet: key -> the sequence computing it,
+        # and each such sequence's keys from its first uncomputed block (admission waits for
+        # them rather than computing the same block twice in one step).
+        self._computing: dict[bytes, int] = {}
+        self._pending: dict[int, list[bytes]] = {}
         # Leaders of groups re-admitted by allocate_group: seq id -> blocks shared with the
         # group that the leader is still filling. Writing them is not a copy-on-write case:
         # every sharer expects exactly the KV the leader computes there.
@@ -57,16 +66,20 @@ class BlockManager:
 
     # -- prompt allocation --------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence, claim: bool = False) -> list[int]:
+        return self._walk_prefix(seq, claim)[0]
+
+    def _walk_prefix(self, seq: Sequence, claim: bool = False) -> tuple[list[int], bytes | None]:
         """Blocks already computed for a prefix of ``seq``: a reserved prefix's pinned blocks,
         then cached blocks; never the block of its last token, which must be computed to
-        produce logits. ``claim``: ``seq`` is being allocated (see ReservedPrefixes.match)."""
+        produce logits. Also the key of the first full block that missed (None if none did).
+        ``claim``: ``seq`` is being allocated (see ReservedPrefixes.match)."""
         if getattr(seq, "skip_prefix_cache", False):  # it needs every prompt token computed
-            return []
+            return [], None
         tokens = seq.all_token_ids
         limit = (len(tokens) - 1) // self.block_size
         hits = self.reserved.match(seq.seq_id, tokens, limit, claim) if self.reserved.prefixes else []
         if not self.enable_prefix_caching:
-            return hits
+            return hits, None
         key = None
         for i in range(limit):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -75,9 +88,9 @@ class BlockManager:
                 continue  # a reserved block: the chain of keys goes on past it
             block = self.device.lookup(key, chunk)
             if block is None:
-                break
+                return hits, key
             hits.append(block)
-        return hits
+        return hits, None
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether ``group``'s waiting sequences fit now. A group of several (parallel
@@ -93,7 +106,9 @@ class BlockManager:
         )
         if total > self.device.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        hits = self._prefix_hits(leader)
+        hits, miss = self._walk_prefix(leader)
+        if miss is not None and self._computing.get(miss, leader.seq_id) != leader.seq_id:
+            return AllocStatus.SHARE_LATER
         # Hits on evictable blocks take them out of the free count too.
         needed = total - len(hits) + sum(1 for b in hits if self.device.ref_counts[b] == 0)
         if self.device.num_free - needed >= self.watermark_blocks:
@@ -111,7 +126,15 @@ class BlockManager:
         for _ in range(_cdiv(len(seq), self.block_size) - len(hits)):
             table.append(self.device.allocate())
         self.tables[seq.seq_id] = table
-        self._keys[seq.seq_id] = self._chain_keys(seq, len(hits))
+        if self.enable_prefix_caching:
+            keys = self._chain_keys(seq, len(seq) // self.block_size)
+            self._keys[seq.seq_id], pending = keys[: len(hits)], keys[len(hits):]
+            if pending:
+                self._pending[seq.seq_id] = pending
+                for key in pending:
+                    self._computing.setdefault(key, seq.seq_id)
+        else:
+            self._keys[seq.seq_id] = []
         hit_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
@@ -226,10 +249,16 @@ class BlockManager:
         keys = self._keys[seq.seq_id]
         table = self.tables[seq.seq_id]
         full = min(seq.num_computed_tokens // self.block_size, len(table))
+        pending = self._pending.get(seq.seq_id)
         while len(keys) < full:
             i = len(keys)
             chunk = tuple(seq.token_at(j) for j in range(i * self.block_size, (i + 1) * self.block_size))
-            key = block_key(keys[-1] if keys else None, chunk)
+            if pending:  # keyed at allocation, in order
+                key = pending.pop(0)
+                if self._computing.get(key) == seq.seq_id:
+                    del self._computing[key]
+            else:
+                key = block_key(keys[-1] if keys else None, chunk)
             keys.append(key)
             self.device.register(table[i], key, chunk)
 
@@ -243,6 +272,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         self._filling.pop(seq.seq_id, None)
+        for key in self._pending.pop(seq.seq_id, ()):
+            if self._computing.get(key) == seq.seq_id:
+                del self._computing[key]
         self.reserved.forget(seq.seq_id)
         table = self.tables.pop(seq.seq_id, None)
         if table is not None:
@@ -312,5 +344,7 @@ class BlockManager:
         """Raise unless no table is left and the only references are reserved-prefix pins."""
         if self.tables or self.cpu_tables:
             raise AssertionError(f"tables left: {list(self.tables)} {list(self.cpu_tables)}")
+        if self._computing or self._pending:
+            raise AssertionError(f"blocks still marked in computation: {len(self._computing)}")
         self.device.check_whole(self.reserved.pins())
         self.cpu.check_whole()

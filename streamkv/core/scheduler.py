@@ -218,12 +218,19 @@ class Scheduler:
         return budget, num_seqs
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
-        while self.waiting and budget > 0:
+        # Requests whose next prompt block a running sequence is computing right now wait a
+        # step and then map it (AllocStatus.SHARE_LATER): a burst that shares a system prompt
+        # computes it once, whatever the arrival order. They keep their place in the queue.
+        deferred: list[SequenceGroup] = []
+        while self.waiting and budget > 0 and len(deferred) < self.config.max_num_seqs:
             group = self.waiting[0]
             status = self.bm.can_allocate(group)
             if status == AllocStatus.NEVER:
                 self.waiting.popleft()
                 self._fail(group, out, "the request needs more KV-cache blocks than the whole pool has")
+                continue
+            if status == AllocStatus.SHARE_LATER:
+                deferred.append(self.waiting.popleft())
                 continue
             seqs = group.live_seqs(SequenceStatus.WAITING)
             future_seqs = max(len(seqs), group.sampling_params.best_of or 1)
@@ -244,6 +251,7 @@ class Scheduler:
             self._schedule_group(group, want, out)
             budget -= sum(n for _, n in want)
             num_seqs += future_seqs
+        self.waiting.extendleft(reversed(deferred))
 
     def _fail(self, group: SequenceGroup, out: SchedulerOutput, error: str) -> None:
         self.finish_group(group, SequenceStatus.FINISHED_ABORTED, error)

@@ -259,6 +259,9 @@ class LLMEngine:
         return self.stats_.as_dict()
 
     def shutdown(self) -> None:
+        """Stop the workers and free what they hold on the device; a step in flight is
+        dropped (its handle keeps device tensors alive)."""
+        self._inflight = None
         self.structured.shutdown()
         self.executor.shutdown()
 

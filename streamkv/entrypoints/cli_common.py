@@ -18,8 +18,12 @@ def add_server_limit_args(g) -> None:
                    help="host names this server answers to besides loopback names and --host (comma list, "
                         "repeatable; '.example.com' matches subdomains; '*' = any). Other Host headers get "
                         "421: a DNS-rebinding page cannot reach the API")
-    g.add_argument("--limit-concurrency", type=int, default=512,
-                   help="open connections (HTTP and WebSocket); beyond it a request gets a JSON 503")
+    # Above --max-queue-len + max_num_seqs, so that a burst meets the queue's 429 (with
+    # Retry-After) before the connection cap: a benchmark client opens one connection per
+    # request, and vLLM's and SGLang's default call sends 1,000 at once.
+    g.add_argument("--limit-concurrency", type=int, default=10240,
+                   help="open connections (HTTP and WebSocket); beyond it a request gets a JSON 503 (the "
+                        "process's open-file limit is raised to fit it, or the cap lowered to fit that)")
     g.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open")
     g.add_argument("--timeout-request-head", type=float, default=10.0,

@@ -46,3 +46,6 @@ class InProcessExecutor(Executor):
 
     def submit(self, step: StepInput) -> StepHandle:
         return self.worker.launch(step)
+
+    def shutdown(self) -> None:
+        self.worker.release()

@@ -3,6 +3,7 @@ about memory: swaps, copies and slots all come from the scheduler."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -131,6 +132,18 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.launch(step).result()
+
+    def release(self) -> None:
+        """Drop everything this worker holds on the device (weights, KV pools, CUDA graphs and
+        their memory pools, step buffers), so that another engine in this process finds the
+        memory free. The worker cannot run steps after this."""
+        for name in ("runner", "cache", "model", "input_batch", "share_tokens"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def launch(self, step: StepInput) -> LaunchedStep:
         """Hand the step to the device without waiting for it; ``result()`` of the return
