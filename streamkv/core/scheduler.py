@@ -286,19 +286,19 @@ class Scheduler:
         self._preempted.append(group)
         self.num_preemptions += 1
         group.num_preemptions += 1
-        if mode == "recompute":
-            for seq in seqs:
-                self.bm.free(seq)
-                seq.reset_for_recompute()
-                seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(group)
-        elif self.bm.can_swap_out(group):
+        if mode == "swap" and self.bm.can_swap_out(group):
             mapping = self.bm.swap_out(group)
             out.swap_out.extend(mapping)
             self.num_swapped_out_blocks += len(mapping)
             self.swapped.appendleft(group)
-        else:
-            self._fail(group, out, "preempted with no CPU swap space left")
+            return
+        # Recompute, also for "swap" when the CPU pool is full or absent (none by default on a
+        # CPU): a request that can be recomputed is never dropped for want of swap space.
+        for seq in seqs:
+            self.bm.free(seq)
+            seq.reset_for_recompute()
+            seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(group)
 
     def _needs_more_than_pool(self, seqs: list[Sequence]) -> bool:
         blocks = len({b for s in seqs for b in self.bm.tables[s.seq_id]}) + len(seqs)
