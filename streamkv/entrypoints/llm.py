@@ -5,6 +5,7 @@ the server shares."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 
 from streamkv.config import EngineConfig
@@ -16,7 +17,7 @@ from streamkv.executor.base import Executor
 from streamkv.sampling_params import BeamSearchParams, SamplingParams
 from streamkv.sequence import RequestOutput
 
-__all__ = ["LLM", "build_engine", "engine_config", "register_prefix", "reserved_prefixes"]
+__all__ = ["LLM", "EngineStats", "build_engine", "engine_config", "register_prefix", "reserved_prefixes"]
 # The request that computes a reserved prefix: its prompt is the prefix, one token sampled.
 PREFIX_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -120,15 +121,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def stats(self) -> dict:
-        return self.engine.stats()
+    def stats(self) -> EngineStats:
+        """The engine's counters: a dict (every key of ``LLMEngine.stats()``) that prints as
+        a short summary; ``dict(llm.stats())`` for the raw numbers."""
+        return EngineStats(self.engine.stats())
 
     def generate(
         self,
         prompts: str | Seq[str] | None = None,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         prompt_token_ids: Seq[Seq[int]] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -166,7 +169,7 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
@@ -190,13 +193,18 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="requests")
+            # As vLLM's: requests done, and the generated tokens' rate so far.
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            generated, t0 = 0, time.perf_counter()
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step(finished_only=True):
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
+                            generated += sum(len(c.token_ids) for c in out.outputs)
+                            rate = generated / max(time.perf_counter() - t0, 1e-9)
+                            bar.set_postfix_str(f"output {rate:,.1f} tok/s", refresh=False)
                             bar.update(1)
         except BaseException:
             # Leave the engine clean (no running requests, no held blocks) for the next call.
@@ -207,3 +215,33 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+class EngineStats(dict):
+    """``LLMEngine.stats()``, printed as a few lines a newcomer can read (the dict itself was
+    3 KB of keys and histograms)."""
+
+    def __repr__(self) -> str:
+        s = self
+        queries = s.get("prefix_cache_queries", 0)
+        lines = [
+            f"KV cache ({s.get('kv_allocation', 'paged')}): {s['num_kv_blocks']:,} blocks, {s['num_free_kv_blocks']:,} free "
+            f"now; peak {s['peak_kv_blocks_used']:,} used; mean utilisation {pct(s['kv_utilization'])}",
+            f"  sharing: {s['num_shared_blocks']} shared blocks now, {s['num_cow_copies']} copy-on-write copies, "
+            f"{pct(s['sharing_savings'])} of table entries saved",
+            f"  prefix cache: {s['prefix_cache_hits']:,} of {queries:,} prompt tokens found"
+            + (f" ({pct(s['prefix_cache_hits'] / queries)})" if queries else ""),
+            f"  preemptions: {s['num_preemptions']} (blocks swapped out {s['num_swapped_out_blocks']}, in "
+            f"{s['num_swapped_in_blocks']}; swap space {s['num_swap_blocks']:,} blocks)",
+            f"tokens: {s['num_prompt_tokens']:,} prompt, {s['num_generation_tokens']:,} generated; "
+            f"{s['avg_batched_requests']:.1f} requests per step on average over {s['batched_steps']:,} steps",
+            f"requests now: {s['num_running']} running, {s['num_waiting']} waiting, {s['num_swapped']} swapped",
+            "(every number: dict(llm.stats()); the keys as in LLMEngine.stats())",
+        ]
+        return "\n".join(lines)
+
+    __str__ = __repr__
