@@ -50,6 +50,7 @@ class SeqParams(msgspec.Struct, omit_defaults=True, frozen=True):
     min_tokens: int = 0  # ``banned_token_ids`` are banned until this many outputs
     banned_token_ids: list[int] | None = None  # stop token ids and EOS (with min_tokens)
     prompt_logprobs: int | None = None  # score the prompt: top logprobs per prompt token
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (a fixed mask)
 
     @property
     def has_penalties(self) -> bool:

@@ -21,6 +21,8 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+MAX_CACHE_SALT = 256  # characters
+MAX_ALLOWED_TOKEN_IDS = 65536
 
 
 _F32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
@@ -146,6 +148,14 @@ class SamplingParams:
     # computed in the prefill pass (RequestOutput.prompt_logprobs). Capped, like logprobs,
     # by the engine's max_logprobs.
     prompt_logprobs: int | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (every other one's logit is
+    # -inf, whatever the penalties and logit_bias; so are its logprobs); None: any token.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's cache_salt: the request's prefix-cache blocks are shared only with requests of
+    # the same salt (core/block_pool.root_key), so one tenant cannot probe another's prompts
+    # through the cache. Not a sampling field, but carried here so that every path to the
+    # engine (LLM.generate, the server, a resumed request) keeps it.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -158,6 +168,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if isinstance(self.allowed_token_ids, list | tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.best_of is None:
             self.best_of = self.n
         if self.top_k == 0 and type(self.top_k) is int:
@@ -187,6 +199,9 @@ class SamplingParams:
             # finished grammar allows only a stop token, which min_tokens would ban. Refused
             # rather than dropped.
             raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output ends)")
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            # The grammar's mask and the allowed set could leave no token at all.
+            raise bad("allowed_token_ids", "cannot be combined with structured outputs")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -252,6 +267,15 @@ class SamplingParams:
                 raise bad("logit_bias", "must map non-negative integer token ids to numbers")
             if not _real(b) or not -100.0 <= b <= 100.0:
                 raise bad("logit_bias", "values must be numbers in [-100, 100]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list) or not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS
+            or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)
+        ):
+            raise bad("allowed_token_ids", f"must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integer token ids")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
+            raise bad("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT} characters")
 
     def check_max_logprobs(self, max_logprobs: int) -> None:
         """Refuse logprobs / prompt_logprobs above the engine's cap (-1: no cap)."""

@@ -58,6 +58,9 @@ class Sequence:
     grammar: Any = None
     # Prompt logprobs need every prompt position computed: no prefix-cache hits.
     skip_prefix_cache: bool = False
+    # The parent key of its first block in the prefix cache (core/block_pool.root_key): its
+    # request's cache_salt's, or None, the key every unsalted sequence shares.
+    cache_root: bytes | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -121,6 +124,7 @@ class Sequence:
             read_offset=self.read_offset,
             grammar=self.grammar.fork() if self.grammar is not None else None,
             skip_prefix_cache=self.skip_prefix_cache,
+            cache_root=self.cache_root,
         )
         return child
 

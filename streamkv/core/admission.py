@@ -67,6 +67,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: L
     # would fail the whole batch's step, so it is refused here, for this request alone.
     _check_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
     _check_ids("logit_bias", params.logit_bias or (), limits.vocab_size)
+    _check_ids("allowed_token_ids", params.allowed_token_ids or (), limits.vocab_size)
 
     ctx = limits.max_model_len
     num_out = params.max_tokens or 1

@@ -5,7 +5,9 @@ Every decoding algorithm is expressed with the same few calls: ``allocate`` maps
 a shared last block before it is written (copy-on-write), ``fork`` shares a table, ``free``
 drops one, and ``swap_out`` / ``swap_in`` move a whole group between device and CPU pools.
 Reserved prefixes (core/reserved_prefix.py) are pinned blocks that ``allocate`` maps first,
-with the prefix cache on or off.
+with the prefix cache on or off. Every chain of content keys starts from the sequence's
+``cache_root`` (its cache_salt's root, or None), never from None itself: a salted sequence
+meets only its own tenant's blocks (reserved prefixes, public text, excepted).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class BlockManager:
         hits = self.reserved.match(seq.seq_id, tokens, limit, claim) if self.reserved.prefixes else []
         if not self.enable_prefix_caching:
             return hits, None
-        key = None
+        key = seq.cache_root
         for i in range(limit):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             key = block_key(key, chunk)
@@ -182,7 +184,7 @@ class BlockManager:
 
     def _chain_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         keys: list[bytes] = []
-        key = None
+        key = seq.cache_root
         for i in range(num_blocks):
             chunk = [seq.token_at(j) for j in range(i * self.block_size, (i + 1) * self.block_size)]
             key = block_key(key, chunk)
@@ -258,7 +260,7 @@ class BlockManager:
                 if self._computing.get(key) == seq.seq_id:
                     del self._computing[key]
             else:
-                key = block_key(keys[-1] if keys else None, chunk)
+                key = block_key(keys[-1] if keys else seq.cache_root, chunk)
             keys.append(key)
             self.device.register(table[i], key, chunk)
 

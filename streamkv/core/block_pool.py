@@ -3,7 +3,9 @@
 Pure Python (no torch): the pool only hands out block ids; the tensors live in workers.
 
 A full block may be registered under a content key that chains its parent's key with its
-token ids through SHA-256. Registered blocks whose ref count drops to zero are not freed:
+token ids through SHA-256. The chain of a sequence with a ``cache_salt`` starts from a root
+of that salt (``root_key``), so tenants with different salts never share a block and cannot
+learn from the cache whether another tenant sent a prompt (vLLM's defence, issue 26). Registered blocks whose ref count drops to zero are not freed:
 they wait in an LRU list and are reused on a hit or evicted when the pool needs space.
 A reserved prefix's blocks (core/reserved_prefix.py) keep a reference of their own, so they
 never reach that list: pinned.
@@ -14,6 +16,14 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
+
+
+def root_key(cache_salt: str | None) -> bytes | None:
+    """The parent key of a sequence's first block: None (the shared root) without a salt.
+    The NUL keeps a salt from ever spelling the unsalted root."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"salt\0" + cache_salt.encode()).digest()
 
 
 def block_key(parent_key: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from streamkv.config import EngineConfig
 from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
+from streamkv.core.block_pool import root_key
 from streamkv.core.contiguous import create_block_manager
 from streamkv.core.preemption import device_profile
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
@@ -133,9 +134,15 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         check_request(prompt_token_ids, params, self.limits)
+        allowed = params.allowed_token_ids
+        if params.min_tokens and allowed and set(allowed) <= set(params.stop_token_ids) | (
+                set() if params.ignore_eos else set(self.eos_token_ids)):
+            # min_tokens bans them at first: no token at all could be sampled.
+            raise InvalidParameter("allowed_token_ids", "allowed_token_ids holds only tokens that end the "
+                                   "output, which min_tokens bans for the first tokens.")
         params.check_max_logprobs(self.config.model.max_logprobs)
         self.structured.admit(params)  # compiles (cached) or refuses the grammar
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), cache_root=root_key(params.cache_salt))
         seq.grammar = self.structured.new_grammar(params)
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
         prompt_logprobs.prepare(group, seq, params)

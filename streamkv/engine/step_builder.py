@@ -107,6 +107,7 @@ class StepBuilder:
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
             min_tokens=p.min_tokens, banned_token_ids=banned, prompt_logprobs=p.prompt_logprobs,
+            allowed_token_ids=p.allowed_token_ids,
         )
 
 

@@ -19,7 +19,12 @@ from streamkv.entrypoints.openai_protocol import APIError, Int, OpenAIModel, Uns
 from streamkv.entrypoints.request_fields import PassiveFields
 from streamkv.entrypoints.structured_request import StructuredFields, structured_outputs
 from streamkv.entrypoints.tool_calls import forced_tool_schema
-from streamkv.sampling_params import InvalidParameter, SamplingParams
+from streamkv.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_CACHE_SALT,
+    InvalidParameter,
+    SamplingParams,
+)
 
 MAX_SAMPLES = 16  # cap on n, best_of and prompts per request
 MAX_STOP = 32  # stop strings per request (OpenAI allows 4)
@@ -84,6 +89,11 @@ class SamplingRequest(StructuredFields, PassiveFields):
         None, description="vLLM: keep only k of the prompt's tokens (-1: the context length)")
     truncation_side: Literal["left", "right"] | None = Field(
         None, description='vLLM: "left" (default) cuts the prompt\'s start, "right" its end')
+    allowed_token_ids: list[Int] | None = Field(
+        None, max_length=MAX_ALLOWED_TOKEN_IDS, description="vLLM: only these token ids may be sampled")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_CACHE_SALT,
+        description="vLLM: prefix-cache blocks are shared only with requests of the same salt")
 
     @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
     @classmethod
@@ -154,6 +164,7 @@ class SamplingRequest(StructuredFields, PassiveFields):
                 early_stopping=self.early_stopping, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
                 structured_outputs=structured_outputs(fields, source), prompt_logprobs=prompt_logprobs,
+                allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
             )
         except InvalidParameter as e:
             param = source if e.param == "structured_outputs" and source else e.param

@@ -4,9 +4,7 @@ request models' passive part (openai_requests.py has the fields that shape the o
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from streamkv.entrypoints.openai_protocol import OpenAIModel, Unsupported
 
@@ -19,15 +17,7 @@ class PassiveFields(OpenAIModel):
     service_tier: str | None = Field(None, description="inert")
     prompt_cache_key: str | None = Field(None, description="inert: prefix caching is automatic")
     safety_identifier: str | None = Field(None, description="inert")
-    # vLLM's prefix-cache isolation between tenants: refused rather than silently not isolating.
-    cache_salt: Any = Field(None, description="Not supported: a 400 unless unset.")
     # vLLM extras this engine does not implement.
     priority: Unsupported = None
-    allowed_token_ids: Unsupported = None
     bad_words: Unsupported = None
     logits_processors: Unsupported = None
-
-    @field_validator("cache_salt", mode="plain")
-    @classmethod
-    def _salt(cls, v: Any) -> Any:
-        raise ValueError("is not supported by this server" if v != "" else "must be a non-empty string (vLLM's rule)")

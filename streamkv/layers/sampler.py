@@ -190,8 +190,9 @@ def _place(chosen: torch.Tensor, picked: torch.Tensor, part: list[tuple], total:
     return chosen
 
 def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
-    """Penalties, then logit bias, then bans, then structured outputs' token masks, in
-    place, each one batched over its rows."""
+    """Penalties, then logit bias, then bans, then structured outputs' token masks, then
+    allowed_token_ids' fixed masks, in place, each one batched over its rows. (A token the
+    last two ban is -inf whatever came before: the order only matters to the others.)"""
     penalised = [i for i, r in enumerate(reqs) if r.has_penalties]
     if penalised:
         stores = {id(reqs[i].counts): reqs[i].counts for i in penalised}
@@ -214,3 +215,4 @@ def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
         rows, ids = zip(*banned)
         logits[_on(logits.device, rows), _on(logits.device, ids)] = -math.inf
     apply_token_masks(logits, [r.token_mask for r in reqs])
+    apply_token_masks(logits, [r.allowed_mask for r in reqs])

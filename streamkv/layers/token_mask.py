@@ -27,6 +27,13 @@ from streamkv.layers.mask_staging import MaskStaging, StagedMask
 TokenMask = bytes | np.ndarray | StagedMask  # little-endian int32 words, one bit per token
 
 
+def mask_of(token_ids: list[int], vocab_size: int) -> bytes:
+    """The token mask that allows exactly ``token_ids`` (each in [0, vocab_size))."""
+    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+    bits[token_ids] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
 def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -> None:
     """Ban, in place, every token outside row i's mask ``masks[i]`` (None: no mask)."""
     rows = [i for i, m in enumerate(masks) if m is not None]

@@ -14,6 +14,7 @@ import torch
 
 from streamkv.layers.penalties import TokenCounts
 from streamkv.layers.sample_request import SampleRequest
+from streamkv.layers.token_mask import mask_of
 from streamkv.messages import PENDING_TOKEN, NewSeq, StepInput
 from streamkv.worker.prompt_logprobs import PromptScoring, plan_scoring
 
@@ -52,6 +53,7 @@ class ProtocolError(RuntimeError):
 class InputBatch:
     def __init__(self, vocab_size: int, device: torch.device, samples: bool = True) -> None:
         self.seqs: dict[int, _SeqState] = {}
+        self.vocab_size = vocab_size
         # Only a rank that samples needs token counts (tensor parallelism: rank 0).
         self.counts = TokenCounts(vocab_size, device) if samples else None
 
@@ -113,6 +115,7 @@ class InputBatch:
             sample_index=new.sample_index, logprobs=p.logprobs, num_candidates=p.num_candidates,
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+            allowed_mask=mask_of(p.allowed_token_ids, self.vocab_size) if p.allowed_token_ids else None,
         )
         counted = 0
         if p.has_penalties and self.counts is not None:

@@ -180,12 +180,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(api):
         assert e.value.body["param"] == "truncate_prompt_tokens"
 
 
-def test_cache_salt_is_refused_not_ignored(api):
-    # Ignoring it would leave a client that asks for prefix-cache isolation without any.
-    client, _, _ = api
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="fake", prompt="ab", max_tokens=1, extra_body={"cache_salt": "tenant-1"})
-    assert e.value.body["param"] == "cache_salt"
+def test_cache_salt_and_allowed_token_ids_reach_the_engine(api):
+    # The engine honours them (tests/core/test_cache_salt.py, tests/engine/test_sampling_extras.py).
+    client, _, engine = api
+    extra = {"cache_salt": "tenant-1", "allowed_token_ids": [97, 98]}
+    client.completions.create(model="fake", prompt="ab", max_tokens=1, extra_body=extra)
+    assert (engine.params.cache_salt, engine.params.allowed_token_ids) == ("tenant-1", [97, 98])
+    client.chat.completions.create(model="fake", max_tokens=1, messages=[{"role": "user", "content": "x"}],
+                                   extra_body={"cache_salt": "tenant-2"})
+    assert engine.params.cache_salt == "tenant-2" and engine.params.allowed_token_ids is None
 
 
 def test_return_token_ids(api):

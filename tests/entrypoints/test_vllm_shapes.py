@@ -121,7 +121,10 @@ def test_requests_vllm_serves(api):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": []}, "tools"),
     ({"cache_salt": ""}, "cache_salt"),
-    ({"cache_salt": "tenant-1"}, "cache_salt"),
+    ({"cache_salt": "x" * 257}, "cache_salt"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1] * 65537}, "allowed_token_ids"),
 ])
 def test_requests_vllm_refuses(api, extra, param):
     client, _, _ = api

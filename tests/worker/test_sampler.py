@@ -230,3 +230,38 @@ def test_seeded_draws_are_the_same_on_cuda_and_cpu() -> None:
     reqs = [SampleRequest(temperature=0.9, top_k=40, seed=s, output_pos=s) for s in range(4)]
     reqs += [SampleRequest(temperature=1.1, top_p=0.8, seed=s) for s in range(4)]
     assert _tokens(Sampler(device="cuda")(x.cuda(), reqs)) == _tokens(Sampler()(x.clone(), reqs))
+
+
+def _allowed_rows(device: str) -> list[list[int]]:
+    """Per row, the tokens drawn under allowed_token_ids masks, greedy and sampled, 50 steps."""
+    from streamkv.layers.token_mask import mask_of
+
+    allowed = [[3, 9, 41], [0], [49, 12]]
+    sampler, drawn = Sampler(device=device), [[] for _ in allowed]
+    for step in range(50):
+        x = logits(4, seed=step).to(device) * 4
+        reqs = [
+            SampleRequest(allowed_mask=mask_of(allowed[0], VOCAB), logit_bias={5: 100.0}),  # greedy
+            SampleRequest(temperature=1.0, seed=step, allowed_mask=mask_of(allowed[1], VOCAB)),
+            SampleRequest(temperature=2.0, top_p=0.95, allowed_mask=mask_of(allowed[2], VOCAB), num_samples=2),
+            SampleRequest(temperature=1.0, top_k=3),  # unmasked: anything
+        ]
+        out = sampler(x, reqs)
+        for i in range(3):
+            drawn[i] += out[i].token_ids
+            assert all(lp > float("-inf") for lp in out[i].logprobs)
+    for i, ids in enumerate(allowed):
+        assert set(drawn[i]) <= set(ids), i
+    assert set(drawn[2]) == {49, 12}  # both drawn: the mask restricts, it does not pick
+    return drawn
+
+
+def test_allowed_token_ids_mask_every_path() -> None:
+    _allowed_rows("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_allowed_token_ids_mask_on_cuda() -> None:
+    # The kernel path: the mask bans in float32 before the sampling kernel, as logit_bias does.
+    _allowed_rows("cuda")
