@@ -1,11 +1,12 @@
-"""The ``streamkv`` command: ``generate`` (stream one completion to the terminal) and
-``serve`` (the HTTP/WebSocket server)."""
+"""The ``streamkv`` command: ``serve`` (the HTTP/WebSocket server), ``chat`` (talk to a
+running server from the terminal) and ``generate`` (stream one completion offline)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import time
 
 from streamkv import __version__
 
@@ -34,24 +35,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from streamkv import SamplingParams
     from streamkv.entrypoints.llm import LLM
 
+    if args.model_flag is not None:
+        if args.model is not None:
+            return _fail(f"the model is given twice ({args.model!r} and --model {args.model_flag!r})")
+        args.model = args.model_flag
     try:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None,
         )
         template = load_chat_template(args.chat_template) if args.chat_template else None
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    with tqdm(total=1, desc="loading model", file=sys.stderr, leave=False) as bar:
-        llm = LLM(args.model, **engine_kwargs(args))
-        bar.update(1)
+        with tqdm(total=1, desc="loading model", file=sys.stderr, leave=False) as bar:
+            llm = LLM(args.model, **engine_kwargs(args))
+            bar.update(1)
+    except (ValueError, OSError, RuntimeError) as e:  # a user's mistake: one line, no traceback
+        return _fail(e)
     try:
         if template is not None:
             set_chat_template(llm.get_tokenizer(), template)
         return _stream(llm, args, params)
+    except (ValueError, RuntimeError) as e:
+        return _fail(e)
     finally:
         llm.shutdown()
+
+
+def _fail(e: object) -> int:
+    text = str(e).strip().splitlines()
+    print(f"error: {text[0] if text else type(e).__name__}", file=sys.stderr)
+    return 2
 
 
 def _stream(llm, args: argparse.Namespace, params) -> int:
@@ -64,17 +76,24 @@ def _stream(llm, args: argparse.Namespace, params) -> int:
     else:
         ids = None
     engine.add_request("cli", prompt, params, prompt_token_ids=ids)
-    printed = 0
+    printed, t0, first, tokens = 0, time.perf_counter(), None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            text = out.outputs[0].text if out.outputs else ""
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
             if out.finished and out.error:
                 print(f"\nerror: {out.error}", file=sys.stderr)
                 return 1
+            text = out.outputs[0].text if out.outputs else ""
+            tokens = len(out.outputs[0].token_ids) if out.outputs else tokens
+            if tokens and first is None:
+                first = time.perf_counter()
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    took = time.perf_counter() - t0
     sys.stdout.write("\n")
+    rate = f"{(tokens - 1) / (took - (first - t0)):.1f} tok/s" if first is not None and tokens > 1 and took > first - t0 else "-"
+    print(f"[{tokens} tokens in {took:.2f} s · {rate} after the first, which came at {(first or t0) - t0:.2f} s]",
+          file=sys.stderr)
     return 0
 
 
@@ -82,14 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamkv", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
     parser.add_argument("--version", action="version", version=f"streamkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,worker}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,generate,worker}")
 
-    gen = sub.add_parser("generate", help="stream one completion to the terminal", formatter_class=HelpFormatter,
-                         allow_abbrev=False, description="Stream one completion of PROMPT to the terminal.")
+    gen = sub.add_parser("generate", help="stream one completion to the terminal (offline, no server)",
+                         formatter_class=HelpFormatter, allow_abbrev=False,
+                         description="Stream one completion of PROMPT to the terminal, then its tokens/s. "
+                                     "MODEL as for `streamkv serve`.")
+    gen.add_argument("model", nargs="?", default=None,
+                     help="local HF directory, .gguf file or shape preset (default: the embedded "
+                          "SmolLM2-135M-Instruct)")
     gen.add_argument("prompt")
     g = gen.add_argument_group("generation")
-    g.add_argument("--model", default=None, help="local HF directory, .gguf file or shape preset "
-                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)  # the older spelling
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -102,10 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from streamkv.entrypoints.chat_cli import add_chat_parser
     from streamkv.entrypoints.serve_cli import add_serve_parser
     from streamkv.executor.launcher import add_worker_parser  # ranks on another host (issue 17)
 
-    parser.commands = {"generate": gen, "serve": add_serve_parser(sub), "worker": add_worker_parser(sub)}
+    parser.commands = {"generate": gen, "serve": add_serve_parser(sub), "chat": add_chat_parser(sub),
+                       "worker": add_worker_parser(sub)}
     return parser
 
 
