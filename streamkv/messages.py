@@ -65,6 +65,10 @@ class NewSeq(msgspec.Struct, array_like=True):
     prompt_len: int  # tokens past it are outputs (output position, min_tokens, penalties)
     sample_index: int = 0  # which sample of its request: keys its seeded random stream
     history: list[int] | None = None  # prompt + outputs so far, only when a penalty needs it
+    # Of the prompt's last tokens, how many are outputs of the run this one resumes after a
+    # worker restart (engine/recovery.py): output positions (the seeded stream), min_tokens
+    # and penalties count from before them; prompt logprobs still score the whole prompt.
+    resumed: int = 0
 
 
 class SeqStep(msgspec.Struct, array_like=True):

@@ -140,6 +140,8 @@ class LLMEngine:
             # min_tokens bans them at first: no token at all could be sampled.
             raise InvalidParameter("allowed_token_ids", "allowed_token_ids holds only tokens that end the "
                                    "output, which min_tokens bans for the first tokens.")
+        if params.resumed_output_tokens >= len(prompt_token_ids):
+            raise InvalidParameter("resumed_output_tokens", "resumed_output_tokens must be less than the prompt's length.")
         params.check_max_logprobs(self.config.model.max_logprobs)
         self.structured.admit(params)  # compiles (cached) or refuses the grammar
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), cache_root=root_key(params.cache_salt))

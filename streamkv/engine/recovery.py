@@ -4,11 +4,14 @@ A restarted worker has an empty KV cache, so each request that was running goes 
 a new request whose prompt is its own prompt followed by the tokens it had generated
 (recompute, the paper's second preemption mode, across a process boundary): the new
 request's outputs are relative to that point, and ``splice`` joins them to what came
-before so that the stream continues with neither duplicated nor missing text.
+before so that the stream continues with neither duplicated nor missing text. The worker
+still counts outputs from the original prompt (SamplingParams.resumed_output_tokens): a
+seeded request's random stream is keyed by output position, and presence / frequency
+penalties count outputs only, so both continue where they were.
 
 What cannot resume: parallel samples (n > 1, best_of > n) and beam search, whose
-sequences are chosen among each other; they end with an error. Greedy requests continue
-with the text a fault-free run gives.
+sequences are chosen among each other; they end with an error. Greedy and seeded requests
+continue with the text a fault-free run gives.
 
 Stop strings: one wholly before the restart point ended the request before it; one wholly
 after is found by the resumed request itself. One that straddles the point (begun before,
@@ -64,7 +67,8 @@ def resume_request(prompt_token_ids: list[int], params: SamplingParams, last: Re
         return prompt_token_ids, params, None
     c = last.outputs[0]
     done = len(c.token_ids)
-    changes: dict = {"min_tokens": max(0, params.min_tokens - done)}
+    changes: dict = {"min_tokens": max(0, params.min_tokens - done),
+                     "resumed_output_tokens": params.resumed_output_tokens + done}
     if params.max_tokens is not None:
         changes["max_tokens"] = max(1, params.max_tokens - done)
     text = c.text

@@ -37,7 +37,7 @@ class SeqInput:
 @dataclass(slots=True)
 class _SeqState:
     request: SampleRequest  # reused every step: only its per-step fields change
-    prompt_len: int
+    prompt_len: int  # tokens before its first output (a resumed request's earlier outputs are outputs)
     min_tokens: int
     banned: list[int] | None
     block_table: list[int]
@@ -117,15 +117,17 @@ class InputBatch:
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
             allowed_mask=mask_of(p.allowed_token_ids, self.vocab_size) if p.allowed_token_ids else None,
         )
-        counted = 0
+        counted, outputs_from = 0, new.prompt_len - new.resumed
+        if not 0 <= new.resumed < new.prompt_len:
+            raise ProtocolError(f"sequence {new.seq_id} resumes {new.resumed} outputs of a {new.prompt_len}-token prompt")
         if p.has_penalties and self.counts is not None:
             if new.history is None:
                 raise ProtocolError(f"sequence {new.seq_id} has a penalty but came without its history")
             history = new.history
             req.counts = self.counts
-            req.counts_row = self.counts.allocate(history[: new.prompt_len], history[new.prompt_len :])
+            req.counts_row = self.counts.allocate(history[:outputs_from], history[outputs_from:])
             counted = len(history)
-        self.seqs[new.seq_id] = state = _SeqState(req, new.prompt_len, p.min_tokens, p.banned_token_ids, [], counted)
+        self.seqs[new.seq_id] = state = _SeqState(req, outputs_from, p.min_tokens, p.banned_token_ids, [], counted)
         if p.prompt_logprobs is not None:
             if new.history is None:
                 raise ProtocolError(f"sequence {new.seq_id} asks for prompt logprobs but came without its prompt")
