@@ -24,6 +24,7 @@ logger = logging.getLogger("streamkv.entrypoints.server")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
+    from streamkv.engine.watchdog import STEP_TIMEOUT_S
     from streamkv.entrypoints.cli_common import (
         HelpFormatter,
         add_common_args,
@@ -78,6 +79,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                      help="answer 429 while this many requests wait to start (default: no limit)")
     sec.add_argument("--sse-keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments")
     sec.add_argument("--ws-max-active", type=int, default=8, help="concurrent generations per WebSocket")
+    sec.add_argument("--engine-step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="SECONDS",
+                     help="a step running longer turns /health to 503 and ends the request(s) that may "
+                          "have caused it (the engine thread's watchdog)")
+    sec.add_argument("--enable-kv-view", action=argparse.BooleanOptionalAction, default=None,
+                     help="serve the live KV view (/v1/kv/stream; default: only when listening on loopback "
+                          "alone, as even its anonymous rows show other users' activity)")
     add_server_limit_args(sec)
     add_common_args(p)
     add_engine_args(p)
@@ -95,6 +102,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--max-queue-len must be >= 0")
     if not args.log_stats_interval > 0:
         raise SystemExit("--log-stats-interval must be > 0")
+    if not 0 < args.engine_step_timeout < float("inf"):
+        raise SystemExit("--engine-step-timeout must be > 0 seconds")
     if args.ssl_keyfile and not args.ssl_certfile:
         raise SystemExit("--ssl-keyfile needs --ssl-certfile")
     for name in ("ssl_keyfile", "ssl_certfile"):
@@ -153,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = AsyncEngine(build, restarts=RestartBudget(limit=args.max_worker_restarts),
                          log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                         log_requests=args.enable_log_requests)
+                         log_requests=args.enable_log_requests, step_timeout_s=args.engine_step_timeout)
     origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
     hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
     failed: list[bool] = []
@@ -189,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
         auto_tool_choice=args.enable_auto_tool_choice, tokens_as_ids=args.return_tokens_as_token_ids,
-        on_ready=announce,
+        on_ready=announce, kv_view=args.enable_kv_view,
     ))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from streamkv import __version__
+from streamkv.engine.watchdog import STEP_TIMEOUT_S
 from streamkv.entrypoints.cli import build_parser, load_chat_template, main, parse_args
 from tests.entrypoints.conftest import run_server
 
@@ -108,11 +109,44 @@ def test_chat_template_from_a_file_inline_or_refused(tmp_path):
     (["--root-path", "proxy"], "--root-path must start with '/'"),
     (["--log-stats-interval", "0"], "--log-stats-interval must be > 0"),
     (["--tokenizer", "/nonexistent/dir"], "tokenizer must be a local directory"),
+    (["--engine-step-timeout", "0"], "--engine-step-timeout must be > 0"),
+    (["--engine-step-timeout", "nan"], "--engine-step-timeout must be > 0"),
 ])
 def test_serve_refuses_bad_flags_before_listening(argv, message):
     args = _parse("serve", *argv)
     with pytest.raises(SystemExit, match=message):
         args.func(args)
+
+
+class _Wired(Exception):
+    """Raised by the stand-in build_app: what serve built, without loading a model."""
+
+
+@pytest.mark.parametrize("argv, timeout, kv_view", [
+    ([], STEP_TIMEOUT_S, None),  # None: the view is on only when listening on loopback alone
+    (["--engine-step-timeout", "2.5", "--enable-kv-view"], 2.5, True),
+    (["--no-enable-kv-view"], STEP_TIMEOUT_S, False),
+])
+def test_watchdog_and_kv_view_flags_reach_the_engine_and_the_app(monkeypatch, argv, timeout, kv_view):
+    import streamkv.engine.async_engine as async_engine
+    import streamkv.entrypoints.server as server
+
+    built = {}
+
+    class Engine:
+        def __init__(self, build, **kwargs):
+            built.update(kwargs)
+
+    def build_app(engine, config):
+        raise _Wired(config)
+
+    monkeypatch.setattr(async_engine, "AsyncEngine", Engine)
+    monkeypatch.setattr(server, "build_app", build_app)
+    args = _parse("serve", "--port", "0", *argv)
+    with pytest.raises(_Wired) as e:
+        args.func(args)
+    assert built["step_timeout_s"] == timeout
+    assert e.value.args[0].kv_view is kv_view
 
 
 # -- served -----------------------------------------------------------------------------------
