@@ -149,13 +149,15 @@ class SamplingParams:
     # by the engine's max_logprobs.
     prompt_logprobs: int | None = None
     # vLLM's allowed_token_ids: only these tokens may be sampled (every other one's logit is
-    # -inf, whatever the penalties and logit_bias; so are its logprobs); None: any token.
-    allowed_token_ids: list[int] | None = None
+    # -inf, whatever the penalties and logit_bias; so are its logprobs); None: any token. Out
+    # of the repr (the request log): up to 65,536 ids.
+    allowed_token_ids: list[int] | None = field(default=None, repr=False)
     # vLLM's cache_salt: the request's prefix-cache blocks are shared only with requests of
     # the same salt (core/block_pool.root_key), so one tenant cannot probe another's prompts
     # through the cache. Not a sampling field, but carried here so that every path to the
-    # engine (LLM.generate, the server, a resumed request) keeps it.
-    cache_salt: str | None = None
+    # engine (LLM.generate, the server, a resumed request) keeps it. A tenant's secret: out of
+    # the repr (the request log).
+    cache_salt: str | None = field(default=None, repr=False)
     # Set by engine/recovery.py, never by a client: the prompt's last this-many tokens are the
     # outputs of the run this request resumes after a worker restart. Seeded draws, min_tokens
     # and penalties count outputs from before them, so the request goes on as it would have.

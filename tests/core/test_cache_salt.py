@@ -104,3 +104,8 @@ def test_bad_salts_are_refused_by_name(salt):
     with pytest.raises(InvalidParameter) as e:
         SamplingParams(cache_salt=salt)
     assert e.value.param == "cache_salt"
+
+
+def test_the_salt_stays_out_of_the_request_log():
+    # --enable-log-requests logs the parameters' repr; a salt is a tenant's secret.
+    assert "tenant-secret" not in repr(SamplingParams(cache_salt="tenant-secret"))
