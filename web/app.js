@@ -238,7 +238,7 @@ function generate(conv, { parent = conv.leaf, cont = null } = {}) {
     msg = append(conv, { role: "assistant", content: "", pending: true }, parent);
   }
   // HTTP requests name themselves, so the KV view can mark the reply's own block table.
-  const rid = mode === "socket" ? null : "web-" + newId();
+  const rid = mode === "socket" ? null : `web-${kv.token}-${newId()}`;
   if (rid) params.request_id = rid;
   kv.follow(rid ? "chatcmpl-" + rid : null);
   store.save();

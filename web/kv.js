@@ -47,10 +47,18 @@ function explainer(blockSize) {
   return box;
 }
 
+// The secret this page opens the stream with: the server shows the real ids and tables of
+// the requests whose id holds it (the page's own) and anonymous labels for everyone else's.
+function newToken() {
+  const bytes = crypto.getRandomValues(new Uint8Array(18));
+  return btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_");
+}
+
 export class KVView {
   constructor(root, apiKey) {
     this.root = root;
     this.apiKey = apiKey;
+    this.token = newToken();
     this.abort = null;
     this.attempt = 0;
     this.timer = null;
@@ -94,8 +102,8 @@ export class KVView {
   }
 
   // -- the reply on screen --------------------------------------------------------------
-  // `id` is the engine's request id when the page knows it (HTTP requests name their own);
-  // a WebSocket reply's is not sent to the page, so the first request that appears after
+  // HTTP requests name themselves with this.token in their id: the server marks their rows
+  // own. A WebSocket reply's id is the server's, so the first request that appears after
   // the reply began is taken as it (exact on a server with one user, a guess otherwise).
   follow(id) {
     const seen = new Set((this.last ? this.last.requests : []).map((r) => r.request_id));
@@ -107,6 +115,10 @@ export class KVView {
     if (!this.mine || this.mine.id) return;
     const fresh = snap.requests.find((r) => !this.mine.seen.has(r.request_id));
     if (fresh) { this.mine.id = fresh.request_id; this.mineIds.add(fresh.request_id); }
+  }
+
+  isMine(req) {
+    return req.own === true || this.mineIds.has(req.request_id);
   }
 
   // -- the stream ----------------------------------------------------------------------
@@ -134,7 +146,7 @@ export class KVView {
   }
 
   async read(abort) {
-    const resp = await fetch("/v1/kv/stream", { signal: abort.signal, headers: authHeaders(this.apiKey()) });
+    const resp = await fetch(`/v1/kv/stream?token=${this.token}`, { signal: abort.signal, headers: authHeaders(this.apiKey()) });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     this.attempt = 0;
     this.setStatus("live");
@@ -192,8 +204,15 @@ export class KVView {
     this.device.marks = new Map([...this.marks].map(([b, m]) => [b, m.cls]));
     this.device.mine = this.mineBlocks(snap);
     this.device.draw(snap.device, `${snap.block_size} tokens each`);
-    this.cpu.box.hidden = !snap.cpu.num_blocks;
-    if (snap.cpu.num_blocks) this.cpu.draw(snap.cpu, "CPU RAM");
+    // No swap pool (the default on a CPU, where the device pool is RAM already): said, not hidden.
+    this.cpu.grid.hidden = !snap.cpu.num_blocks;
+    if (snap.cpu.num_blocks) {
+      this.cpu.draw(snap.cpu, "CPU RAM");
+      this.cpuNote.textContent = "Preempting a request by swapping moves its blocks here; they come back when it resumes.";
+    } else {
+      this.cpu.caption.textContent = "none: a preempted request gives its blocks back and is recomputed later";
+      this.cpuNote.textContent = "Start the server with --swap-space GIB (or --num-swap-blocks N) to watch requests swap out to CPU RAM and back.";
+    }
     this.drawTables(snap);
     this.timeline.add(snap, this.last && this.last.counters, now);
     this.noteEvents(found.events, now);
@@ -203,7 +222,7 @@ export class KVView {
   mineBlocks(snap) {
     const out = new Set();
     for (const r of snap.requests) {
-      if (!this.mineIds.has(r.request_id)) continue;
+      if (!this.isMine(r)) continue;
       for (const s of r.seqs) if (s.status !== "swapped") s.table.forEach((b) => out.add(b));
     }
     return out;
@@ -238,11 +257,11 @@ export class KVView {
   drawTables(snap) {
     const per = snap.device.blocks_per_cell, cells = snap.device.cells, rcs = snap.ref_counts;
     const rows = snap.requests.map((req) => {
-      const mine = this.mineIds.has(req.request_id);
+      const mine = this.isMine(req);
       const box = el("div", "kv-request" + (mine ? " mine" : ""));
       box.dataset.requestId = req.request_id;
       const label = el("div", "kv-req-id", `${req.request_id.slice(0, 22)} · ${req.seqs.length} seq${req.seqs.length > 1 ? "s" : ""}`);
-      if (mine) label.prepend(el("b", "kv-mine-tag", this.mine && this.mine.guessed && this.mine.id === req.request_id ? "your reply (newest request) · " : "your reply · "));
+      if (mine) label.prepend(el("b", "kv-mine-tag", req.own ? "your reply · " : "your reply (the newest request) · "));
       box.appendChild(label);
       for (const s of req.seqs) {
         const row = el("div", "kv-row" + (s.status === "swapped" ? " swapped" : ""));
