@@ -30,8 +30,12 @@ function el(tag, cls, text) {
   return e;
 }
 
+// Always on screen: one summary line; the full lines below it are open except on a phone.
 function explainer(blockSize) {
-  const box = el("div", "kv-explain");
+  const box = el("details", "kv-explain");
+  box.open = !matchMedia("(max-width: 760px)").matches;
+  box.appendChild(el("summary", "", `A block holds the K/V of ${blockSize} tokens · a block table maps a sequence's ` +
+    "logical blocks to physical ones · orange = shared (×ref count) · copy-on-write"));
   const lines = [
     ["Block", ` = the keys and values (K/V) of ${blockSize} tokens. A request's cache grows one block at a time, so at most ${blockSize - 1} slots sit empty.`],
     ["Block table", " = one row per sequence: logical block 0, 1, 2… (its order in the text) → the physical block that holds it, anywhere in the pool, like a page table."],

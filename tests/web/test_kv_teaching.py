@@ -69,6 +69,16 @@ def test_the_default_pool_is_a_compact_overview_below_the_tables(kv_page):
     for words in ("16 tokens", "Block table", "logical block", "physical block", "ref count", "Copy-on-write"):
         assert words in explain, (words, explain)
     assert page.locator(".kv-explain").is_visible()
+    # On a phone the explanation is one line (the rest a tap away), and the tables follow it.
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.reload()
+    page.wait_for_selector("#kv-root[data-state=live]")
+    summary = page.locator(".kv-explain summary")
+    assert summary.is_visible() and "16 tokens" in summary.inner_text() and "copy-on-write" in summary.inner_text()
+    assert box(page, ".kv-tables")["y"] < 400
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.reload()
+    page.wait_for_selector(".kv-device .cell")
     assert "2,912 blocks" in page.locator(".kv-pool").first.inner_text()
     # The swap half of the paper is not hidden: where it would be, the page says how to see it.
     swap = page.locator(".kv-pool").nth(1)
