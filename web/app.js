@@ -354,6 +354,20 @@ async function importFile(file) {
   renderLog();
 }
 
+// -- attachments -----------------------------------------------------------------------
+// A text file goes into the message as a fenced block (the model reads text only).
+const MAX_ATTACH_BYTES = 200_000;
+async function attach(file) {
+  if (file.size > MAX_ATTACH_BYTES) return notice(`${file.name} is ${Math.round(file.size / 1000)} kB: attach at most ${MAX_ATTACH_BYTES / 1000} kB of text`);
+  const text = await file.text();
+  if (text.includes("\u0000")) return notice(`${file.name} is not a text file`);
+  const fence = text.includes("```") ? "````" : "```";
+  const input = $("input");
+  input.value = `${input.value}${input.value ? "\n\n" : ""}${file.name}:\n${fence}\n${text.replace(/\n$/, "")}\n${fence}\n`;
+  notice("");
+  input.focus();
+}
+
 // -- theme -----------------------------------------------------------------------------
 // auto follows the OS (prefers-color-scheme); the button cycles auto → dark → light.
 const THEMES = ["auto", "dark", "light"];
@@ -425,6 +439,8 @@ $("new-chat").addEventListener("click", () => {
 });
 $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
 $("export").addEventListener("click", exportAll);
+$("attach").addEventListener("click", () => $("attach-file").click());
+$("attach-file").addEventListener("change", (ev) => { const f = ev.target.files[0]; ev.target.value = ""; if (f) attach(f); });
 $("import").addEventListener("click", () => $("import-file").click());
 $("import-file").addEventListener("change", (ev) => { const f = ev.target.files[0]; ev.target.value = ""; if (f) importFile(f); });
 $("toggle-theme").addEventListener("click", () => {

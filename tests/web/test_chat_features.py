@@ -205,3 +205,17 @@ def test_a_finished_reply_can_be_regenerated_at_phone_width(page):
     assert page.locator(f"{REPLY} .branch-label").inner_text() == "2/2"
     assert page.locator(f"{REPLY} .branch-prev").is_visible()
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+
+
+def test_a_text_file_is_attached_into_the_message(sized):
+    page, _ = sized
+    page.fill("#input", "Summarise this:")
+    page.set_input_files("#attach-file", files=[{"name": "notes.txt", "mimeType": "text/plain",
+                                                 "buffer": b"first line\nsecond line\n"}])
+    page.wait_for_function("() => document.querySelector('#input').value.includes('second line')")
+    assert page.input_value("#input") == "Summarise this:\n\nnotes.txt:\n```\nfirst line\nsecond line\n```\n"
+    page.set_input_files("#attach-file", files=[{"name": "blob.bin", "mimeType": "application/octet-stream",
+                                                 "buffer": b"\x00\x01\x02"}])
+    page.wait_for_function("() => document.querySelector('#notice').textContent === 'blob.bin is not a text file'")
+    assert page.locator("#attach").is_visible()
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
