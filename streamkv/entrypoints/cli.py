@@ -30,10 +30,9 @@ __all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from streamkv import SamplingParams
     from streamkv.entrypoints.llm import LLM
+    from streamkv.models.loader import phase
 
     if args.model_flag is not None:
         if args.model is not None:
@@ -45,9 +44,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None,
         )
         template = load_chat_template(args.chat_template) if args.chat_template else None
-        with tqdm(total=1, desc="loading model", file=sys.stderr, leave=False) as bar:
+        with phase("loading the model and allocating the KV cache"):
             llm = LLM(args.model, **engine_kwargs(args))
-            bar.update(1)
     except (ValueError, OSError, RuntimeError) as e:  # a user's mistake: one line, no traceback
         return _fail(e)
     try:

@@ -89,6 +89,20 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
     assert "Traceback" not in out, out
 
 
+def test_a_long_start_up_step_says_it_is_still_working(caplog):
+    from streamkv.models.loader import phase
+
+    with caplog.at_level("INFO", logger="streamkv.models.loader"):
+        with phase("converting the tokenizer", every=0.05):
+            time.sleep(0.18)
+        with phase("a quick step"):
+            pass
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "converting the tokenizer…" and lines.count("a quick step…") == 1
+    assert any(re.fullmatch(r"still converting the tokenizer \(\d s\)", line) for line in lines), lines
+    assert not any("a quick step: done" in line for line in lines)  # said only when it took a while
+
+
 def run_to_exit(args: list[str], timeout: float) -> tuple[int, str, float]:
     """``streamkv serve ARGS`` until it exits by itself: (status, output, seconds)."""
     t0 = time.monotonic()
