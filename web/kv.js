@@ -102,6 +102,9 @@ export class KVView {
       this.headline, this.timeline.box,
       this.legend, this.device.box, this.cpu.box);
     this.device.grid.addEventListener("mouseover", (ev) => this.device.describe(ev.target, this.refCounts(), this.owners()));
+    // Pointing at an event lights up the blocks it names, in the tables and in the pool.
+    this.eventList.addEventListener("mouseover", (ev) => this.spotlight(ev.target.closest("li")));
+    this.eventList.addEventListener("mouseleave", () => this.spotlight(null));
     this.cpu.grid.addEventListener("mouseover", (ev) => this.cpu.describe(ev.target, {}, new Map()));
   }
 
@@ -206,6 +209,7 @@ export class KVView {
     for (const [b, m] of this.marks) if (m.until < now) this.marks.delete(b);
     this.drawLegend(snap);
     this.device.marks = new Map([...this.marks].map(([b, m]) => [b, m.cls]));
+    for (const b of this.spotted || []) this.device.marks.set(b, "spot");
     this.device.mine = this.mineBlocks(snap);
     this.device.draw(snap.device, `${snap.block_size} tokens each`);
     // No swap pool (the default on a CPU, where the device pool is RAM already): said, not hidden.
@@ -251,6 +255,7 @@ export class KVView {
     b.dataset.block = String(block);
     const mark = this.marks.get(block);
     if (mark && state !== "swapped") b.classList.add(mark.cls);
+    if (this.spotted && this.spotted.includes(block) && state !== "swapped") b.classList.add("spot");
     if (refCount) {
       b.appendChild(el("sup", "rc", "×" + refCount));
       b.title = `physical block ${block}, shared: ref count ${refCount}`;
@@ -287,6 +292,17 @@ export class KVView {
     if (snap.num_requests_left_out) rows.push(el("p", "kv-more", `+ ${snap.num_requests_left_out} more requests`));
     if (!rows.length) rows.push(el("p", "kv-idle", "no request holds blocks: send a message and watch its table grow"));
     this.tables.replaceChildren(...rows);
+  }
+
+  spotlight(li) {
+    const blocks = new Set(li && li.dataset.blocks ? li.dataset.blocks.split(",") : []);
+    for (const b of this.tables.querySelectorAll(".blk")) b.classList.toggle("spot", blocks.has(b.dataset.block));
+    const cells = this.device.grid.children;
+    if (this.device.per === 1) {
+      for (const b of this.spotted || []) cells[b]?.classList.remove("spot");
+      for (const b of blocks) cells[Number(b)]?.classList.add("spot");
+    }
+    this.spotted = [...blocks].map(Number);
   }
 
   noteEvents(found, now) {

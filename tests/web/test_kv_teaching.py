@@ -127,6 +127,10 @@ def test_shared_blocks_show_ref_counts_and_copy_on_write_marks_the_copies(kv_pag
     assert "copy-on-write" in event.inner_text() and "copy " in event.inner_text(), event.inner_text()
     copied = event.get_attribute("data-blocks").split(",")
     assert copied and page.locator(".kv-timeline .tl-mark.tl-cow").count() >= 1
+    # Pointing at the event lights its blocks up in the pool (and in the tables while they hold them).
+    event.hover()
+    spotted = page.evaluate("() => [...document.querySelectorAll('.kv-device .cell')].flatMap((c, i) => c.classList.contains('spot') ? [String(i)] : [])")
+    assert set(spotted) == set(copied), (spotted, copied)
     page.screenshot(path=str(ARTIFACTS / "kv_default_n4.png"))
     page.click("#stop")
     wait_reply_done(page, timeout=15_000)
