@@ -112,12 +112,12 @@ def start_server(args, log) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "serve", *([args.model] if args.model else []),
            "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
            *shlex.split(args.engine_args), *shlex.split(args.server_args)]
-    env = dict(os.environ)
-    if args.server_tree:  # another checkout's server (a before/after pair in one call)
-        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.server_tree), env.get("PYTHONPATH", "")])
-    print("server:", shlex.join(cmd), f"(tree {args.server_tree})" if args.server_tree else "", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=os.path.abspath(args.server_tree) if args.server_tree else None)
+    if args.server_tree:  # another checkout's server (a before/after pair in one call), first on the path
+        tree = os.path.abspath(args.server_tree)
+        cmd[1:3] = ["-c", f"import sys; sys.path.insert(0, {tree!r}); sys.argv[0] = 'streamkv'; "
+                          "from streamkv.entrypoints.cli import main; sys.exit(main())"]
+    print("server:", shlex.join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     import urllib.request
 
@@ -187,9 +187,12 @@ def profile_later(args, pid: int) -> threading.Thread | None:
 
     def record() -> None:
         time.sleep(args.py_spy_delay)
-        cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "100",
-               "--duration", str(args.py_spy_seconds), "--format", "raw", "-o", f"{args.py_spy}.txt"]
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=args.py_spy_seconds + 120)
+        # --gil: only the thread holding the GIL is sampled, so the profile is what the event
+        # loop and the engine thread take of the one interpreter they share.
+        cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--threads", "--gil", "--rate", "200",
+               "--duration", str(int(args.py_spy_seconds)), "--format", "raw", "-o", f"{args.py_spy}.txt"]
+        with open(f"{args.py_spy}.err", "w") as err:
+            subprocess.run(cmd, stdout=err, stderr=subprocess.STDOUT, timeout=args.py_spy_seconds + 120)
 
     t = threading.Thread(target=record, daemon=True)
     t.start()
@@ -279,6 +282,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         log.close()
+    with open(log.name) as f:  # the server's periodic stats lines: running / waiting over the run
+        result["server_stats"] = [line.strip() for line in f if "streamkv.stats" in line][-400:]
     print(f"\n{'rate':>6}{'ok':>6}{'fail':>6}{'out tok/s':>11}{'ratio':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'goodput':>9}")
     for s in result["rates"]:

@@ -180,7 +180,10 @@ if [[ " $PARTS " == *" serve "* ]]; then
   # The server's defaults: 1,000 at once beside the offline engine, then Poisson arrivals,
   # 2,000 requests a point (long enough that a rate past capacity shows its growing queue).
   step serve_burst 170 $SERVE --num-prompts 1000 --request-rate inf --offline --engine-args "$E8B" \
-    --json-out "$OUT/serve_burst.json"
+    --py-spy "$OUT/pyspy_burst" --json-out "$OUT/serve_burst.json"
+  # The same with Python's default GIL switch interval (5 ms; the engine thread sets 0.5 ms).
+  step serve_burst_switch5 120 env STREAMKV_GIL_SWITCH_INTERVAL_MS=5 $SERVE --num-prompts 1000 \
+    --request-rate inf --engine-args "$E8B" --json-out "$OUT/serve_burst_switch5.json"
   step serve_poisson 560 $SERVE --num-prompts 2000 --request-rate ${RATES:-48,40,32,24,16} --engine-args "$E8B" \
     --json-out "$OUT/serve_poisson.json"
   step serve_poisson_low 400 $SERVE --num-prompts 2000 --request-rate ${LOW_RATES:-8} --engine-args "$E8B" \

@@ -43,6 +43,12 @@ class EngineCommands:
         # A deque: append and popleft are atomic, the two threads need no lock.
         self._queue: collections.deque = collections.deque()
         self._wakeup = threading.Event()
+        # Requests whose last output the loop has not read yet (RequestStream keeps it, the
+        # engine thread reads it): the engine builds no new snapshot for them until it is
+        # read, since outputs are cumulative and the reader would skip to the newest anyway.
+        # Under a burst this halved the outputs built and dispatched per step. A set's add,
+        # discard and `in` are atomic under the GIL: no lock.
+        self.unread: set[str] = set()
 
     # -- the event loop's side --------------------------------------------------------------
     def submit(self, sub: Submission) -> None:

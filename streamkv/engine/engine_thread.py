@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +31,12 @@ from streamkv.sequence import RequestOutput
 # The async engine's lines keep the one logger name they had before it was split in modules.
 logger = logging.getLogger("streamkv.engine.async_engine")
 _IDLE_PROBE_S = 1.0
+# The engine thread and the event loop share the GIL. Each time the engine thread comes back
+# from a blocking call (the step's IPC, a device sync) it waits for the loop to give the GIL
+# up, by default after 5 ms of Python's switch interval: under a burst that convoy added
+# several milliseconds to every step. The interval is set when the thread starts;
+# STREAMKV_GIL_SWITCH_INTERVAL_MS overrides it (docs/benchmarks.md "Serving").
+GIL_SWITCH_INTERVAL_MS = float(os.environ.get("STREAMKV_GIL_SWITCH_INTERVAL_MS", "0.5"))
 
 
 @dataclass(slots=True)
@@ -73,6 +81,7 @@ class EngineThread:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_MS / 1e3)
         self._thread = threading.Thread(target=self._run, name="streamkv-engine", daemon=True)
         self._thread.start()
         self._watchdog.start(self._thread)
@@ -143,7 +152,7 @@ class EngineThread:
                     probe()
                 continue
             self._clock.begin()
-            outputs = engine.step()
+            outputs = engine.step(unread=self._commands.unread)
             self._clock.end()
             waiting = engine.num_waiting()
             if outputs or waiting != last_waiting:

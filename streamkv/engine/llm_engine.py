@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 
 from streamkv.config import EngineConfig
@@ -185,15 +185,16 @@ class LLMEngine:
         )
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, unread: Container[str] = ()) -> list[RequestOutput]:
         """One iteration: the outputs of one step, for every request it touched (with
         ``finished_only``, for those that finished: offline generation skips building a
-        snapshot of every running request on every step). With async scheduling the next
+        snapshot of every running request on every step; nor for the running requests in
+        ``unread``, whose last output the server has not read yet). With async scheduling the next
         step is scheduled and submitted before this one's outputs are processed, and stays
         in flight when this returns (engine/step_pipeline.py)."""
         current, self._inflight = self._inflight, None
         if current is not None and not current.live:  # all it ran has ended: its outputs are void
-            self._complete(current, finished_only)
+            self._complete(current, finished_only, unread)
             current = None
         current = current or self._launch()
         if current.overlaps:
@@ -202,12 +203,12 @@ class LLMEngine:
             current.advanced = True
             following = self._launch()
             if following.handle is None:  # refused, or nothing to run: no need to wait a step
-                return self._complete(current, finished_only) + self._complete(following, finished_only)
+                return self._complete(current, finished_only, unread) + self._complete(following, finished_only, unread)
             self._inflight = following
-            outputs = self._complete(current, finished_only)
+            outputs = self._complete(current, finished_only, unread)
             send_masks(following, self.structured)  # the matchers took this step's tokens
             return outputs
-        return self._complete(current, finished_only)
+        return self._complete(current, finished_only, unread)
 
     def _launch(self) -> InFlight:
         """Schedule a step and hand it to the executor."""
@@ -227,7 +228,7 @@ class LLMEngine:
                          and overlappable(sched, step.handle if self.config.scheduler.overlap_structured else None))
         return step
 
-    def _complete(self, step: InFlight, finished_only: bool) -> list[RequestOutput]:
+    def _complete(self, step: InFlight, finished_only: bool, unread: Container[str] = ()) -> list[RequestOutput]:
         """Wait for a step's samples and apply them."""
         sched = step.sched
         send_masks(step, self.structured)  # a no-op: step() sent them (a safety net, not a path)
@@ -237,7 +238,7 @@ class LLMEngine:
             result = step.handle.result() if step.handle is not None else StepOutput()
         except StepFailed as e:
             return self._fail_step(sched, e)
-        outputs = self.outputs.process(sched, result, finished_only, advanced=step.advanced)
+        outputs = self.outputs.process(sched, result, finished_only, advanced=step.advanced, unread=unread)
         self.stats_.record_step(sched, step.started)
         for out in outputs:
             if out.finished:

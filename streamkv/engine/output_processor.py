@@ -5,7 +5,7 @@ build RequestOutputs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from streamkv.core.block_manager import BlockManager
 from streamkv.core.scheduler import SchedulerOutput
@@ -69,9 +69,12 @@ class OutputProcessor:
                     seq.add_pending()
 
     def process(
-        self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False, advanced: bool = False
+        self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False, advanced: bool = False,
+        unread: Container[str] = (),
     ) -> list[RequestOutput]:
-        """Apply a step's samples. ``advanced``: ``advance`` already ran for this step."""
+        """Apply a step's samples. ``advanced``: ``advance`` already ran for this step. Outputs
+        are built for the requests touched, but for running ones with ``finished_only`` or in
+        ``unread`` (their last output is not read yet: outputs are cumulative)."""
         if not advanced:
             self.advance(sched)
         results = result.results
@@ -118,7 +121,7 @@ class OutputProcessor:
             if group.finished:
                 if group.finished_time is None:
                     group.finished_time = now
-            elif finished_only:
+            elif finished_only or group.request_id in unread:
                 continue
             outputs.append(self.make_output(group))
         return outputs

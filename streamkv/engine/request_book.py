@@ -57,7 +57,7 @@ class RequestBook:
         """A stream for ``sub``, which goes to the engine thread at once."""
         if sub.request_id in self._streams:
             raise ValueError(f"request id {sub.request_id!r} is already in use")
-        stream = RequestStream(sub.request_id, notify, sub.arrival_time)
+        stream = RequestStream(sub.request_id, notify, sub.arrival_time, self._commands.unread)
         self._streams[sub.request_id] = stream
         self._pending += 1
         self._subs[sub.request_id] = sub
@@ -65,6 +65,7 @@ class RequestBook:
         return stream
 
     def forget(self, request_id: str) -> RequestStream | None:
+        self._commands.unread.discard(request_id)
         self._subs.pop(request_id, None)
         self._resumed.pop(request_id, None)
         return self._streams.pop(request_id, None)

@@ -42,9 +42,11 @@ class RequestStream:
     """The outputs of one request, newest only. Several streams may share one ``notify``
     event so that a response covering several prompts waits on all of them at once."""
 
-    def __init__(self, request_id: str, notify: asyncio.Event, arrival: float) -> None:
+    def __init__(self, request_id: str, notify: asyncio.Event, arrival: float,
+                 unread: set[str] | None = None) -> None:
         self.request_id = request_id
         self.notify = notify
+        self._unread = unread  # EngineCommands.unread: this request while an output waits here
         self.arrival = arrival
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -58,6 +60,8 @@ class RequestStream:
         self._latest = self.last = out
         if out.finished:
             self.finished = True
+        elif self._unread is not None:
+            self._unread.add(self.request_id)
         self.notify.set()
 
     def fail(self, error: BaseException) -> None:
@@ -69,8 +73,11 @@ class RequestStream:
         """The newest output not yet taken (None if nothing new); raises the stream's error
         once every output before it was taken."""
         out, self._latest = self._latest, None
-        if out is None and self._error is not None:
-            raise self._error
+        if out is None:
+            if self._error is not None:
+                raise self._error
+        elif self._unread is not None:
+            self._unread.discard(self.request_id)
         return out
 
     @property

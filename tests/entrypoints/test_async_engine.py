@@ -155,12 +155,12 @@ class DyingEngine(FakeEngine):
         super().__init__(**kw)
         self.die_at = die_at
 
-    def step(self):
+    def step(self, unread=()):
         if self.die_at is not None and self.steps >= self.die_at:
             from streamkv.executor.multiproc import WorkerError
 
             raise WorkerError("worker rank 0 (pid 1) was killed by SIGKILL")
-        return super().step()
+        return super().step(unread)
 
 
 def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_text():

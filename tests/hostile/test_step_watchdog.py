@@ -19,25 +19,25 @@ HANG = 666  # a prompt holding this token makes the fake's step spin forever, in
 
 
 class SpinningEngine(FakeEngine):
-    def step(self):
+    def step(self, unread=()):
         if any(HANG in r["ids"] for r in self.requests.values()):
             while True:  # what top_p=1e-46 did to the sampler's rounds
                 pass
-        return super().step()
+        return super().step(unread)
 
 
 class NativeHang(FakeEngine):
     """A step stuck where no exception can reach it (a long native call): modelled by a
     sleep that ignores the watchdog's interrupt."""
 
-    def step(self):
+    def step(self, unread=()):
         if any(HANG in r["ids"] for r in self.requests.values()):
             while True:
                 try:
                     time.sleep(60)
                 except BaseException:  # noqa: BLE001 - a native call would not see it either
                     continue
-        return super().step()
+        return super().step(unread)
 
 
 class Recording(AsyncEngine):
