@@ -11,6 +11,7 @@ reads safetensors directly.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import importlib.util
 import json
@@ -35,6 +36,11 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 GGUF_MARKER = ".complete"  # written last by convert_gguf; only converted directories have it
 
 
+# The innermost phase running in this context: a phase inside another quiets the outer
+# one's heartbeat while it runs, so a step is told once, by its most precise name.
+_CURRENT_PHASE: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("phase", default=None)
+
+
 @contextlib.contextmanager
 def phase(what: str, every: float = 10.0, log: logging.Logger = logger) -> Iterator[None]:
     """A start-up step that may take long, told as it goes: ``what…`` now, ``still what
@@ -42,11 +48,16 @@ def phase(what: str, every: float = 10.0, log: logging.Logger = logger) -> Itera
     minute looks like a hang; a line every few seconds says it is working."""
     t0 = time.monotonic()
     log.info("%s…", what)
-    stop = threading.Event()
+    stop, quiet = threading.Event(), threading.Event()
+    outer = _CURRENT_PHASE.get()
+    if outer is not None:
+        outer.set()
+    token = _CURRENT_PHASE.set(quiet)
 
     def beat() -> None:
         while not stop.wait(every):
-            log.info("still %s (%.0f s)", what, time.monotonic() - t0)
+            if not quiet.is_set():
+                log.info("still %s (%.0f s)", what, time.monotonic() - t0)
 
     thread = threading.Thread(target=beat, name="startup-progress", daemon=True)
     thread.start()
@@ -54,6 +65,9 @@ def phase(what: str, every: float = 10.0, log: logging.Logger = logger) -> Itera
         yield
     finally:
         stop.set()
+        _CURRENT_PHASE.reset(token)
+        if outer is not None:
+            outer.clear()
         took = time.monotonic() - t0
         if took > 2:
             log.info("%s: done in %.1f s", what, took)

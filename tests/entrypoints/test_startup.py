@@ -101,6 +101,13 @@ def test_a_long_start_up_step_says_it_is_still_working(caplog):
     assert lines[0] == "converting the tokenizer…" and lines.count("a quick step…") == 1
     assert any(re.fullmatch(r"still converting the tokenizer \(\d s\)", line) for line in lines), lines
     assert not any("a quick step: done" in line for line in lines)  # said only when it took a while
+    caplog.clear()
+    with caplog.at_level("INFO", logger="streamkv.models.loader"):
+        with phase("loading", every=0.05), phase("converting", every=0.05):
+            time.sleep(0.18)  # only the inner step, the precise one, says it is still running
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("still converting") for line in lines), lines
+    assert not any(line.startswith("still loading") for line in lines), lines
 
 
 def run_to_exit(args: list[str], timeout: float) -> tuple[int, str, float]:
