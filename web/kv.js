@@ -136,6 +136,7 @@ export class KVView {
     this.read(abort).catch((e) => {
       if (abort.signal.aborted && this.abort !== abort) return; // stopped on purpose
       this.abort = null;
+      if (e.final) return this.setStatus(e.message, "off"); // the server has the view off: retrying will not help
       const delay = Math.min(15000, 500 * 2 ** this.attempt++);
       this.setStatus(`disconnected (${e.message}), retrying in ${(delay / 1000).toFixed(1)} s`);
       this.timer = setTimeout(() => this.start(), delay);
@@ -154,7 +155,11 @@ export class KVView {
 
   async read(abort) {
     const resp = await fetch(`/v1/kv/stream?token=${this.token}`, { signal: abort.signal, headers: authHeaders(this.apiKey()) });
-    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    if (resp.status === 404) {
+      const body = await resp.json().catch(() => ({}));
+      throw Object.assign(new Error(body.error?.message || "this server has no KV-cache view"), { final: true });
+    }
+    if (!resp.ok) throw new Error(resp.status === 401 ? "HTTP 401: the server needs an API key (Settings)" : `HTTP ${resp.status}`);
     this.attempt = 0;
     this.setStatus("live");
     const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -173,7 +178,7 @@ export class KVView {
     }
   }
 
-  setStatus(text) { this.status.textContent = text; this.root.dataset.state = text.split(" ")[0]; }
+  setStatus(text, state = text.split(" ")[0]) { this.status.textContent = text; this.root.dataset.state = state; }
 
   // -- drawing -------------------------------------------------------------------------
   refCounts() { return this.last ? this.last.ref_counts : {}; }

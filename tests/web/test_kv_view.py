@@ -97,3 +97,19 @@ def test_a_beam_search_request_shares_blocks_between_beams(page):
     assert page.locator(".msg.assistant .choices button").count() == 2
     assert "tok/s" in page.locator(".msg.assistant .stats").inner_text()
     wait_all_free(page)
+
+
+def test_a_server_with_the_view_off_is_said_once_not_retried(page):
+    calls = []
+
+    def off(route):
+        calls.append(route.request.url)
+        route.fulfill(status=404, content_type="application/json", body='{"error": {"message": "the KV-cache view is '
+                      'off on this server (it listens beyond loopback; enable it explicitly)"}}')
+
+    page.route("**/v1/kv/stream*", off)
+    page.click("#toggle-kv")
+    page.wait_for_selector("#kv-root[data-state=off]")
+    assert "the KV-cache view is off on this server" in page.locator(".kv-status").inner_text()
+    page.wait_for_timeout(1500)  # a retry would come after 0.5 s
+    assert len(calls) == 1
