@@ -3,9 +3,10 @@
 // the browser, as a user sees them (time to first token includes queueing and delivery).
 "use strict";
 
-import { enhance, renderMarkdown } from "./markdown.js";
-import { append, history, markFailed, newId, showBranch, siblings, Store } from "./store.js";
+import { button, messageEl } from "./messages.js";
+import { append, history, markFailed, newId, showBranch, Store } from "./store.js";
 import { KVView } from "./kv.js";
+import { attachText, exportConversations, importConversations, noticeIn, onFile, statusIn, themeToggle } from "./page_tools.js";
 import { authHeaders, ChatSocket, startHttpStream, startHttpWhole } from "./transport.js";
 
 const $ = (id) => document.getElementById(id);
@@ -15,35 +16,10 @@ const apiKey = () => sessionStorage.getItem("streamkv.api_key") || "";
 let active = null; // the generation in flight
 let editing = null; // id of the user message being edited
 
+const notice = noticeIn($("notice"));
+const showStatus = statusIn($("status"), apiKey, () => setRunning(!!active));
 const socket = new ChatSocket({ apiKey, onStatus: showStatus });
 store.onError = notice;
-
-// -- connection state ------------------------------------------------------------------
-// The header says what is known: connected, or why not (the server is unreachable, or it
-// wants an API key) with a live countdown to the next attempt. Send is off meanwhile.
-let statusTimer = 0, statusWhy = "";
-function showStatus(state, text, retryAt) {
-  clearInterval(statusTimer);
-  const el = $("status");
-  el.dataset.state = state;
-  setRunning(!!active);
-  if (state !== "disconnected") { el.textContent = text; statusWhy = ""; return; }
-  const draw = () => {
-    const secs = Math.max(0, Math.ceil((retryAt - Date.now()) / 1000));
-    el.textContent = `${statusWhy || "server unreachable"} · retrying in ${secs} s`;
-  };
-  draw();
-  statusTimer = setInterval(draw, 500);
-  fetch("/v1/models", { headers: authHeaders(apiKey()) }).then((r) => {
-    statusWhy = r.status === 401 ? "the server needs an API key (Settings)" : r.ok ? "chat socket closed" : `server error ${r.status}`;
-  }, () => { statusWhy = "server unreachable"; }).finally(draw);
-}
-
-function notice(text) {
-  const n = $("notice");
-  n.textContent = text;
-  n.hidden = !text;
-}
 
 // -- parameters ------------------------------------------------------------------------
 function requestParams() {
@@ -60,126 +36,22 @@ function requestParams() {
   return { mode: "socket", params: p };
 }
 
-// -- rendering -------------------------------------------------------------------------
-function button(label, onClick, cls = "") {
-  const b = document.createElement("button");
-  b.type = "button";
-  b.textContent = label;
-  b.className = cls;
-  b.addEventListener("click", onClick);
-  return b;
-}
-
-async function copyText(text, btn) {
-  try {
-    await navigator.clipboard.writeText(text);
-  } catch {
-    const area = Object.assign(document.createElement("textarea"), { value: text });
-    document.body.appendChild(area);
-    area.select();
-    document.execCommand("copy");
-    area.remove();
-  }
-  const was = btn.textContent;
-  btn.textContent = "copied";
-  setTimeout(() => { btn.textContent = was; }, 1200);
-}
-
-function statsText(msg) {
-  const st = msg.stats;
-  if (!st) return msg.pending ? "waiting for the first token…" : "";
-  const parts = [];
-  if (st.tokens !== null) parts.push(`${st.tokens} tokens`);
-  if (st.tps !== null) parts.push(`${st.live ? "~" : ""}${st.tps.toFixed(1)} tok/s`);
-  if (st.ttft_ms !== null) parts.push(`first token ${Math.round(st.ttft_ms)} ms`);
-  if (st.finish_reason) parts.push(st.finish_reason === "abort" ? "stopped" : st.finish_reason);
-  return parts.join(" · ");
-}
-
-function fillUser(el, conv, msg) {
-  if (editing === msg.id) {
-    const area = Object.assign(document.createElement("textarea"), { value: msg.content, rows: 3, className: "edit" });
-    const save = button("Save & send", () => resendEdited(conv, msg, area.value), "primary");
-    el.append(area, actions(button("Cancel", () => { editing = null; renderLog(); }), save));
-    setTimeout(() => area.focus());
-    return;
-  }
-  const body = Object.assign(document.createElement("div"), { className: "body", textContent: msg.content });
-  el.append(body, actions(
-    ...branchNav(conv, msg),
-    button("Edit", () => { if (!active) { editing = msg.id; renderLog(); } }, "edit-btn"),
-    button("Copy", (ev) => copyText(msg.content, ev.currentTarget), "copy-btn"),
-  ));
-}
-
-function fillAssistant(el, conv, msg) {
-  if (msg.choices && msg.choices.length > 1) {
-    const tabs = Object.assign(document.createElement("div"), { className: "choices" });
-    msg.choices.forEach((_, i) => {
-      const b = button(`${i + 1}`, () => { msg.chosen = i; msg.content = msg.choices[i] || ""; store.save(); renderLog(); });
-      b.classList.toggle("chosen", i === (msg.chosen || 0));
-      b.title = "show sample " + (i + 1) + " (the one shown goes into the history)";
-      tabs.appendChild(b);
-    });
-    el.appendChild(tabs);
-  }
-  const body = Object.assign(document.createElement("div"), { className: "body markdown" });
-  body.innerHTML = renderMarkdown(msg.content || "");
-  enhance(body);
-  for (const pre of body.querySelectorAll("pre")) {
-    pre.prepend(button("copy", (ev) => copyText(pre.querySelector("code").textContent, ev.currentTarget), "code-copy"));
-  }
-  el.appendChild(body);
-  if (msg.error) el.appendChild(Object.assign(document.createElement("div"), { className: "error-text", textContent: msg.error }));
-  const stats = Object.assign(document.createElement("span"), { className: "stats", textContent: statsText(msg) });
-  if (msg.stats && msg.stats.tps !== null && !msg.stats.live) stats.dataset.tps = msg.stats.tps.toFixed(2);
-  const last = conv.messages[conv.messages.length - 1] === msg;
-  const buttons = [stats, ...branchNav(conv, msg)];
-  if (!msg.pending) {
-    if (msg.content) buttons.push(button("Copy", (ev) => copyText(msg.content, ev.currentTarget), "copy-btn"));
-    if (last && msg.stats && msg.stats.finish_reason === "length" && !msg.choices) {
-      buttons.push(button("Continue", () => continueReply(conv, msg), "continue-btn"));
-    }
-    buttons.push(button(msg.failed ? "Retry" : "Regenerate", () => regenerate(conv, msg), "regen-btn"));
-  }
-  el.appendChild(actions(...buttons));
-}
-
-// ‹ 2/3 ›: the versions of a message kept by Regenerate and Edit.
-function branchNav(conv, msg) {
-  const all = siblings(conv, msg);
-  if (all.length < 2) return [];
-  const i = all.indexOf(msg);
-  const go = (j) => { if (!active && all[j]) { editing = null; showBranch(conv, all[j]); store.save(); renderLog(); } };
-  const prev = button("‹", () => go(i - 1), "branch-prev");
-  const next = button("›", () => go(i + 1), "branch-next");
-  prev.disabled = i === 0;
-  next.disabled = i === all.length - 1;
-  prev.title = next.title = "other versions of this message (kept by Regenerate and Edit)";
-  const label = Object.assign(document.createElement("span"), { className: "branch-label", textContent: `${i + 1}/${all.length}` });
-  const nav = Object.assign(document.createElement("span"), { className: "branches" });
-  nav.append(prev, label, next);
-  return [nav];
-}
-
-function actions(...children) {
-  const div = Object.assign(document.createElement("div"), { className: "actions" });
-  div.append(...children);
-  return div;
-}
-
-function messageEl(conv, msg) {
-  const el = document.createElement("div");
-  el.className = `msg ${msg.role}` + (msg.failed ? " failed" : "") + (msg.pending ? " pending" : "");
-  el.dataset.id = msg.id;
-  (msg.role === "user" ? fillUser : fillAssistant)(el, conv, msg);
-  return el;
-}
+// What the message buttons do (messages.js draws them).
+const ui = {
+  editing: () => editing,
+  startEdit(msg) { if (!active) { editing = msg.id; renderLog(); } },
+  cancelEdit() { editing = null; renderLog(); },
+  saveEdit: (conv, msg, text) => resendEdited(conv, msg, text),
+  chooseSample(msg, i) { msg.chosen = i; msg.content = msg.choices[i] || ""; store.save(); renderLog(); },
+  showVersion(conv, other) { if (!active) { editing = null; showBranch(conv, other); store.save(); renderLog(); } },
+  regenerate: (conv, msg) => regenerate(conv, msg),
+  continueReply: (conv, msg) => continueReply(conv, msg),
+};
 
 function renderLog() {
   const conv = store.current, log = $("log");
   const stick = log.scrollHeight - log.scrollTop - log.clientHeight < 80;
-  log.replaceChildren(...conv.messages.map((m) => messageEl(conv, m)));
+  log.replaceChildren(...conv.messages.map((m) => messageEl(conv, m, ui)));
   if (!conv.messages.length) {
     log.appendChild(Object.assign(document.createElement("p"), { className: "empty", textContent: "Start a conversation below." }));
   }
@@ -193,7 +65,7 @@ function renderMessage(conv, msg) {
   if (!old) return renderLog();
   const log = $("log");
   const stick = log.scrollHeight - log.scrollTop - log.clientHeight < 80;
-  old.replaceWith(messageEl(conv, msg));
+  old.replaceWith(messageEl(conv, msg, ui));
   if (stick) log.scrollTop = log.scrollHeight;
 }
 
@@ -333,51 +205,6 @@ function resendEdited(conv, msg, text) {
   generate(conv, { parent: edited.id });
 }
 
-// -- export / import -------------------------------------------------------------------
-function exportAll() {
-  const blob = new Blob([store.exportJSON()], { type: "application/json" });
-  const a = Object.assign(document.createElement("a"), {
-    href: URL.createObjectURL(blob), download: `streamkv-chats-${new Date().toISOString().slice(0, 10)}.json` });
-  document.body.appendChild(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(a.href), 10_000);
-}
-
-async function importFile(file) {
-  try {
-    const n = store.importJSON(await file.text());
-    notice(`imported ${n} conversation${n > 1 ? "s" : ""} from ${file.name}`);
-  } catch (e) {
-    notice(`could not import ${file.name}: ${e.message}`);
-  }
-  renderLog();
-}
-
-// -- attachments -----------------------------------------------------------------------
-// A text file goes into the message as a fenced block (the model reads text only).
-const MAX_ATTACH_BYTES = 200_000;
-async function attach(file) {
-  if (file.size > MAX_ATTACH_BYTES) return notice(`${file.name} is ${Math.round(file.size / 1000)} kB: attach at most ${MAX_ATTACH_BYTES / 1000} kB of text`);
-  const text = await file.text();
-  if (text.includes("\u0000")) return notice(`${file.name} is not a text file`);
-  const fence = text.includes("```") ? "````" : "```";
-  const input = $("input");
-  input.value = `${input.value}${input.value ? "\n\n" : ""}${file.name}:\n${fence}\n${text.replace(/\n$/, "")}\n${fence}\n`;
-  notice("");
-  input.focus();
-}
-
-// -- theme -----------------------------------------------------------------------------
-// auto follows the OS (prefers-color-scheme); the button cycles auto → dark → light.
-const THEMES = ["auto", "dark", "light"];
-function setTheme(theme) {
-  document.documentElement.dataset.theme = theme;
-  localStorage.setItem("streamkv.theme", theme);
-  $("toggle-theme").textContent = { auto: "◐ auto", dark: "☾ dark", light: "☀ light" }[theme];
-  $("toggle-theme").title = `colour theme: ${theme} (click to change)`;
-}
-
 // -- the model card --------------------------------------------------------------------
 async function loadModel() {
   const el = $("model");
@@ -438,16 +265,10 @@ $("new-chat").addEventListener("click", () => {
   $("input").focus();
 });
 $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
-$("export").addEventListener("click", exportAll);
-$("attach").addEventListener("click", () => $("attach-file").click());
-$("attach-file").addEventListener("change", (ev) => { const f = ev.target.files[0]; ev.target.value = ""; if (f) attach(f); });
-$("import").addEventListener("click", () => $("import-file").click());
-$("import-file").addEventListener("change", (ev) => { const f = ev.target.files[0]; ev.target.value = ""; if (f) importFile(f); });
-$("toggle-theme").addEventListener("click", () => {
-  const now = document.documentElement.dataset.theme || "auto";
-  setTheme(THEMES[(THEMES.indexOf(now) + 1) % THEMES.length]);
-});
-setTheme(THEMES.includes(localStorage.getItem("streamkv.theme")) ? localStorage.getItem("streamkv.theme") : "auto");
+$("export").addEventListener("click", () => exportConversations(store));
+onFile($("attach"), $("attach-file"), (f) => attachText($("input"), f, notice));
+onFile($("import"), $("import-file"), async (f) => { await importConversations(store, f, notice); renderLog(); });
+themeToggle($("toggle-theme"));
 
 // The KV view streams only while it is shown: a hidden pane costs the server nothing.
 const kv = new KVView($("kv-root"), apiKey);
