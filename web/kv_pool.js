@@ -38,7 +38,12 @@ export class PoolView {
     this.zoom = el("button", "kv-zoom", "zoom");
     this.zoom.type = "button";
     this.zoom.title = "show every block at full size";
-    this.zoom.addEventListener("click", () => { this.zoomed = !this.zoomed; this.zoom.textContent = this.zoomed ? "fit" : "zoom"; this.layout = null; });
+    this.zoom.addEventListener("click", () => {
+      this.zoomed = !this.zoomed;
+      this.zoom.textContent = this.zoomed ? "fit" : "zoom";
+      this.layout = null;
+      if (this.pool) this.draw(this.pool, this.what); // now: an idle server sends no new snapshot
+    });
     this.title.append(" ", this.zoom);
     this.box = el("section", "kv-pool");
     this.box.append(this.title, this.caption, this.grid);
@@ -61,6 +66,7 @@ export class PoolView {
 
   draw(pool, what) {
     this.pool = pool;
+    this.what = what;
     const layout = this.layout && this.layout.n === pool.cells.length ? this.layout : { n: pool.cells.length, ...this.fit(pool.cells.length) };
     this.layout = layout;
     const cells = (this.cells = regroup(pool.cells, layout.per));

@@ -61,6 +61,10 @@ def test_the_default_pool_is_a_compact_overview_below_the_tables(kv_page):
     assert page.locator(".kv-device .cell").count() == DEFAULT_BLOCKS
     assert page.get_attribute(".kv-device", "data-per-cell") == "1"
     assert box(page, ".kv-device")["height"] <= 160  # not a screenful of grey cells
+    page.click(".kv-pool .kv-zoom")  # every block at full size, on demand
+    page.wait_for_function("() => document.querySelector('.kv-device').getBoundingClientRect().height > 400")
+    page.click(".kv-pool .kv-zoom")
+    page.wait_for_function("() => document.querySelector('.kv-device').getBoundingClientRect().height <= 160")
     # What teaches comes first and is in the first screen of the pane.
     tables, events, pool = box(page, ".kv-tables"), box(page, ".kv-events"), box(page, ".kv-device")
     assert tables["y"] < events["y"] < pool["y"]
