@@ -218,7 +218,7 @@ export class KVView {
     this.device.mine = this.mineBlocks(snap);
     this.device.draw(snap.device, `${snap.block_size} tokens each`);
     // No swap pool (the default on a CPU, where the device pool is RAM already): said, not hidden.
-    this.cpu.grid.hidden = !snap.cpu.num_blocks;
+    this.cpu.grid.hidden = this.cpu.zoom.hidden = !snap.cpu.num_blocks;
     if (snap.cpu.num_blocks) {
       this.cpu.draw(snap.cpu, "CPU RAM");
       this.cpuNote.textContent = "Preempting a request by swapping moves its blocks here; they come back when it resumes.";
