@@ -112,12 +112,15 @@ def start_server(args, log) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "serve", *([args.model] if args.model else []),
            "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
            *shlex.split(args.engine_args), *shlex.split(args.server_args)]
-    if args.server_tree:  # another checkout's server (a before/after pair in one call), first on the path
-        tree = os.path.abspath(args.server_tree)
-        cmd[1:3] = ["-c", f"import sys; sys.path.insert(0, {tree!r}); sys.argv[0] = 'streamkv'; "
-                          "from streamkv.entrypoints.cli import main; sys.exit(main())"]
-    print("server:", shlex.join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env, cwd = None, None
+    if args.server_tree:  # another checkout's server (a before/after pair in one call)
+        # Run from that tree with it first on the path, for the worker processes it spawns
+        # too (a spawned child puts its working directory first): paths in --engine-args
+        # must then be absolute.
+        cwd = os.path.abspath(args.server_tree)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([cwd, os.environ.get("PYTHONPATH", "")])}
+    print("server:", shlex.join(cmd), f"(in {cwd})" if cwd else "", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     import urllib.request
 

@@ -168,8 +168,8 @@ SERVE="python3 benchmarks/bench_serve.py --model llama3-8b --dataset-file bench_
 E8B="--tokenizer bench_inputs/smollm2-tokenizer --load-format dummy --device cuda --dtype bfloat16"
 if [[ " $PARTS " == *" serve "* ]]; then
   export PATH=/tmp/site/bin:$PATH  # py-spy, carried as a wheel
-  step serve_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_shutdown_cuda.py \
-    tests/engine/test_async_scheduling_cuda.py tests/executor/test_async_mp_cuda.py
+  step serve_tests 150 python3 -m pytest -q -p no:cacheprovider ${SERVE_TESTS:-tests/engine/test_shutdown_cuda.py \
+    tests/engine/test_async_scheduling_cuda.py tests/executor/test_async_mp_cuda.py}
   # The token budget: 1,000 at once, offline and served, prefix cache off (each run cold).
   for b in ${BUDGETS:-2048 4096 8192 16384}; do
     spy=""
@@ -192,10 +192,12 @@ if [[ " $PARTS " == *" serve "* ]]; then
   step serve_inprocess 170 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
     --server-args "--distributed-executor-backend inprocess" --json-out "$OUT/serve_inprocess.json"
   # The tree before issue 25, its defaults (the fitted prefill cap on), same requests.
+  # (--server-tree runs the server from that directory: the tokenizer's path is absolute.)
+  E8B_ABS="--tokenizer $PWD/bench_inputs/smollm2-tokenizer --load-format dummy --device cuda --dtype bfloat16"
   step before_burst 200 $SERVE --num-prompts 1000 --request-rate inf --server-tree bench_inputs/before25 \
-    --engine-args "$E8B" --server-args "--limit-concurrency 4096" --json-out "$OUT/before_burst.json"
+    --engine-args "$E8B_ABS" --server-args "--limit-concurrency 4096" --json-out "$OUT/before_burst.json"
   step before_poisson 400 $SERVE --num-prompts 2000 --request-rate ${BEFORE_RATES:-32,16} \
-    --server-tree bench_inputs/before25 --engine-args "$E8B" --json-out "$OUT/before_poisson.json"
+    --server-tree bench_inputs/before25 --engine-args "$E8B_ABS" --json-out "$OUT/before_poisson.json"
 fi
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

@@ -143,6 +143,9 @@ class Worker:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # cuBLAS keeps its own
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()
 
     def launch(self, step: StepInput) -> LaunchedStep:
