@@ -105,3 +105,35 @@ def test_stop_is_bounded_when_the_step_cannot_be_interrupted() -> None:
         assert time.monotonic() - t0 < 3.0
 
     _run(main())
+
+
+class WaitingEngine(FakeEngine):
+    """A healthy step that waits (for the GIL under a burst, a worker, the device) past the
+    limit without spinning: modelled by a sleep of twice the limit in its first step."""
+
+    def __init__(self, wait_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.wait_s = wait_s
+
+    def step(self, unread=()):
+        if self.wait_s:
+            time.sleep(self.wait_s)
+            self.wait_s = 0.0
+        return super().step(unread)
+
+
+def test_a_step_that_waits_without_spinning_is_not_broken() -> None:
+    """The limit counts the engine thread's CPU time: on the 2-core box a burst of 4,000
+    requests kept a healthy step waiting past 30 s of wall time, and 206 requests were ended."""
+    async def main() -> None:
+        builds = [WaitingEngine(1.0)]
+        engine = AsyncEngine(lambda: builds.pop(0), step_timeout_s=0.4)
+        engine.start()
+        await engine.wait_ready()
+        stream = await engine.add_request("patient", [5, 6], SamplingParams(max_tokens=4))
+        outs = [out async for out in stream]
+        assert outs[-1].finished and outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 4
+        assert engine.stalled is None and not builds
+        await engine.stop()
+
+    _run(main())
