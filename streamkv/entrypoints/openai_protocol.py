@@ -1,7 +1,9 @@
 """The OpenAI error shape, strict JSON bodies, and validation through the request models.
 
 A body is parsed as strict JSON (``parse_json_body``), then validated by its endpoint's
-pydantic model (openai_requests.py) with ``validate``. A pydantic error becomes a 400 whose
+pydantic model (openai_requests.py) with ``validate``. Types are coerced as vLLM's models
+coerce them (pydantic's lax mode: ``"5"`` is 5, ``"true"`` is true); ``serve
+--strict-request-types`` refuses them, as OpenAI does. A pydantic error becomes a 400 whose
 ``param`` is the error's location (``messages[0].content``). Fields no model declares are
 ignored and named in one warning per request, as vLLM does: strict rejection breaks the
 clients that send newer OpenAI fields. Fields we know but cannot honour (they would change
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextvars import ContextVar
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -80,11 +83,11 @@ def _check_strings(body: dict) -> None:
 
 
 class OpenAIModel(BaseModel):
-    """Strict types (``"10"`` is not an integer, ``true`` not a number); ``null`` means "not
-    given" (OpenAI's clients send it for unset fields); unknown fields are kept aside, for
-    the one warning ``validate`` logs."""
+    """pydantic's lax types, as vLLM's (``validate`` makes them strict under
+    --strict-request-types); ``null`` means "not given" (OpenAI's clients send it for unset
+    fields); unknown fields are kept aside, for the one warning ``validate`` logs."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -107,11 +110,32 @@ Unsupported = Annotated[Any, AfterValidator(_refuse), Field(description="Not sup
 Int = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 
-def validate(cls: type[M], body: dict, where: str = "") -> M:
+# Whether this request's types are strict: the app's --strict-request-types, set for each
+# request by ``RequestTypes``. A context variable, because four handlers in three modules
+# validate bodies and the choice is the app's, not theirs.
+_STRICT_TYPES: ContextVar[bool] = ContextVar("streamkv_strict_request_types", default=False)
+
+
+class RequestTypes:
+    """ASGI middleware: the requests it passes on validate with ``strict`` types or lax ones."""
+
+    def __init__(self, app: Any, strict: bool) -> None:
+        self.app, self.strict = app, strict
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        token = _STRICT_TYPES.set(self.strict)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _STRICT_TYPES.reset(token)
+
+
+def validate(cls: type[M], body: dict, where: str = "", strict: bool | None = None) -> M:
     """``body`` as a ``cls``, or an APIError naming the first bad field. ``where`` prefixes
-    every ``param`` (the WebSocket's ``params.``)."""
+    every ``param`` (the WebSocket's ``params.``); ``strict`` (default: the app's setting)
+    refuses ``"5"`` for 5 and ``"true"`` for true."""
     try:
-        model = cls.model_validate(body)
+        model = cls.model_validate(body, strict=_STRICT_TYPES.get() if strict is None else strict)
     except ValidationError as e:
         raise error_from_validation(e, where) from None
     ignored = ignored_fields(model, where)

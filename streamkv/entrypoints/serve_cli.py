@@ -60,6 +60,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                     help="the model's tool-call format: Hermes-style <tool_call> JSON (SmolLM2's, Qwen2's)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name tokens "token_id:ID" unless a request says otherwise (vLLM\'s flag)')
+    p.add_argument("--strict-request-types", action="store_true",
+                   help='refuse "5" for 5 and "true" for true in request bodies, as OpenAI does (default: '
+                        "coerce them, as vLLM does)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--disable-log-stats", action="store_true",
                     help="no periodic stats line (throughput, queues, KV usage, prefix-cache hit rate)")
@@ -198,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
         auto_tool_choice=args.enable_auto_tool_choice, tokens_as_ids=args.return_tokens_as_token_ids,
-        on_ready=announce, kv_view=args.enable_kv_view,
+        on_ready=announce, kv_view=args.enable_kv_view, strict_request_types=args.strict_request_types,
     ))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

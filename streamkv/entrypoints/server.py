@@ -27,7 +27,7 @@ from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
 from streamkv.entrypoints.kv_view import KVView
 from streamkv.entrypoints.metrics import ServerMetrics
-from streamkv.entrypoints.openai_protocol import APIError, parse_json_body
+from streamkv.entrypoints.openai_protocol import APIError, RequestTypes, parse_json_body
 from streamkv.entrypoints.openai_serving import ENGINE_ERRORS, OpenAIServing, engine_error
 from streamkv.entrypoints.openapi import docs_page, openapi_document
 from streamkv.entrypoints.prefixes import PrefixAdmin
@@ -86,6 +86,9 @@ class ServerConfig:
     # The live KV view (/v1/kv/stream). None: on only when the server listens on loopback
     # alone, as its rows, even anonymous, show other users' activity (issue 26).
     kv_view: bool | None = None
+    # Request bodies' types as OpenAI checks them ("5" is not 5) rather than vLLM's coercion
+    # (--strict-request-types).
+    strict_request_types: bool = False
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -222,7 +225,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
-    middleware = [Middleware(Guard, policy=config.hosts, header_limit=config.max_header_bytes)]
+    middleware = [Middleware(Guard, policy=config.hosts, header_limit=config.max_header_bytes),
+                  Middleware(RequestTypes, strict=config.strict_request_types)]
     cross = [o for o in config.allowed_origins if o]
     if cross:
         middleware.append(Middleware(CORSMiddleware, allow_origins=cross, allow_methods=["GET", "POST"],

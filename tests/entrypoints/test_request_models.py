@@ -25,9 +25,9 @@ def client():
 BAD = [
     # (path, body, param)
     ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),  # coercible types: test_request_types.py
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": 1}, "stream": True},
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": 2}, "stream": True},
      "stream_options.include_usage"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": [[1, 2], "x", 3]}, "prompt"),
