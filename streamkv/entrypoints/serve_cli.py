@@ -78,8 +78,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                      help="browser origins allowed besides the server's own (comma list, repeatable; '*' = any)")
     sec.add_argument("--max-request-body-bytes", type=int, default=2 * 2**20, help="larger bodies get 413")
     sec.add_argument("--max-header-bytes", type=int, default=16 * 1024, help="larger request heads are refused")
-    sec.add_argument("--max-queue-len", type=int, default=None,
-                     help="answer 429 while this many requests wait to start (default: no limit)")
+    sec.add_argument("--max-queue-len", type=int, default=4096,
+                     help="requests that may wait to start; beyond it 429 with Retry-After (-1: no limit)")
     sec.add_argument("--sse-keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments")
     sec.add_argument("--ws-max-active", type=int, default=8, help="concurrent generations per WebSocket")
     sec.add_argument("--engine-step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="SECONDS",
@@ -101,8 +101,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_queue_len is not None and args.max_queue_len < 0:
-        raise SystemExit("--max-queue-len must be >= 0")
+    if args.max_queue_len < -1:
+        raise SystemExit("--max-queue-len must be >= 0, or -1 for no limit")
     if not args.log_stats_interval > 0:
         raise SystemExit("--log-stats-interval must be > 0")
     if not 0 < args.engine_step_timeout < float("inf"):
@@ -193,12 +193,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     info.block_size, info.max_model_len)
         if config.scheduler.preemption_mode == "swap" and info.num_swap_blocks == 0:
             logger.warning("--preemption-mode swap with no CPU swap blocks (none by default on a CPU): a "
-                           "request preempted will fail; set --swap-space or --num-swap-blocks")
+                           "request preempted is recomputed instead; set --swap-space or --num-swap-blocks")
 
     app = build_app(engine, ServerConfig(
         model_name=model_name, model_aliases=tuple(dict.fromkeys(names[1:])), api_key=args.api_key or None,
         allowed_origins=origins, hosts=hosts, max_body_bytes=args.max_request_body_bytes,
-        max_header_bytes=args.max_header_bytes, max_queue_len=args.max_queue_len,
+        max_header_bytes=args.max_header_bytes, max_queue_len=None if args.max_queue_len == -1 else args.max_queue_len,
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
         auto_tool_choice=args.enable_auto_tool_choice, tokens_as_ids=args.return_tokens_as_token_ids,
         on_ready=announce, kv_view=args.enable_kv_view, strict_request_types=args.strict_request_types,
@@ -214,13 +214,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    limits = ConnectionLimits(args.timeout_request_head, args.timeout_request_body, args.limit_concurrency)
+    limits = ConnectionLimits(args.timeout_request_head, args.timeout_request_body,
+                              fit_open_files(args.limit_concurrency))
     server = DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, loop=loop, http=functools.partial(GuardedH11Protocol, limits=limits),
         ws=QuietDenialWebSocket, h11_max_incomplete_event_size=args.max_header_bytes,
         ws_max_size=args.max_request_body_bytes, timeout_keep_alive=args.timeout_keep_alive,
         log_level=args.log_level.lower(), access_log=args.access_log, lifespan="on",
         root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        backlog=max(2048, min(limits.max_connections, 65535)),
     ), engine, args.shutdown_timeout)
     # uvicorn says nothing when given the socket; this line says what /health will answer.
     bound = listener.getsockname()[1]
@@ -267,3 +269,23 @@ def kv_pool_shortfall(info) -> str | None:
     return (f"the KV cache holds {tokens} tokens ({info.num_kv_blocks} blocks of {info.block_size}), less than one "
             f"request of the max context {info.max_model_len}: lower --max-model-len to {tokens} or less, or give the "
             "pool more blocks (--num-kv-blocks, or more memory: --gpu-memory-utilization on a GPU)")
+
+
+def fit_open_files(connections: int, spare: int = 256) -> int:
+    """Raise this process's open-file limit so that ``connections`` sockets fit beside the
+    files it needs itself (``spare``); if the hard limit is lower, cap connections to fit it,
+    so that the cap answers the excess with a JSON 503 rather than accept() failing."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + spare
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = new
+    if soft != resource.RLIM_INFINITY and soft < want:
+        fitted = max(1, soft - spare)
+        logger.warning("the open-file limit (%d, hard) fits %d connections, not --limit-concurrency %d; "
+                       "raise it with `ulimit -n`", soft, fitted, connections)
+        return fitted
+    return connections
