@@ -48,7 +48,7 @@ def gpu_time_ms(
     ``busy`` (default: with graphs) queues a spin kernel ahead of the start event, so the
     event pair brackets device time only: on an idle stream the start event is stamped at
     once and the interval also holds the host's submission of the graph (several µs, most
-    of the difference at 64 x 1k in session 3). Eager timings keep the launch costs in.
+    of the difference at 64 x 1k in an earlier run). Eager timings keep the launch costs in.
     """
     busy = graph if busy is None else busy
     fn()
@@ -313,7 +313,7 @@ def bench_attention(
     # The default configuration is timed three times spread over the row (first, after the
     # sweep, after SDPA) and the median reported: single measurements of one configuration
     # drifted by up to ~10% within a run, and a row's first timing read high until the GPU had
-    # run the new inputs for a while (session 3: 79.3 first vs 72.7 later at 64 x 1k), hence
+    # run the new inputs for a while (79.3 first vs 72.7 later at 64 x 1k), hence
     # the warm-up.
     default = ours()
     t_end = time.perf_counter() + WARMUP_S

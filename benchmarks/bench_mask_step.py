@@ -1,17 +1,17 @@
-"""Host microseconds of the structured mask step's Python path, session 7's against the
+"""Host microseconds of the structured mask step's Python path, the earlier against the
 staging buffer's (layers/mask_staging.py), on whatever device is given (default: CPU).
 
 A step's masks are --rows rows of --vocab tokens, made by the batched fill; the sampler then
 bans outside them (layers/token_mask.py). Clocked with time.perf_counter over --calls calls:
 
-- fill: session 7 allocated the fill's array a step; the staging buffer is filled in place
+- fill: the earlier path allocated the fill's array a step; the staging buffer is filled in place
   (the native fill itself is replaced by a copy of fixed words: it is the same in both);
-- mask step: session 7 stacked the rows into a new array and uploaded it (on_device: pinned
+- mask step: the earlier path stacked the rows into a new array and uploaded it (on_device: pinned
   through the caching allocator, then copied); the staging path writes the row indices and
   copies [indices | words] once into its persistent device buffer.
 
 The kernel launch is left out of both on a CPU (there is none); on CUDA both launch it, the
-new path through its cached launch. On a CPU on_device is no copy at all (session 7's path
+new path through its cached launch. On a CPU on_device is no copy at all (the earlier path
 pins and copies only on CUDA), while the staging path's copy is a real memcpy there: the
 CPU figures favour the old path.
 

@@ -223,7 +223,7 @@ def main() -> int:
         warm = min(8, len(prompts))
         run_mode(llm, prompts[:warm], mode_params(mode, warm, min(args.output_len, 8)))
     # And once at the full batch: on the H200 the first run at that size was ~15% slower per
-    # step, and only the first mode timed paid it (session 7).
+    # step, and only the first mode timed paid it.
     run_mode(llm, prompts, mode_params(modes[0], len(prompts), min(args.output_len, 32)))
     times: dict[tuple, list[float]] = {c: [] for c in cases}
     sampler_ms: dict[tuple, list[float]] = {c: [] for c in cases}

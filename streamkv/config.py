@@ -100,7 +100,7 @@ class SchedulerConfig:
                                                     "streamkv/core/preemption_costs.json (default: its default)")
     # On a GPU by default: with one fill thread and the one-kernel mask step the H200 ran
     # json_schema at 0.72x of unconstrained overlapped against 0.57x in turn (batch 64, same
-    # call; docs/benchmarks.md "Session 7"). Off on a CPU, where async scheduling is off too.
+    # call; docs/benchmarks.md "Structured outputs"). Off on a CPU, where async scheduling is off too.
     overlap_structured: bool | None = arg(
         None, "with async scheduling, let a step that samples structured-output rows overlap the next one "
               "(the next step's token masks follow its forward; in-process executor only; default: on a GPU, "

@@ -8,7 +8,7 @@ module is imported once, by one thread, and never seen half-initialised.
 The thread is not a daemon: a process that ends while the import runs (a short benchmark, a
 CLI call) waits for it at exit. A daemon thread is stopped in the middle of the import when
 the interpreter finalises, and inside xgrammar's native extensions that aborted the process
-("terminate called without an active exception", session 7 on the H200 host).
+("terminate called without an active exception", on the H200 host).
 """
 
 from __future__ import annotations

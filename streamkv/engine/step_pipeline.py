@@ -20,7 +20,7 @@ host schedules N+2 (the default on a GPU, SchedulerConfig.overlap_structured):
     host:    submit N+1 (forward) | wait N | process N | N+1's masks | schedule N+2 ...
     device:  -- N --|-- N+1 forward -----------------------|-- N+1 sample --|-- N+2 ...
 
-What was measured on the H200 (docs/benchmarks.md, "Session 7"): xgrammar's thread pool
+What was measured on the H200 (docs/benchmarks.md, "Structured outputs"): xgrammar's thread pool
 (8 threads) made a step's fill ~1.6 ms slower than one thread, which is why this path once
 ran 0.48x of unconstrained; filling on a Python thread of ours while the engine schedules
 and builds N+2 (the native fill releases the GIL) was no faster than filling in place

@@ -51,7 +51,7 @@ COMPILE_CACHE_SIZE = 256
 # Threads of the batched mask fill (engine/step_pipeline.py): one. On the H200's 16-core host
 # xgrammar's pool cost more than it saved: a step's fill (up to 64 rows) took ~1.6 ms more
 # with 8 threads than with 1, where a row's own fill takes ~5 us (docs/benchmarks.md,
-# "Session 7").
+# "Structured outputs").
 FILL_THREADS = 1
 
 

@@ -45,13 +45,13 @@ class Tile:
 # FlashAttention-2's shapes for mma.sync: 128 rows and 64 keys, 32 rows per warp (so each K/V
 # fragment loaded from shared memory feeds two m16 tiles) up to head 128; at 256 the output
 # alone is 128 registers per thread at 16 rows per warp, so warps of 16 rows. Heads 64 and
-# 256 take the shapes that timed fastest on the H200 (docs/kernels.md, session 5).
+# 256 take the shapes that timed fastest on the H200 (docs/kernels.md, "Prefill").
 TILES = {
-    64: Tile(4, 2, 128),  # 0.98x flash SDPA at 4x4096 vs 1.05x with (4, 2, 64) (session 5)
+    64: Tile(4, 2, 128),  # 0.98x flash SDPA at 4x4096 vs 1.05x with (4, 2, 64)
     80: Tile(4, 2, 64),
     96: Tile(4, 2, 64),
     128: Tile(4, 2, 64),
-    256: Tile(4, 1, 64),  # 1.08x vs 1.12x with (8, 1, 64) (session 5)
+    256: Tile(4, 1, 64),  # 1.08x vs 1.12x with (8, 1, 64)
 }
 
 _P, _I, _LL, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float

@@ -5,7 +5,7 @@ logits row indices in one non-blocking copy into a persistent device buffer.
     host (pinned) int32:  [ logits row of staged row 0..capacity-1 | words of rows 0..capacity-1 ]
                            `---------------- one copy of [0, capacity + n * width) ----------------'
 
-Session 7's mask step (docs/benchmarks.md) stacked the rows into a new array, pinned it (a
+The earlier mask step (docs/benchmarks.md) stacked the rows into a new array, pinned it (a
 caching-allocator block a step) and copied it; that was ~0.26 ms of host a step on the H200.
 Here the fill's own output is the upload's source, and nothing is allocated per step.
 

@@ -61,7 +61,7 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -
         banned = np.pad(banned, ((0, 0), (0, vocab - banned.shape[1])), constant_values=True)
     # One torch masked_fill over the masked rows (its intra-op threads split the rows'
     # n x vocab elements), not numpy's single-threaded putmask row by row: on the GPU host's
-    # CPU that was ~17 ms of a ~115 ms float32 step at batch 64 (session 7).
+    # CPU that was ~17 ms of a ~115 ms float32 step at batch 64.
     banned_t = torch.from_numpy(banned)
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(banned_t, -math.inf)
