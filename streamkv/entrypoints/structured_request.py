@@ -6,6 +6,7 @@ enforces it, engine/structured.py):
   "json_schema": {"name", "schema", "strict"}}`` (``text`` is no constraint);
 - vLLM's ``structured_outputs``: ``{"json" | "json_object" | "regex" | "choice" | "grammar"}``;
 - vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
+A grammar in Lark's syntax becomes EBNF here (lark_grammar.py), as vLLM converts it.
 At most one constraint per request; the field that states it is its ``param`` in errors.
 """
 
@@ -15,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
+from streamkv.engine.grammar_limits import MAX_SPEC_CHARS
+from streamkv.entrypoints.lark_grammar import LarkError, is_lark, lark_to_ebnf
 from streamkv.entrypoints.openai_protocol import APIError, OpenAIModel, Unsupported
 from streamkv.sampling_params import InvalidParameter, StructuredOutputs
 
@@ -65,7 +68,7 @@ class StructuredOutputsRequest(OpenAIModel):
     json_object: bool | None = Field(None, description="any JSON object")
     regex: str | None = None
     choice: list[str] | None = Field(None, description="the output is one of these strings")
-    grammar: str | None = Field(None, description="an EBNF (GBNF) grammar")
+    grammar: str | None = Field(None, description="an EBNF (GBNF) grammar, or a Lark one (converted, as vLLM does)")
     disable_fallback: bool | None = Field(None, description="accepted: there is one grammar engine")
     whitespace_pattern: Unsupported = None
     disable_any_whitespace: Unsupported = None
@@ -115,7 +118,22 @@ class StructuredFields(OpenAIModel):
         if len(found) > 1:
             raise APIError(f"'{found[1][0]}' cannot be combined with '{found[0][0]}': "
                            "a request takes one output constraint", param=found[1][0])
-        return (found[0][1], found[0][0]) if found else (None, None)
+        if not found:
+            return None, None
+        source, fields = found[0]
+        if isinstance(fields.get("grammar"), str):
+            fields["grammar"] = ebnf_grammar(fields["grammar"], source)
+        return fields, source
+
+
+def ebnf_grammar(grammar: str, param: str) -> str:
+    """The grammar as EBNF: a Lark grammar (no ``::=`` anywhere) converted, as vLLM does."""
+    if len(grammar) > MAX_SPEC_CHARS or not is_lark(grammar):
+        return grammar  # the grammar limits refuse an oversized one by name
+    try:
+        return lark_to_ebnf(grammar)
+    except LarkError as e:
+        raise APIError(f"'{param}': the Lark grammar cannot be converted to EBNF: {e}", param=param) from None
 
 
 def structured_outputs(fields: dict[str, Any] | None, param: str | None) -> StructuredOutputs | None:
