@@ -58,6 +58,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         llm.shutdown()
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from streamkv.bench.serve import main as bench_serve
+
+    return bench_serve(args.rest)
+
+
 def _fail(e: object) -> int:
     text = str(e).strip().splitlines()
     print(f"error: {text[0] if text else type(e).__name__}", file=sys.stderr)
@@ -99,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamkv", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
     parser.add_argument("--version", action="version", version=f"streamkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,generate,worker}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,generate,bench,worker}")
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal (offline, no server)",
                          formatter_class=HelpFormatter, allow_abbrev=False,
@@ -127,8 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     from streamkv.entrypoints.serve_cli import add_serve_parser
     from streamkv.executor.launcher import add_worker_parser  # ranks on another host (issue 17)
 
+    bench = sub.add_parser("bench", help="benchmarks: `streamkv bench serve --help`", formatter_class=HelpFormatter)
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="{serve}")
+    # Its own parser reads the rest (streamkv/bench/serve.py), --help included.
+    serve_bench = kinds.add_parser("serve", add_help=False, prefix_chars="\0",
+                                   help="vLLM benchmark_serving's call against `streamkv serve`, beside the offline engine")
+    serve_bench.add_argument("rest", nargs=argparse.REMAINDER)
+    serve_bench.set_defaults(func=cmd_bench_serve)
+
     parser.commands = {"generate": gen, "serve": add_serve_parser(sub), "chat": add_chat_parser(sub),
-                       "worker": add_worker_parser(sub)}
+                       "bench": bench, "worker": add_worker_parser(sub)}
     return parser
 
 

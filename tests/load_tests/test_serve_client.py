@@ -1,6 +1,6 @@
-"""benchmarks/serve_client.py: vLLM benchmark_serving's figures from per-request results
+"""streamkv/bench/serve_client.py: vLLM benchmark_serving's figures from per-request results
 (TTFT, TPOT excluding the first token, ITL, throughput, goodput under SLOs, answers by
-status), and bench_serve.py's --help."""
+status), and `streamkv bench serve --help`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.serve_client import Result, parse_goodput, summarize
+from streamkv.bench.serve_client import Result, parse_goodput, summarize
 
 
 def test_summary_figures_and_goodput():
@@ -31,7 +31,7 @@ def test_goodput_spec_is_checked():
         parse_goodput(["latency:5"])
 
 
-def test_bench_serve_help():
-    out = subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+@pytest.mark.parametrize("cmd", [["benchmarks/bench_serve.py"], ["-m", "streamkv.entrypoints.cli", "bench", "serve"]])
+def test_bench_serve_help(cmd):
+    out = subprocess.run([sys.executable, *cmd, "--help"], capture_output=True, text=True, check=True).stdout
     assert "--request-rate" in out and "--offline" in out and "--goodput" in out
