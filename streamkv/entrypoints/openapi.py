@@ -1,10 +1,17 @@
-"""``/openapi.json`` generated from the request models, and ``/docs``: a self-contained HTML
-page rendered from that schema on the server (no script, nothing fetched from elsewhere)."""
+"""``/openapi.json``: every route the server serves, with request schemas generated from the
+request models; and ``/docs``: a self-contained HTML page rendered from that document on the
+server (no script, nothing fetched from elsewhere).
+
+The routes are listed here by hand, beside the code that serves them (server.py,
+vllm_routes.py, prefixes.py, kv_view.py, websocket.py); tests/entrypoints/test_openapi_routes.py
+fails for a route of the app that this list lacks."""
 
 from __future__ import annotations
 
+import copy
 import html
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -14,39 +21,141 @@ from streamkv import __version__
 from streamkv.entrypoints.openai_requests import ChatCompletionRequest, CompletionRequest
 from streamkv.entrypoints.tokenize_serving import DetokenizeRequest, TokenizeRequest
 
-# (path, request model, summary); every one is a POST with a JSON body.
-ENDPOINTS: tuple[tuple[str, type[BaseModel], str], ...] = (
-    ("/v1/completions", CompletionRequest, "Text completion, whole or streamed (SSE)"),
-    ("/v1/chat/completions", ChatCompletionRequest, "Chat completion through the model's chat template"),
-    ("/tokenize", TokenizeRequest, "Token ids of a prompt or of rendered chat messages"),
-    ("/detokenize", DetokenizeRequest, "Text of token ids"),
-)
-_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    name: {"type": ["string", "null"]} for name in ("message", "type", "param", "code")}}}}
+MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 _REF = "#/components/schemas/{model}"
 
 
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    method: str
+    path: str
+    summary: str
+    body: str | None = None  # the request body's schema (a components/schemas name)
+    media: str = "application/json"  # the 200 answer's
+    answer: str = "the result"
+    open: bool = False  # answered without the API key
+    query: tuple[tuple[str, str], ...] = ()  # (name, description) of string query parameters
+
+
+_SSE = "``text/event-stream`` with ``stream: true``"
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("post", "/v1/completions", "Text completion, whole or streamed (SSE)", "CompletionRequest",
+             answer=f"a ``text_completion`` ({_SSE})"),
+    Endpoint("post", "/v1/chat/completions", "Chat completion through the model's chat template",
+             "ChatCompletionRequest", answer=f"a ``chat.completion`` ({_SSE})"),
+    Endpoint("post", "/v1/chat/completions/batch", "vLLM's: several conversations with one set of parameters",
+             "ChatCompletionBatchRequest", answer="one ``chat.completion`` whose choice ``index`` is the "
+             "conversation's, usage summed"),
+    Endpoint("post", "/invocations", "SageMaker's: a chat completion (``messages``) or a completion (``prompt``)",
+             "InvocationsRequest", answer="as /v1/chat/completions or /v1/completions"),
+    Endpoint("get", "/v1/models", "The served model, once per served name",
+             answer='``{"object": "list", "data": [model card]}``'),
+    Endpoint("post", "/tokenize", "Token ids of a prompt or of rendered chat messages", "TokenizeRequest",
+             answer='``{"count", "max_model_len", "tokens", "token_strs"}``'),
+    Endpoint("post", "/detokenize", "Text of token ids", "DetokenizeRequest", answer='``{"prompt"}``'),
+    Endpoint("get", "/tokenizer_info", "vLLM's: the tokenizer's class, configuration and chat template"),
+    Endpoint("get", "/load", "vLLM's: requests in the engine now (running, waiting or swapped)",
+             answer='``{"server_load": n}``'),
+    Endpoint("post", "/v1/prefixes", "Register a reserved shared prefix: computed once, its blocks pinned",
+             "PrefixRequest", answer="the prefix"),
+    Endpoint("get", "/v1/prefixes", "The registered reserved prefixes", answer='``{"object": "list", "data"}``'),
+    Endpoint("delete", "/v1/prefixes/{prefix_id}", "Unregister a reserved prefix (404 for an unknown id)",
+             answer='``{"id", "object", "deleted": true}``'),
+    Endpoint("get", "/v1/kv/stream", "The live KV-cache view: snapshots as server-sent events",
+             media="text/event-stream", answer="``kv_snapshot`` events (docs/api.md)",
+             query=(("token", "16 to 128 of [A-Za-z0-9_-]: requests whose request_id holds it are shown as "
+                              "the viewer's own; every other row is anonymous"),)),
+    Endpoint("get", "/v1/chat/ws", "WebSocket chat: several generations on one socket (see the description)",
+             media="", answer="switching protocols"),
+    Endpoint("get", "/health", "200 once the model is loaded; 503 while loading, after a failure, shutting down",
+             media="", answer="ready", open=True),
+    Endpoint("get", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True),
+    Endpoint("post", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True),
+    Endpoint("get", "/version", "The server's version", answer='``{"version"}``', open=True),
+    Endpoint("get", "/metrics", "Prometheus metrics (vLLM's names)", media="text/plain", answer="the metrics",
+             open=True),
+    Endpoint("get", "/openapi.json", "This document", answer="OpenAPI 3.1", open=True),
+    Endpoint("get", "/docs", "This document as an HTML page", media="text/html", answer="the page", open=True),
+    Endpoint("get", "/", "The chat page with the live KV-cache view", media="text/html", answer="the page",
+             open=True),
+    Endpoint("get", "/web/{path}", "The page's scripts, styles and vendored libraries", media="",
+             answer="the file", open=True),
+)
+
+_WEBSOCKET = (
+    "Chat over the WebSocket ``/v1/chat/ws`` (subprotocol ``streamkv``; from a browser the API key "
+    "as a second subprotocol ``bearer.KEY``). Client: "
+    '``{"type": "chat", "id", "messages", "params"}`` (``params``: ChatCompletionRequest\'s fields '
+    "but n, best_of, use_beam_search, stream, stream_options, tools, tool_choice, prompt_logprobs, "
+    'echo, return_token_ids) and ``{"type": "cancel", "id"}``. Server: ``delta`` messages '
+    '(``{"type": "delta", "id", "text"}``; the first also carries ``request_id``, the engine\'s id of '
+    'the generation), then one ``done`` (``finish_reason``, ``usage``) or one ``error`` (an OpenAI error).')
+
+_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    name: {"type": ["string", "null"]} for name in ("message", "type", "param", "code")}}}}
+_PREFIX = {  # prefixes.py parses this body by hand (it has no model)
+    "type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "items": {"type": "integer"}, "minItems": 1}],
+                   "description": "the prefix: text (tokenized as a prompt's start) or token ids"},
+        "add_special_tokens": {"type": "boolean", "default": True, "description": "text: with the BOS token"}}}
+
+
+def _schemas() -> dict[str, Any]:
+    _, schemas = models_json_schema([(m, "validation") for m in MODELS], ref_template=_REF)
+    defs = schemas.get("$defs", {})
+    # The batch body is a chat's, but ``messages`` is a list of conversations.
+    batch = copy.deepcopy(defs["ChatCompletionRequest"])
+    batch["properties"]["messages"] = {"type": "array", "minItems": 1, "items": batch["properties"]["messages"],
+                                       "description": "the conversations (n 1, stream false)"}
+    batch["title"] = "ChatCompletionBatchRequest"
+    return {**defs, "ChatCompletionBatchRequest": batch,
+            "InvocationsRequest": {"oneOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]},
+            "PrefixRequest": _PREFIX, "Error": _ERROR}
+
+
+def _operation(e: Endpoint) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": e.answer}
+    if e.media:
+        ok["content"] = {e.media: {}}
+    op: dict[str, Any] = {"summary": e.summary, "responses": {"101" if e.path == "/v1/chat/ws" else "200": ok}}
+    if e.path == "/v1/chat/ws":
+        op["description"] = _WEBSOCKET
+    if e.body:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(e.body)}}}
+    params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+              for n in _path_params(e.path)]
+    params += [{"name": n, "in": "query", "required": False, "description": d, "schema": {"type": "string"}}
+               for n, d in e.query]
+    if params:
+        op["parameters"] = params
+    if e.open:
+        op["security"] = []
+    else:
+        op["responses"]["4XX"] = {"description": "an OpenAI error; ``param`` names the field",
+                                  "content": {"application/json": {"schema": _ref("Error")}}}
+    return op
+
+
+def _path_params(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{")]
+
+
 def openapi_document(model_name: str) -> dict[str, Any]:
-    _, schemas = models_json_schema([(m, "validation") for _, m, _ in ENDPOINTS], ref_template=_REF)
-    paths = {}
-    for path, model, summary in ENDPOINTS:
-        paths[path] = {"post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": _REF.format(model=model.__name__)}}}},
-            "responses": {
-                "200": {"description": "the result (``text/event-stream`` with ``stream: true``)"},
-                "4XX": {"description": "an OpenAI error; ``param`` names the field",
-                        "content": {"application/json": {"schema": {"$ref": _REF.format(model="Error")}}}},
-            },
-        }}
-    components = {**schemas.get("$defs", {}), "Error": _ERROR}
+    paths: dict[str, dict[str, Any]] = {}
+    for e in ENDPOINTS:
+        paths.setdefault(e.path, {})[e.method] = _operation(e)
     return {
         "openapi": "3.1.0",
         "info": {"title": f"streamkv ({model_name})", "version": __version__,
                  "description": "OpenAI-compatible API. Unknown fields are ignored (and logged)."},
         "paths": paths,
-        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": _schemas(),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
     }
 
@@ -92,11 +201,18 @@ def docs_page(document: dict[str, Any]) -> str:
              f"<p>{html.escape(info['description'])} Version {html.escape(info['version'])}. "
              "The machine-readable schema: <a href='/openapi.json'>/openapi.json</a>.</p><h2>Endpoints</h2><ul>"]
     for path, ops in document["paths"].items():
-        op = ops["post"]
-        model = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
-        parts.append(f"<li><code>POST {html.escape(path)}</code>: {html.escape(op['summary'])} "
-                     f"(body: <a href='#{model}'>{model}</a>)</li>")
+        for method, op in ops.items():
+            parts.append(f"<li><code>{method.upper()} {html.escape(path)}</code>: {html.escape(op['summary'])}"
+                         f"{_body_link(op)}{'' if op.get('security') == [] else ' (API key)'}"
+                         f"{'<br>' + html.escape(op['description']) if 'description' in op else ''}</li>")
     parts.append("</ul><h2>Schemas</h2>")
     parts.extend(_table(name, schema) for name, schema in document["components"]["schemas"].items())
     parts.append("</body></html>")
     return "".join(parts)
+
+
+def _body_link(op: dict[str, Any]) -> str:
+    if "requestBody" not in op:
+        return ""
+    model = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+    return f" (body: <a href='#{model}'>{model}</a>)"

@@ -99,8 +99,8 @@ def test_sampling_ranges_are_sampling_params_checks():
 
 def test_openapi_is_generated_from_the_models(client):
     doc = client.get("/openapi.json").json()
-    assert doc["openapi"].startswith("3.1") and set(doc["paths"]) == {
-        "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    # Every route is listed: test_openapi_routes.py.
+    assert doc["openapi"].startswith("3.1") and {"/v1/completions", "/v1/chat/completions"} <= set(doc["paths"])
     schemas = doc["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]
     assert chat["required"] == ["messages"]
