@@ -3,6 +3,12 @@
 Client → ``{"type":"chat","id",…,"messages":[…],"params":{…}}`` and ``{"type":"cancel","id"}``;
 server → ``delta`` / ``done`` / ``error`` messages carrying the same ``id``. Each chat runs in
 its own task; cancel aborts that one, and closing the socket aborts them all.
+
+The first message after the engine accepted a chat carries ``request_id``, the engine's id
+(``chatcmpl-`` + ``params.request_id`` as on HTTP, else ``chatcmpl-ws-`` + a random hex), so
+that a client can find its generation elsewhere (the KV view marks rows whose id holds the
+viewer's token: the page puts it in ``params.request_id``). A chat that ends in an error
+leaves a warning in the log with that id, as an HTTP error leaves an access-log line.
 """
 
 from __future__ import annotations
@@ -50,8 +56,11 @@ class ChatSocket:
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass  # the socket is closing; run() cancels everything
 
-    async def error(self, mid, e: APIError) -> None:
-        await self.send({"type": "error", "id": mid, **e.body()})
+    async def error(self, mid, e: APIError, rid: str | None = None, head: dict | None = None) -> None:
+        # A client's mistake as much as the server's trouble: HTTP's show in the access log.
+        logger.warning("WebSocket chat %r (request %s) failed: %d %s%s: %s", mid, rid or "not started", e.status,
+                       e.code or e.type, f" ({e.param})" if e.param else "", e.message)
+        await self.send({"type": "error", "id": mid, **e.body(), **(head or {})})
 
     async def run(self) -> None:
         try:
@@ -94,7 +103,13 @@ class ChatSocket:
             await self.error(mid, APIError("'type' must be \"chat\" or \"cancel\"", param="type"))
 
     async def generate(self, mid, messages, params) -> None:
-        streams, num_prompt, last = [], 0, None
+        streams, num_prompt, last, rid = [], 0, None, None
+        head: dict = {}  # what the generation's first message carries besides its own fields
+
+        async def send(msg: dict) -> None:
+            await self.send({**msg, **head})
+            head.clear()
+
         try:
             if params is None:
                 params = {}
@@ -107,7 +122,9 @@ class ChatSocket:
             sampling = req.params()
             ids = await self.serving.chat_prompt(req)
             num_prompt = len(ids)
-            streams, _ = await self.serving.start(f"ws-{uuid.uuid4().hex}", [ids], sampling)
+            rid = f"chatcmpl-{req.request_id or 'ws-' + uuid.uuid4().hex}"
+            streams, _ = await self.serving.start(rid, [ids], sampling)
+            head["request_id"] = rid
             sent = 0
             async for out in streams[0]:
                 last = out
@@ -115,23 +132,23 @@ class ChatSocket:
                     raise request_failed(out.error)
                 text = out.outputs[0].text if out.outputs else ""
                 if len(text) > sent:
-                    await self.send({"type": "delta", "id": mid, "text": text[sent:]})
+                    await send({"type": "delta", "id": mid, "text": text[sent:]})
                     sent = len(text)
             c = last.outputs[0]
-            await self.send({"type": "done", "id": mid, "finish_reason": c.finish_reason,
-                             "usage": usage_of(num_prompt, len(c.token_ids))})
+            await send({"type": "done", "id": mid, "finish_reason": c.finish_reason,
+                        "usage": usage_of(num_prompt, len(c.token_ids))})
         except asyncio.CancelledError:
             if mid not in self.cancelled:
                 raise  # the socket closed
             num_out = len(last.outputs[0].token_ids) if last is not None and last.outputs else 0
-            await self.send({"type": "done", "id": mid, "finish_reason": "abort", "usage": usage_of(num_prompt, num_out)})
+            await send({"type": "done", "id": mid, "finish_reason": "abort", "usage": usage_of(num_prompt, num_out)})
         except APIError as e:
-            await self.error(mid, e)
+            await self.error(mid, e, rid, head)
         except ENGINE_ERRORS as e:
-            await self.error(mid, engine_error(e))
+            await self.error(mid, engine_error(e), rid, head)
         except Exception:
-            logger.exception("websocket generation %r failed", mid)
-            await self.error(mid, APIError("internal error", 500, "internal_error"))
+            logger.exception("WebSocket chat %r (request %s) failed", mid, rid or "not started")
+            await send({"type": "error", "id": mid, **APIError("internal error", 500, "internal_error").body()})
         finally:
             self.serving.abort_all(streams)
             self.tasks.pop(mid, None)
