@@ -109,10 +109,10 @@ function generate(conv, { parent = conv.leaf, cont = null } = {}) {
     messages = history(conv, store.settings.system, upTo);
     msg = append(conv, { role: "assistant", content: "", pending: true }, parent);
   }
-  // HTTP requests name themselves, so the KV view can mark the reply's own block table.
-  const rid = mode === "socket" ? null : `web-${kv.token}-${newId()}`;
-  if (rid) params.request_id = rid;
-  kv.follow(rid ? "chatcmpl-" + rid : null);
+  // Every reply (WebSocket or HTTP) is named with the KV view's token, so the view marks its
+  // block table exactly: the server's id for it is "chatcmpl-" + this.
+  params.request_id = `web-${kv.token}-${newId()}`;
+  kv.follow("chatcmpl-" + params.request_id);
   store.save();
   renderLog();
   const gen = { conv, msg, t0: performance.now(), tFirst: null, deltas: 0, texts: [], frame: 0, saved: 0 };

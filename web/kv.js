@@ -69,8 +69,7 @@ export class KVView {
     this.last = null;
     this.events = [];
     this.marks = new Map(); // physical block -> {cls, until}
-    this.mine = null; // the reply on screen: {id (engine request id) | null, seen: ids before it began}
-    this.mineIds = new Set();
+    this.mine = null; // the engine request id of the reply on screen
     this.build();
   }
 
@@ -109,23 +108,14 @@ export class KVView {
   }
 
   // -- the reply on screen --------------------------------------------------------------
-  // HTTP requests name themselves with this.token in their id: the server marks their rows
-  // own. A WebSocket reply's id is the server's, so the first request that appears after
-  // the reply began is taken as it (exact on a server with one user, a guess otherwise).
+  // Replies name themselves with this.token in their request id (app.js): the server marks
+  // their rows own, and the id of the one on screen picks it out among them.
   follow(id) {
-    const seen = new Set((this.last ? this.last.requests : []).map((r) => r.request_id));
-    this.mine = { id: id || null, seen, guessed: !id };
-    if (id) this.mineIds.add(id);
-  }
-
-  claim(snap) {
-    if (!this.mine || this.mine.id) return;
-    const fresh = snap.requests.find((r) => !this.mine.seen.has(r.request_id));
-    if (fresh) { this.mine.id = fresh.request_id; this.mineIds.add(fresh.request_id); }
+    this.mine = id;
   }
 
   isMine(req) {
-    return req.own === true || this.mineIds.has(req.request_id);
+    return req.own === true || req.request_id === this.mine;
   }
 
   // -- the stream ----------------------------------------------------------------------
@@ -208,7 +198,6 @@ export class KVView {
       this.explain = fresh;
     }
     this.root.dataset.seq = String(snap.seq);
-    this.claim(snap);
     const found = this.last ? diffSnapshots(this.last, snap) : { events: [], marks: [] };
     for (const m of found.marks) this.marks.set(m.block, { cls: m.cls, until: now + MARK_MS });
     for (const [b, m] of this.marks) if (m.until < now) this.marks.delete(b);
@@ -275,7 +264,7 @@ export class KVView {
       const box = el("div", "kv-request" + (mine ? " mine" : ""));
       box.dataset.requestId = req.request_id;
       const label = el("div", "kv-req-id", `${req.request_id.slice(0, 22)} · ${req.seqs.length} seq${req.seqs.length > 1 ? "s" : ""}`);
-      if (mine) label.prepend(el("b", "kv-mine-tag", req.own ? "your reply · " : "your reply (the newest request) · "));
+      if (mine) label.prepend(el("b", "kv-mine-tag", req.request_id === this.mine ? "your reply · " : "your other request · "));
       box.appendChild(label);
       for (const s of req.seqs) {
         const row = el("div", "kv-row" + (s.status === "swapped" ? " swapped" : ""));

@@ -95,8 +95,9 @@ def test_the_reply_on_screen_is_marked_in_the_block_tables(kv_page):
     page.wait_for_selector("#kv-root[data-state=live]")
     send(page, "Write a long story about a lighthouse keeper. " * 4)
     page.wait_for_selector(".kv-request.mine .kv-row .blk", timeout=60_000)
-    # A WebSocket reply's id is the server's: the page takes the request that appeared as it did.
-    assert "your reply (the newest request)" in page.locator(".kv-request.mine .kv-req-id").inner_text()
+    # The WebSocket reply is named with the view's token: its row is marked exactly, by its id.
+    label = page.locator(".kv-request.mine .kv-req-id").inner_text()
+    assert "your reply · chatcmpl-web-" in label and "newest" not in label
     # Its blocks are outlined in the pool overview as well.
     page.wait_for_function("() => document.querySelectorAll('.kv-device .cell.mine').length >= 2")
     mine = {int(b) for b in page.locator(".kv-request.mine .blk").all_inner_texts()}
