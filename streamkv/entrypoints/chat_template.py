@@ -115,11 +115,13 @@ def _fallback(messages: list[ChatMessage], tools: list[Tool] | None) -> list[dic
 
 def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool,
                 tools: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None,
-                continue_final: bool = False) -> list[int]:
+                continue_final: bool = False, tools_prompt: bool = True) -> list[int]:
     """Runs on the tokenizer thread: a long conversation never blocks the event loop.
     ``tools``: those the model is offered (none with ``tool_choice: "none"``);
     ``template_kwargs``: the request's extra template variables; ``continue_final``: the
-    prompt ends inside the last message, so that the output continues it."""
+    prompt ends inside the last message, so that the output continues it; ``tools_prompt``
+    (``--tools-system-prompt``, on by default): tools that the template does not render go
+    into a system message; off, such a template gets none, as in vLLM."""
     kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
                               "add_generation_prompt": add_generation_prompt}
     if continue_final:
@@ -129,7 +131,7 @@ def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, a
         if tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True, by_alias=True) for t in tools]
     else:
-        dicts = _fallback(messages, tools)
+        dicts = _fallback(messages, tools if tools_prompt else None)
     try:
         text = tok.apply_chat_template(dicts, **kwargs)
     except Exception as e:  # jinja2 errors, templates that raise on bad role order, ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from contextvars import ContextVar
+from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -39,7 +40,20 @@ class APIError(Exception):
         self.param, self.code, self.headers = param, code, headers
 
     def body(self) -> dict:
+        if _ERROR_FORMAT.get() == "vllm":  # --error-format vllm: the exception's name, the status
+            return {"error": {"message": self.message, "type": vllm_error_type(self.status), "param": self.param,
+                              "code": self.status}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def vllm_error_type(status: int) -> str:
+    """vLLM's ``type`` for a status: its error class's name (400 ``BadRequestError``, 404
+    ``NotFoundError``, 500 ``InternalServerError``, 503 ``ServiceUnavailableError``)."""
+    try:
+        name = "".join(HTTPStatus(status).phrase.title().split()).replace("-", "")
+    except ValueError:
+        name = "Unknown"
+    return name if name.endswith("Error") else name + "Error"
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -114,20 +128,33 @@ Int = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 # request by ``RequestTypes``. A context variable, because four handlers in three modules
 # validate bodies and the choice is the app's, not theirs.
 _STRICT_TYPES: ContextVar[bool] = ContextVar("streamkv_strict_request_types", default=False)
+# The app's --error-format ("openai" or "vllm"), read by APIError.body wherever an error is
+# written (JSON, SSE, the WebSocket), and its --tools-system-prompt, read by the chat
+# handlers (they pass it on to the tokenizer thread, which a context variable does not reach).
+_ERROR_FORMAT: ContextVar[str] = ContextVar("streamkv_error_format", default="openai")
+TOOLS_SYSTEM_PROMPT: ContextVar[bool] = ContextVar("streamkv_tools_system_prompt", default=True)
+ERROR_FORMATS = ("openai", "vllm")
 
 
 class RequestTypes:
-    """ASGI middleware: the requests it passes on validate with ``strict`` types or lax ones."""
+    """ASGI middleware: the app's choices where vLLM and OpenAI differ, for the requests it
+    passes on: ``strict`` types or lax ones, the error ``error_format``, and whether tools go
+    into a system message for templates that ignore them (``tools_prompt``)."""
 
-    def __init__(self, app: Any, strict: bool) -> None:
-        self.app, self.strict = app, strict
+    def __init__(self, app: Any, strict: bool, error_format: str = "openai", tools_prompt: bool = True) -> None:
+        if error_format not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
+        self.app, self.strict, self.error_format, self.tools_prompt = app, strict, error_format, tools_prompt
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        token = _STRICT_TYPES.set(self.strict)
+        tokens = (_STRICT_TYPES.set(self.strict), _ERROR_FORMAT.set(self.error_format),
+                  TOOLS_SYSTEM_PROMPT.set(self.tools_prompt))
         try:
             await self.app(scope, receive, send)
         finally:
-            _STRICT_TYPES.reset(token)
+            _STRICT_TYPES.reset(tokens[0])
+            _ERROR_FORMAT.reset(tokens[1])
+            TOOLS_SYSTEM_PROMPT.reset(tokens[2])
 
 
 def validate(cls: type[M], body: dict, where: str = "", strict: bool | None = None) -> M:

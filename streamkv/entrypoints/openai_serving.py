@@ -24,7 +24,7 @@ from streamkv.engine.async_engine import AsyncEngine, RequestStream
 from streamkv.entrypoints.chat_serving import ChatOutput, ChatResponder
 from streamkv.entrypoints.chat_template import chat_size, render_chat
 from streamkv.entrypoints.engine_errors import ENGINE_ERRORS, engine_error, request_failed
-from streamkv.entrypoints.openai_protocol import APIError, validate
+from streamkv.entrypoints.openai_protocol import TOOLS_SYSTEM_PROMPT, APIError, validate
 from streamkv.entrypoints.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -268,9 +268,10 @@ class OpenAIServing:
             raise APIError('"auto" tool choice needs --enable-auto-tool-choice (this server runs with '
                            '--no-enable-auto-tool-choice)', param="tool_choice")
         tools = req.tools if req.tool_mode() != "none" else None
+        tools_prompt = TOOLS_SYSTEM_PROMPT.get()  # read here: the tokenizer thread has no context
         ids = await self.engine.run_tokenizer(
             lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens, tools,
-                                    req.chat_template_kwargs, req.continue_final_message),
+                                    req.chat_template_kwargs, req.continue_final_message, tools_prompt),
             chat_size(req.messages, tools))
         return req.truncated(ids, self.engine.info.max_model_len)
 

@@ -63,6 +63,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--strict-request-types", action="store_true",
                    help='refuse "5" for 5 and "true" for true in request bodies, as OpenAI does (default: '
                         "coerce them, as vLLM does)")
+    p.add_argument("--error-format", choices=("openai", "vllm"), default="openai",
+                   help="error bodies' type and code: OpenAI's strings (invalid_request_error, queue_full), "
+                        "or vLLM's error class name and integer status (BadRequestError, 400)")
+    p.add_argument("--tools-system-prompt", action=argparse.BooleanOptionalAction, default=True,
+                   help="for a chat template that ignores tools, list the offered tools in a system message "
+                        "(--no-tools-system-prompt: leave them out, as vLLM does)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--disable-log-stats", action="store_true",
                     help="no periodic stats line (throughput, queues, KV usage, prefix-cache hit rate)")
@@ -202,6 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sse_keepalive=args.sse_keepalive, ws_max_active=args.ws_max_active, on_load_failure=on_load_failure,
         auto_tool_choice=args.enable_auto_tool_choice, tokens_as_ids=args.return_tokens_as_token_ids,
         on_ready=announce, kv_view=args.enable_kv_view, strict_request_types=args.strict_request_types,
+        error_format=args.error_format, tools_system_prompt=args.tools_system_prompt,
     ))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

@@ -89,6 +89,8 @@ class ServerConfig:
     # Request bodies' types as OpenAI checks them ("5" is not 5) rather than vLLM's coercion
     # (--strict-request-types).
     strict_request_types: bool = False
+    error_format: str = "openai"  # --error-format: "vllm" puts the error class and the status in type / code
+    tools_system_prompt: bool = True  # --tools-system-prompt: tools a template ignores go into a system message
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -226,7 +228,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
     middleware = [Middleware(Guard, policy=config.hosts, header_limit=config.max_header_bytes),
-                  Middleware(RequestTypes, strict=config.strict_request_types)]
+                  Middleware(RequestTypes, strict=config.strict_request_types, error_format=config.error_format,
+                             tools_prompt=config.tools_system_prompt)]
     cross = [o for o in config.allowed_origins if o]
     if cross:
         middleware.append(Middleware(CORSMiddleware, allow_origins=cross, allow_methods=["GET", "POST"],

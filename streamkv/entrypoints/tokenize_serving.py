@@ -13,7 +13,13 @@ from starlette.responses import JSONResponse, Response
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.entrypoints.chat_messages import ChatMessage, Tool
 from streamkv.entrypoints.chat_template import chat_size, check_template_kwargs, render_chat
-from streamkv.entrypoints.openai_protocol import APIError, Int, OpenAIModel, validate
+from streamkv.entrypoints.openai_protocol import (
+    TOOLS_SYSTEM_PROMPT,
+    APIError,
+    Int,
+    OpenAIModel,
+    validate,
+)
 
 
 class TokenizeRequest(OpenAIModel):
@@ -59,9 +65,11 @@ class TokenizeServing:
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError("'continue_final_message' needs add_generation_prompt=false",
                                param="continue_final_message")
+            tools_prompt = TOOLS_SYSTEM_PROMPT.get()  # read here: the tokenizer thread has no context
             ids = await self.engine.run_tokenizer(
                 lambda t: render_chat(t, req.messages, req.add_generation_prompt, bool(req.add_special_tokens),
-                                      req.tools, req.chat_template_kwargs, req.continue_final_message),
+                                      req.tools, req.chat_template_kwargs, req.continue_final_message,
+                                      tools_prompt),
                 chat_size(req.messages, req.tools))
         else:
             ids = await self.engine.run_tokenizer(
