@@ -51,7 +51,9 @@ class ReservedPrefixes:
         self._ids = itertools.count(1)
 
     # -- registration -------------------------------------------------------------------
-    def add(self, token_ids: list[int] | tuple[int, ...]) -> ReservedPrefix:
+    def add(self, token_ids: list[int] | tuple[int, ...], prefix_id: str | None = None) -> ReservedPrefix:
+        """Register ``token_ids`` (the same tokens twice are one prefix); ``prefix_id`` keeps a
+        prefix's id across a restart (engine/reserved_prefixes.carry_prefixes)."""
         tokens = tuple(int(t) for t in token_ids)
         num_blocks = len(tokens) // self.block_size
         if num_blocks == 0:
@@ -61,7 +63,13 @@ class ReservedPrefixes:
         for p in self.prefixes.values():
             if p.token_ids == tokens:
                 return p  # the same text twice is one prefix
-        prefix = ReservedPrefix(f"pfx-{next(self._ids)}", tokens, num_blocks)
+        if prefix_id is None:
+            prefix_id = f"pfx-{next(self._ids)}"
+            while prefix_id in self.prefixes:  # past the ids carried over from before a restart
+                prefix_id = f"pfx-{next(self._ids)}"
+        elif prefix_id in self.prefixes:
+            raise ReservedPrefixError(f"reserved prefix id {prefix_id!r} is taken")
+        prefix = ReservedPrefix(prefix_id, tokens, num_blocks)
         self.prefixes[prefix.prefix_id] = prefix
         return prefix
 

@@ -23,6 +23,7 @@ from typing import Any
 from streamkv.engine.engine_commands import EngineCommands, Verdicts
 from streamkv.engine.llm_engine import EngineInfo, LLMEngine
 from streamkv.engine.recovery import RestartBudget
+from streamkv.engine.reserved_prefixes import carry_prefixes
 from streamkv.engine.serving_logs import StatsLogger
 from streamkv.engine.tokenizer_lanes import TokenizerLanes
 from streamkv.engine.watchdog import STEP_TIMEOUT_S, StepClock, StepTimeout, StepWatchdog
@@ -198,6 +199,12 @@ class EngineThread:
                 time.sleep(1.0)
         else:
             return None
+        try:  # before the resumed requests: they may start with a reserved prefix
+            carried = carry_prefixes(old, engine)
+            if carried:
+                logger.info("reserved prefixes registered again after the restart: %s", ", ".join(carried))
+        except Exception:  # noqa: BLE001 - the engine serves on without them
+            logger.exception("reserved prefixes could not be carried over the restart")
         self.engine, self.stats = engine, engine.stats()
         logger.warning("worker processes restarted in %.1f s", time.monotonic() - start)
         handed = threading.Event()

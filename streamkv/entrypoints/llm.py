@@ -9,54 +9,19 @@ import time
 from collections.abc import Sequence as Seq
 
 from streamkv.config import EngineConfig
-from streamkv.core.block_manager import BlockManager
-from streamkv.core.reserved_prefix import ReservedPrefix, ReservedPrefixError, ReservedPrefixes
-from streamkv.engine.llm_engine import InvalidParameter, LLMEngine, check_request
+from streamkv.engine.llm_engine import LLMEngine
+from streamkv.engine.reserved_prefixes import (  # noqa: F401 - the server's prefix API imports them here
+    PREFIX_PARAMS,
+    compute_prefixes,
+    register_prefix,
+    reserved_prefixes,
+)
 from streamkv.entrypoints.args import engine_config
 from streamkv.executor.base import Executor
 from streamkv.sampling_params import BeamSearchParams, SamplingParams
 from streamkv.sequence import RequestOutput
 
 __all__ = ["LLM", "EngineStats", "build_engine", "engine_config", "register_prefix", "reserved_prefixes"]
-# The request that computes a reserved prefix: its prompt is the prefix, one token sampled.
-PREFIX_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
-
-
-def reserved_prefixes(engine: LLMEngine) -> ReservedPrefixes:
-    """The engine's reserved-prefix registry (call on the engine's thread)."""
-    bm = engine.block_manager
-    if not isinstance(bm, BlockManager):
-        raise ReservedPrefixError("reserved prefixes need the paged KV cache (kv_allocation='paged')")
-    return bm.reserved
-
-
-def register_prefix(engine: LLMEngine, token_ids: list[int]) -> ReservedPrefix:
-    """A reserved prefix on ``engine``, pending until a request computes it (call on the
-    engine's thread). Raises ReservedPrefixError (a ValueError)."""
-    registry = reserved_prefixes(engine)
-    try:
-        check_request(list(token_ids), PREFIX_PARAMS, engine.limits)
-    except InvalidParameter as e:
-        raise ReservedPrefixError(f"the prefix cannot run as a request: {e}") from None
-    return registry.add(token_ids)
-
-
-def compute_prefixes(engine: LLMEngine, prefixes: list[ReservedPrefix]) -> None:
-    """Run each pending prefix as a one-token request, to completion (the engine must be
-    idle: this steps it until nothing is left). Pinned when computed."""
-    pending = [p for p in prefixes if not p.ready]
-    for p in pending:
-        engine.add_request(f"reserved-prefix:{p.prefix_id}", None, PREFIX_PARAMS, list(p.token_ids))
-    while engine.has_unfinished_requests():
-        engine.step(finished_only=True)
-    failed = [p for p in pending if not p.ready]
-    for p in failed:
-        reserved_prefixes(engine).remove(p.prefix_id)
-    if failed:
-        raise ReservedPrefixError(f"reserved prefix(es) {[p.prefix_id for p in failed]} could not be computed "
-                                  "(the KV pool cannot hold them)")
-
-
 def read_prefix_files(paths: Seq[str], tokenizer) -> list[list[int]]:
     """Token ids of each ``--reserved-prefix`` file (UTF-8 text, tokenized as a prompt's start)."""
     out = []

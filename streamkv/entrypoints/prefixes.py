@@ -11,8 +11,9 @@ a prompt (with the BOS token unless ``add_special_tokens`` is false), so a compl
 prompt begins with the same text maps the prefix's whole blocks. Errors have the OpenAI
 shape: bad input 400, an unknown id 404.
 
-Prefixes registered here live as long as the engine: after a worker restart only the
-``--reserved-prefix`` files are registered again (the engine is rebuilt from its config).
+Prefixes registered here outlive a worker restart: the rebuilt engine registers them again
+under the same ids and computes them before it takes requests
+(engine/reserved_prefixes.carry_prefixes).
 """
 
 from __future__ import annotations

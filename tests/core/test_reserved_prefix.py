@@ -245,3 +245,4 @@ def test_prefix_file_flag_is_read_and_pinned(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         LLM(str(tiny_dir), device="cpu", num_kv_blocks=32, num_swap_blocks=0,
             reserved_prefix=(str(tmp_path / "missing.txt"),))
+
