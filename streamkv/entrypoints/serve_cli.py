@@ -240,6 +240,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has drained
         status = 130
+    if server.interrupted:
+        status = 130
     # Stopped cleanly by now. The interpreter's own teardown would only add native
     # libraries' warnings (triton's nanobind prints dozens of "leaked" lines): end here.
     logging.shutdown()

@@ -52,11 +52,15 @@ class DrainingServer(uvicorn.Server):
                  grace: float = 5.0) -> None:
         super().__init__(config)
         self.engine, self.drain_timeout, self.grace = engine, drain_timeout, grace
+        # A Ctrl-C ends the process with 130 (the shell's convention), whether or not uvicorn
+        # re-raises it as KeyboardInterrupt: the re-raise reached serve_cli only now and then.
+        self.interrupted = False
         # sse-starlette would cut every stream the moment the signal arrives; here the
         # engine ends them (end_all below), each with its error event and [DONE].
         AppStatus.disable_automatic_graceful_drain()
 
     def handle_exit(self, sig: int, frame) -> None:
+        self.interrupted = self.interrupted or sig == signal.SIGINT
         if self.should_exit and sig == signal.SIGINT:
             # The operator asked twice: nothing is left worth waiting for (a traceback and
             # the native libraries' teardown warnings were all a second Ctrl-C printed).
