@@ -180,7 +180,16 @@ if [[ " $PARTS " == *" serve "* ]]; then
   # The server's defaults: 1,000 at once beside the offline engine, then Poisson arrivals,
   # 2,000 requests a point (long enough that a rate past capacity shows its growing queue).
   step serve_burst 170 $SERVE --num-prompts 1000 --request-rate inf --offline --engine-args "$E8B" \
-    --py-spy "$OUT/pyspy_burst" --json-out "$OUT/serve_burst.json"
+    --json-out "$OUT/serve_burst.json"
+  # The same with py-spy attached (`--nonblocking`: it samples without stopping the server).
+  step serve_burst_spy 120 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
+    --py-spy "$OUT/pyspy_burst" --json-out "$OUT/serve_burst_spy.json"
+  # The event loop: uvloop writes each SSE event holding the GIL; asyncio's socket send lets
+  # it go for the system call, so the engine thread can run meanwhile.
+  for l in ${LOOPS:-asyncio uvloop}; do
+    step serve_burst_$l 120 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
+      --server-args "--loop $l" --json-out "$OUT/serve_burst_$l.json"
+  done
   # The same with Python's default GIL switch interval (5 ms; the engine thread sets 0.5 ms).
   step serve_burst_switch5 120 env STREAMKV_GIL_SWITCH_INTERVAL_MS=5 $SERVE --num-prompts 1000 \
     --request-rate inf --engine-args "$E8B" --json-out "$OUT/serve_burst_switch5.json"

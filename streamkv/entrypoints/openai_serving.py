@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -34,6 +33,7 @@ from streamkv.entrypoints.streaming import (
     DONE,
     ChoiceState,
     LogprobFormatter,
+    SSEResponse,
     deltas,
     sse_event,
     tokens_out,
@@ -138,9 +138,9 @@ class OpenAIServing:
                 raise request_failed(out.error)
         return final
 
-    def sse(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> EventSourceResponse:
+    def sse(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> SSEResponse:
         # The background task aborts even if the client left before the stream started.
-        return EventSourceResponse(chunks, ping=self.sse_keepalive, background=BackgroundTask(self.abort_all, streams))
+        return SSEResponse(chunks, ping=self.sse_keepalive, background=BackgroundTask(self.abort_all, streams))
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, request: Request, body: dict) -> Response:

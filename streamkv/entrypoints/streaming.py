@@ -1,20 +1,23 @@
 """The plumbing between engine streams and SSE responses: per-choice deltas from cumulative
 outputs, a wait over several streams at once, and the OpenAI logprobs formats.
 
-SSE goes out through sse-starlette's public ``EventSourceResponse``. It wraps every send in
-an anyio cancel scope for its optional per-send timeout (6 us a send, measured on the CPU
-box); the server keeps that to one send per request per engine step by joining all the
-events one engine output makes (every choice's chunk, the usage chunk) into one body.
+SSE goes out through sse-starlette's ``EventSourceResponse`` (its keep-alive pings, its
+disconnect watch, its shutdown signal), one send per request per engine step: all the events
+one engine output makes (every choice's chunk, the usage chunk) are joined into one body.
+Events are encoded with msgspec, not ``json``: under a burst the event loop formats and sends
+one event per running request per step, and its share of the one GIL is taken from the
+engine thread (docs/benchmarks.md "Where the served time goes").
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
+from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 
 from streamkv.engine.async_engine import RequestStream
@@ -23,8 +26,26 @@ from streamkv.sequence import Logprob, RequestOutput
 DONE = b"data: [DONE]\n\n"
 
 
+_encode = msgspec.json.Encoder().encode
+
+
 def sse_event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+class SSEResponse(EventSourceResponse):
+    """sse-starlette's response without its per-send cancel scope when no send timeout is
+    set (the server sets none): the scope cost more than the send it guarded under a burst
+    (py-spy, docs/benchmarks.md). With ``send_timeout`` set it is the library's own send."""
+
+    async def _send_with_timeout(self, send, message) -> None:
+        if self.send_timeout is not None:
+            return await super()._send_with_timeout(send, message)
+        try:
+            await send(message)
+        except BaseException:
+            self._send_interrupted = True
+            raise
 
 
 def usage_of(num_prompt: int, num_out: int) -> dict:
