@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     if not any("--kv-allocation" in act.option_strings for act in p._actions):
         e.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="paged",
-                       help="benchmark baselines: orca-* reserve contiguous runs (core/contiguous.py)")
+                       help="benchmark baselines: orca-* reserve contiguous runs "
+                            "(streamkv/baselines/contiguous.py)")
     return p
 
 

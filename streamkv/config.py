@@ -15,7 +15,7 @@ from typing import Any
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # How the KV pool is handed out. "paged" is the engine; the orca-* policies and ft-max
 # (FasterTransformer-style request-level batching) are the paper's contiguous-reservation
-# baselines (core/contiguous.py), for benchmarks only.
+# baselines (streamkv/baselines/), for benchmarks only.
 KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle", "ft-max")
 EXECUTOR_BACKENDS = ("inprocess", "mp")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")

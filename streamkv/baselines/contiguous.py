@@ -47,10 +47,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from streamkv.config import CacheConfig
-from streamkv.core.block_manager import AllocStatus, BlockManager
+from streamkv.baselines.first_fit import FirstFitAllocator, Run
+from streamkv.core.block_manager import AllocStatus
 from streamkv.core.block_pool import BlockPool, NoFreeBlocksError
-from streamkv.core.first_fit import FirstFitAllocator, Run
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -272,12 +271,3 @@ class ContiguousBlockManager:
             raise AssertionError(f"tables left: {list(self.tables)}, families: {list(self._families)}")
         self.device.check_whole()
         self.cpu.check_whole()
-
-
-def create_block_manager(cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int,
-                         max_model_len: int) -> BlockManager | ContiguousBlockManager:
-    """The engine's block manager for ``cache.kv_allocation``."""
-    if cache.kv_allocation == "paged":
-        return BlockManager(cache.block_size, num_device_blocks, num_cpu_blocks, cache.enable_prefix_caching)
-    return ContiguousBlockManager(cache.kv_allocation, cache.block_size, num_device_blocks,
-                                  num_cpu_blocks, max_model_len)

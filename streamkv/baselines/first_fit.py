@@ -1,7 +1,7 @@
 """A contiguous slot space: runs of consecutive block ids handed out first-fit (lowest
 address), freed runs coalesced with their neighbours, so holes between live runs (external
-fragmentation) form as in any contiguous allocator. Pure Python; core/contiguous.py uses it
-for the paper's Orca baselines."""
+fragmentation) form as in any contiguous allocator. Pure Python; baselines/contiguous.py uses
+it for the paper's Orca baselines."""
 
 from __future__ import annotations
 

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+from streamkv.config import CacheConfig
 from streamkv.core.block_pool import BlockPool, block_key
 from streamkv.core.reserved_prefix import ReservedPrefixes
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from streamkv.baselines.contiguous import ContiguousBlockManager
 
 
 class AllocStatus(enum.Enum):
@@ -350,3 +355,16 @@ class BlockManager:
             raise AssertionError(f"blocks still marked in computation: {len(self._computing)}")
         self.device.check_whole(self.reserved.pins())
         self.cpu.check_whole()
+
+
+def create_block_manager(cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int,
+                         max_model_len: int) -> BlockManager | ContiguousBlockManager:
+    """The engine's block manager for ``cache.kv_allocation``: this one for "paged", else one
+    of the paper's baselines, imported here only when a run asks for one (benchmark use) so
+    that core never loads the laboratory."""
+    if cache.kv_allocation == "paged":
+        return BlockManager(cache.block_size, num_device_blocks, num_cpu_blocks, cache.enable_prefix_caching)
+    from streamkv.baselines.contiguous import ContiguousBlockManager
+
+    return ContiguousBlockManager(cache.kv_allocation, cache.block_size, num_device_blocks,
+                                  num_cpu_blocks, max_model_len)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from streamkv.config import EngineConfig
 from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
+from streamkv.core.block_manager import create_block_manager
 from streamkv.core.block_pool import root_key
-from streamkv.core.contiguous import create_block_manager
 from streamkv.core.preemption import device_profile
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine import prompt_logprobs

@@ -28,8 +28,8 @@ import time
 import weakref
 from dataclasses import dataclass
 
+from streamkv.baselines.contiguous import ContiguousBlockManager, final_len
 from streamkv.core.block_manager import BlockManager
-from streamkv.core.contiguous import ContiguousBlockManager, final_len
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine.request_metrics import RequestMetrics
 from streamkv.sequence import Sequence, SequenceGroup

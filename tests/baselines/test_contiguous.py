@@ -3,14 +3,17 @@ fragmentation), forks into spare runs, and no block ever held twice or leaked.""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from streamkv.baselines.contiguous import ContiguousBlockManager, reservation_slots
+from streamkv.baselines.first_fit import FirstFitAllocator, Run
 from streamkv.config import CacheConfig
-from streamkv.core.block_manager import AllocStatus, BlockManager
-from streamkv.core.contiguous import ContiguousBlockManager, create_block_manager, reservation_slots
-from streamkv.core.first_fit import FirstFitAllocator, Run
+from streamkv.core.block_manager import AllocStatus, BlockManager, create_block_manager
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -120,6 +123,16 @@ def test_factory_selects_by_kv_allocation():
     assert isinstance(paged, BlockManager)
     orca = create_block_manager(CacheConfig(kv_allocation="orca-pow2", enable_prefix_caching=False), 10, 2, 128)
     assert isinstance(orca, ContiguousBlockManager) and orca.policy == "orca-pow2"
+
+
+def test_core_does_not_load_the_baselines():
+    # The engine's core chooses a baseline without depending on it: it imports this package
+    # only when a run asks for one (a fresh interpreter: this test's imports load it here).
+    code = ("import importlib, pkgutil, sys, streamkv.core as core\n"
+            "for m in pkgutil.iter_modules(core.__path__): importlib.import_module(f'streamkv.core.{m.name}')\n"
+            "print(sorted(k for k in sys.modules if k.startswith('streamkv.baselines')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_config_refuses_unknown_policy_and_prefix_caching():

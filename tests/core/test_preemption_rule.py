@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from streamkv.core.contiguous import ContiguousBlockManager
+from streamkv.baselines.contiguous import ContiguousBlockManager
 from streamkv.core.preemption import COSTS_FILE, PreemptionCosts, auto_mode, choose, load_costs
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus

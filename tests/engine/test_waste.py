@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from streamkv.baselines.contiguous import ContiguousBlockManager
 from streamkv.core.block_manager import BlockManager
-from streamkv.core.contiguous import ContiguousBlockManager
 from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
 from streamkv.engine.stats import EngineStats
 from streamkv.sampling_params import SamplingParams

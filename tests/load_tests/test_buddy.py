@@ -8,8 +8,8 @@ import random
 import pytest
 
 from load_tests.buddy import BuddyAllocator
+from streamkv.baselines.first_fit import Run
 from streamkv.core.block_pool import NoFreeBlocksError
-from streamkv.core.first_fit import Run
 
 
 def test_a_pool_is_its_binary_digits_and_sizes_round_up_aligned():
