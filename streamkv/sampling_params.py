@@ -162,6 +162,9 @@ class SamplingParams:
     # outputs of the run this request resumes after a worker restart. Seeded draws, min_tokens
     # and penalties count outputs from before them, so the request goes on as it would have.
     resumed_output_tokens: int = 0
+    # Set by engine/recovery.py, never by a client: a sample of a request of several (n > 1,
+    # best_of) resumed on its own keeps its index, which keys its seeded random stream.
+    resumed_sample_index: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -279,9 +282,10 @@ class SamplingParams:
             or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)
         ):
             raise bad("allowed_token_ids", f"must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integer token ids")
-        r = self.resumed_output_tokens
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise bad("resumed_output_tokens", "must be a non-negative integer")
+        for name in ("resumed_output_tokens", "resumed_sample_index"):
+            r = getattr(self, name)
+            if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+                raise bad(name, "must be a non-negative integer")
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
             raise bad("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT} characters")

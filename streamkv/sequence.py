@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from streamkv.messages import PENDING_TOKEN
 from streamkv.sampling_params import SamplingParams
@@ -191,3 +191,13 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token its logprob (and the top ones), in
     # the Logprob records of the outputs; the first token has none (None).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+_S = TypeVar("_S", Sequence, CompletionOutput)
+
+
+def best_of_n(samples: list[_S], n: int) -> list[_S]:
+    """The ``n`` most likely of a best_of request's samples (Sequences or CompletionOutputs)
+    by cumulative logprob, a tie kept in sample order: the engine's final choice, and a
+    resumed request's (engine/recovery.py)."""
+    return sorted(samples, key=lambda s: s.cumulative_logprob, reverse=True)[:n]

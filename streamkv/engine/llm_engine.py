@@ -144,7 +144,8 @@ class LLMEngine:
             raise InvalidParameter("resumed_output_tokens", "resumed_output_tokens must be less than the prompt's length.")
         params.check_max_logprobs(self.config.model.max_logprobs)
         self.structured.admit(params)  # compiles (cached) or refuses the grammar
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), cache_root=root_key(params.cache_salt))
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params.resumed_sample_index,
+                       cache_root=root_key(params.cache_salt))
         seq.grammar = self.structured.new_grammar(params)
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
         prompt_logprobs.prepare(group, seq, params)

@@ -21,6 +21,7 @@ from streamkv.sequence import (
     Sequence,
     SequenceGroup,
     SequenceStatus,
+    best_of_n,
 )
 
 
@@ -219,7 +220,7 @@ class OutputProcessor:
         if params.use_beam_search:
             seqs = ranked_beams(group) if finished else group.seqs
         elif finished and params.best_of > params.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+            seqs = best_of_n(seqs, params.n)
         want_logprobs = params.logprobs is not None
         stop = params.stop
         completions = []

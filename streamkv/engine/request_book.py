@@ -15,14 +15,7 @@ import time
 from typing import Any
 
 from streamkv.engine.engine_commands import EngineCommands, Submission, Verdicts
-from streamkv.engine.recovery import (
-    EngineRestartedError,
-    ResumeBase,
-    ends_early,
-    resumable,
-    resume_request,
-    splice,
-)
+from streamkv.engine.recovery import Resumed, resume
 from streamkv.engine.request_stream import (
     EngineDeadError,
     Observer,
@@ -38,7 +31,8 @@ class RequestBook:
         self._observers = observers
         self._streams: dict[str, RequestStream] = {}
         self._subs: dict[str, Submission] = {}  # each open request as first submitted
-        self._resumed: dict[str, ResumeBase] = {}  # resumed requests: what came before
+        self._resumed: dict[str, Resumed] = {}  # resumed requests: what came before, their parts
+        self._parts: dict[str, str] = {}  # the engine's id of a resumed request's part -> the request's
         # Admission control: submissions the engine thread has not applied yet, and the
         # scheduler's waiting queue as of the last callback from that thread.
         self._pending = 0
@@ -67,44 +61,57 @@ class RequestBook:
     def forget(self, request_id: str) -> RequestStream | None:
         self._commands.unread.discard(request_id)
         self._subs.pop(request_id, None)
-        self._resumed.pop(request_id, None)
+        self._drop_parts(request_id)
         return self._streams.pop(request_id, None)
 
+    def _drop_parts(self, request_id: str) -> None:
+        resumed = self._resumed.pop(request_id, None)
+        for part_id in resumed.parts if resumed is not None else ():
+            self._parts.pop(part_id, None)
+
+    def _engine_ids(self, request_id: str) -> list[str]:
+        """The requests the engine runs for this one: itself, or its resumed samples."""
+        resumed = self._resumed.get(request_id)
+        return [request_id] if resumed is None else list(resumed.running)
+
     def abort(self, request_id: str) -> None:
+        self.end(request_id, RequestAbortedError(request_id))
+
+    def end(self, request_id: str, error: BaseException) -> None:
+        """End an open request with ``error``, in the engine too."""
+        engine_ids = self._engine_ids(request_id)
         stream = self.forget(request_id)
         if stream is None:
             return
-        stream.fail(RequestAbortedError(request_id))
-        self._commands.abort(request_id)
+        stream.fail(error)
+        for engine_id in engine_ids:
+            self._commands.abort(engine_id)
         now = time.monotonic()
         for obs in self._observers:
             obs.on_abort(stream, now)
 
     def end_all(self, error: BaseException) -> None:
-        now = time.monotonic()
         for request_id in list(self._streams):
-            stream = self.forget(request_id)
-            stream.fail(error)
-            self._commands.abort(request_id)
-            for obs in self._observers:
-                obs.on_abort(stream, now)
+            self.end(request_id, error)
 
     # -- from the engine thread ---------------------------------------------------------------
     def dispatch(self, outputs: list[RequestOutput], waiting: int) -> None:
         self._engine_waiting = waiting
         now = time.monotonic()
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            request_id = self._parts.get(out.request_id, out.request_id)
+            stream = self._streams.get(request_id)
             if stream is None:
                 continue  # aborted by its reader meanwhile
-            base = self._resumed.get(out.request_id)
-            if base is not None:
-                spliced = splice(base, out)
-                if ends_early(out, spliced):  # a stop string straddled the restart: end it there
-                    self._commands.abort(out.request_id)
-                out = spliced
+            resumed = self._resumed.get(request_id)
+            if resumed is not None:
+                out, ended = resumed.join(out)
+                for part_id in ended:  # a stop string straddled the restart, or a part failed
+                    self._commands.abort(part_id)
+                if out is None:
+                    continue  # from a part that had ended
             if out.finished:
-                self.forget(out.request_id)
+                self.forget(request_id)
             for obs in self._observers:
                 obs.on_output(stream, out, now)
             stream.put(out)
@@ -136,31 +143,37 @@ class RequestBook:
 
     def resume_all(self, loop: asyncio.AbstractEventLoop, tokenizer: Any) -> int:
         """After a worker restart: every request the old engine had taken goes into the new
-        one from where its stream stands (those not yet taken are still queued). Returns how
-        many resume; the others (n > 1, best_of, beam search) end with an error."""
+        one from where its stream stands, as one request or one per sample still running
+        (recovery.resume); those not yet taken are still queued. Returns how many resume."""
         taken = [(self._subs[rid], stream) for rid, stream in self._streams.items()
                  if rid in self._subs and _was_taken(self._subs[rid].accepted)]
         resumes = []
         for sub, stream in taken:
-            if not resumable(sub.params):
-                self.forget(sub.request_id)
-                stream.fail(EngineRestartedError(
-                    "the workers were restarted and a request with n > 1, best_of or beam search cannot resume"))
-                continue
-            ids, params, base = resume_request(sub.prompt_token_ids, sub.params, stream.last, tokenizer)
-            if base is not None:
-                self._resumed[sub.request_id] = base
-            accepted = loop.create_future()
-            accepted.add_done_callback(lambda f, s=stream: f.exception() and s.fail(EngineDeadError(str(f.exception()))))
-            resumes.append(Submission(sub.request_id, sub.prompt, params, ids, sub.arrival_time, accepted))
+            rid = sub.request_id
+            self._drop_parts(rid)  # resumed before: its parts ran on the old engine
+            parts, resumed = resume(rid, sub.prompt_token_ids, sub.params, stream.last, tokenizer, self._streams)
+            if resumed is not None:
+                self._resumed[rid] = resumed
+                self._parts.update((part.request_id, rid) for part in parts)
+            for part in parts:
+                accepted = loop.create_future()
+                accepted.add_done_callback(lambda f, r=rid: self._refused(r, f))
+                resumes.append(Submission(part.request_id, sub.prompt, part.params, part.prompt_token_ids,
+                                          sub.arrival_time, accepted))
         self._pending += len(resumes)
         self._commands.resubmit_first(resumes)
-        return len(resumes)
+        return len(taken)
+
+    def _refused(self, request_id: str, accepted: asyncio.Future) -> None:
+        """The new engine refused a resumed request or one of its parts: the request ends."""
+        if not accepted.cancelled() and accepted.exception() is not None:
+            self.end(request_id, EngineDeadError(str(accepted.exception())))
 
     def fail_all(self, dead: EngineDeadError) -> None:
         """The engine is dead: every stream ends with ``dead``, every queued submission too."""
         self._subs.clear()
         self._resumed.clear()
+        self._parts.clear()
         for stream in list(self._streams.values()):
             stream.fail(dead)
         self._streams.clear()

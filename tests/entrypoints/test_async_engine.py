@@ -154,6 +154,11 @@ class DyingEngine(FakeEngine):
     def __init__(self, die_at: int | None, **kw) -> None:
         super().__init__(**kw)
         self.die_at = die_at
+        self.added: list[str] = []
+
+    def add_request(self, request_id, *args, **kw):
+        super().add_request(request_id, *args, **kw)
+        self.added.append(request_id)
 
     def step(self, unread=()):
         if self.die_at is not None and self.steps >= self.die_at:
@@ -167,14 +172,17 @@ def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_t
     async def main():
         control, _ = await started(FakeEngine(step_delay=0.001))
         expected = [o async for o in await control.add_request("c", [5, 6, 7], SamplingParams(max_tokens=40))][-1]
+        expected_n = [o async for o in await control.add_request("cw", [9], SamplingParams(max_tokens=100, n=2))][-1]
         await control.stop()
 
-        builds = [DyingEngine(die_at=12, step_delay=0.002), DyingEngine(die_at=None, step_delay=0.002)]
+        second = DyingEngine(die_at=None, step_delay=0.002)
+        builds = [DyingEngine(die_at=12, step_delay=0.002), second]
         engine = AsyncEngine(lambda: builds.pop(0))
         engine.start()
         await engine.wait_ready()
         stream = await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=40, logprobs=0))
         parallel = await engine.add_request("w", [9], SamplingParams(max_tokens=100, n=2))
+        endless = await engine.add_request("x", [9], SamplingParams(max_tokens=10_000, n=3))
         texts = []
         async for out in stream:
             texts.append(out.outputs[0].text)
@@ -183,9 +191,23 @@ def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_t
         assert len(final.logprobs) == 40 and final.finish_reason == "length"
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # the text only grew
         assert out.prompt_token_ids == [5, 6, 7] and engine.ready and not builds
-        with pytest.raises(EngineRestartedError):  # n > 1 cannot resume
-            async for _ in parallel:
+        # n > 1: each sample resumed as a request of its own, joined back in its place.
+        samples = [o async for o in parallel]
+        assert [c.index for c in samples[-1].outputs] == [0, 1] and samples[-1].finished
+        assert [c.text for c in samples[-1].outputs] == [c.text for c in expected_n.outputs]
+        assert [c.finish_reason for c in samples[-1].outputs] == ["length", "length"]
+        assert samples[-1].request_id == "w" and samples[-1].prompt_token_ids == [9]
+        assert {"r", "w#sample-0", "w#sample-1", "x#sample-0"} <= set(second.added) and "w" not in second.added
+        # Aborting such a request aborts every one of its samples in the engine.
+        engine.abort("x")
+        with pytest.raises(RequestAbortedError):
+            async for _ in endless:
                 pass
+        for _ in range(100):
+            if len(second.aborted) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(second.aborted) == ["x#sample-0", "x#sample-1", "x#sample-2"]
         await engine.stop()
 
     run(main())

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from streamkv.engine.recovery import ends_early, resume_request, splice
+from streamkv.engine.recovery import Resumed, resume
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import CompletionOutput, RequestOutput
 from tests.entrypoints.conftest import run_server
@@ -108,41 +108,43 @@ def output(text: str, shown: str | None = None, finish: str | None = None, stop=
     return RequestOutput("r", None, PROMPT_IDS, [c], finish is not None)
 
 
-def resumed(before: str, params: SamplingParams, shown: str):
-    ids, new_params, base = resume_request(PROMPT_IDS, params, output(before, shown), CharTokenizer())
-    assert ids == PROMPT_IDS + [ord(ch) for ch in before] and new_params.max_tokens == params.max_tokens - len(before)
-    return base
+def resumed(before: str, params: SamplingParams, shown: str) -> Resumed:
+    (part,), joiner = resume("r", PROMPT_IDS, params, output(before, shown), CharTokenizer())
+    assert part.prompt_token_ids == PROMPT_IDS + [ord(ch) for ch in before]
+    assert part.params.max_tokens == params.max_tokens - len(before)
+    return joiner
 
 
 def test_a_stop_string_straddling_the_restart_ends_the_spliced_stream():
     params = SamplingParams(max_tokens=40, stop=["END"])
     # Before the fault the engine had made "the EN" and shown "the " (EN could begin END).
-    base = resumed("the EN", params, shown="the ")
-    assert base.text == "the EN"  # the whole text, its held-back tail included
+    joiner = resumed("the EN", params, shown="the ")
+    assert joiner.parts["r"][1].text == "the EN"  # the whole text, its held-back tail included
     # The resumed request sees only what comes after: no stop of its own yet.
-    first = splice(base, output(""))
-    assert first.outputs[0].text == "the " and not first.finished  # still held back
-    hit = splice(base, output("D", shown="D"))
+    first, ended = joiner.join(output(""))
+    assert first.outputs[0].text == "the " and not first.finished and not ended  # still held back
+    hit, ended = joiner.join(output("D", shown="D"))
     c = hit.outputs[0]
     assert (c.text, c.finish_reason, c.stop_reason, hit.finished) == ("the ", "stop", "END", True)
     assert c.token_ids == [ord(ch) for ch in "the END"]
-    assert ends_early(output("D"), hit)  # the caller aborts the resumed request
+    assert ended == ["r"]  # the caller aborts the resumed request
+    assert joiner.join(output("Dx")) == (None, [])  # a later output of it is stale
     with_stop = resumed("the EN", SamplingParams(max_tokens=40, stop=["END"], include_stop_str_in_output=True),
                         shown="the ")
-    assert splice(with_stop, output("D")).outputs[0].text == "the END"
+    assert with_stop.join(output("D"))[0].outputs[0].text == "the END"
 
 
 def test_stops_that_do_not_straddle_are_left_to_the_engines():
     params = SamplingParams(max_tokens=40, stop=["END", "xyz"])
-    base = resumed("the E", params, shown="the ")
+    joiner = resumed("the E", params, shown="the ")
     # "E" turned out not to begin END: released; a new tail that could begin one is held.
-    out = splice(base, output("Nx", shown="Nx"))  # "the ENx": neither stop, but "x" may begin "xyz"
+    out, _ = joiner.join(output("Nx", shown="Nx"))  # "the ENx": neither stop, but "x" may begin "xyz"
     assert out.outputs[0].text == "the EN" and not out.finished
     # The resumed request found a stop wholly after the restart point itself.
-    out = splice(base, output("ach xyz", shown="ach ", finish="stop", stop="xyz"))
+    out, ended = joiner.join(output("ach xyz", shown="ach ", finish="stop", stop="xyz"))
     c = out.outputs[0]
     assert (c.text, c.finish_reason, c.stop_reason, out.finished) == ("the Each ", "stop", "xyz", True)
-    assert not ends_early(output("ach xyz", finish="stop", stop="xyz"), out)
+    assert ended == []  # it ended in the engine too
     # No stop strings: the text is joined as it is.
     plain = resumed("the EN", SamplingParams(max_tokens=40), shown="the EN")
-    assert splice(plain, output("D")).outputs[0].text == "the END"
+    assert plain.join(output("D"))[0].outputs[0].text == "the END"
