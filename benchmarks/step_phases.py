@@ -20,6 +20,7 @@ from collections import Counter
 
 def _targets():
     import streamkv.engine.llm_engine as le
+    import streamkv.engine.step_pipeline as sp
     import streamkv.engine.structured as st
     import streamkv.layers.sampler as sm
     from streamkv.core.scheduler import Scheduler
@@ -33,7 +34,7 @@ def _targets():
         ("submit", InProcessExecutor, "submit"), ("wait", LaunchedStep, "result"),
         ("process", OutputProcessor, "process"), ("accept", OutputProcessor, "_accept_structured"),
         ("mask bytes", st.SequenceGrammar, "mask_bytes"), ("batch fill", st.StructuredOutputManager, "fill_masks"),
-        ("send masks", le, "send_masks"), ("attach", LaunchedStep, "attach_masks"),
+        ("send masks", sp, "send_masks"), ("attach", LaunchedStep, "attach_masks"),
         ("sampler", sm.Sampler, "__call__"), ("mask apply", sm, "apply_token_masks"),
         ("new grammar", st.StructuredOutputManager, "new_grammar"),
     ]

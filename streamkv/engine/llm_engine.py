@@ -1,5 +1,5 @@
-"""The synchronous engine: add_request / step / abort. One step is three calls —
-schedule, execute, postprocess."""
+"""The engine: add_request / step / abort. One step is three calls: schedule, execute,
+process; with async scheduling the step pipeline (engine/step_pipeline.py) overlaps them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
-from streamkv.engine.step_pipeline import InFlight, masks_due, overlappable, send_masks
+from streamkv.engine.step_pipeline import InFlight, StepPipeline
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor
 from streamkv.executor.factory import create_executor
@@ -106,8 +106,8 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         # Async scheduling needs workers that fill pending input tokens on the device.
         self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
-        self._inflight: InFlight | None = None
-        self.overlapped_steps = 0  # steps whose successor was submitted before their outputs were read
+        self.pipeline = StepPipeline(self._launch, self._process, self.outputs.advance, self.structured,
+                                     sched.overlap_structured) if self.async_scheduling else None
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
 
     # -- requests -----------------------------------------------------------------------
@@ -163,7 +163,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts: its outputs are still to be processed (async scheduling).
-        return self.scheduler.has_unfinished() or (self._inflight is not None and self._inflight.live)
+        return self.scheduler.has_unfinished() or (self.pipeline is not None and self.pipeline.has_live_step())
+
+    @property
+    def overlapped_steps(self) -> int:
+        """Steps whose successor was submitted before their outputs were read."""
+        return self.pipeline.overlapped_steps if self.pipeline is not None else 0
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -187,29 +192,17 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------
     def step(self, finished_only: bool = False, unread: Container[str] = ()) -> list[RequestOutput]:
-        """One iteration: the outputs of one step, for every request it touched (with
-        ``finished_only``, for those that finished: offline generation skips building a
-        snapshot of every running request on every step; nor for the running requests in
-        ``unread``, whose last output the server has not read yet). With async scheduling the next
-        step is scheduled and submitted before this one's outputs are processed, and stays
-        in flight when this returns (engine/step_pipeline.py)."""
-        current, self._inflight = self._inflight, None
-        if current is not None and not current.live:  # all it ran has ended: its outputs are void
-            self._complete(current, finished_only, unread)
-            current = None
-        current = current or self._launch()
-        if current.overlaps:
-            self.overlapped_steps += 1
-            self.outputs.advance(current.sched, pending=True)
-            current.advanced = True
-            following = self._launch()
-            if following.handle is None:  # refused, or nothing to run: no need to wait a step
-                return self._complete(current, finished_only, unread) + self._complete(following, finished_only, unread)
-            self._inflight = following
-            outputs = self._complete(current, finished_only, unread)
-            send_masks(following, self.structured)  # the matchers took this step's tokens
-            return outputs
-        return self._complete(current, finished_only, unread)
+        """One iteration, three calls: schedule a step, execute it (``_launch``: build its
+        StepInput, submit it), process its samples (``_process``). Returns the outputs of
+        every request the step touched (with ``finished_only``, of those that finished:
+        offline generation skips building a snapshot of every running request on every
+        step; nor of the running requests in ``unread``, whose last output the server has
+        not read yet). With async scheduling the step pipeline makes the same calls with
+        step N+1 submitted before step N is processed, and N+1 in flight when this returns
+        (engine/step_pipeline.py)."""
+        if self.pipeline is not None:
+            return self.pipeline.step(finished_only, unread)
+        return self._process(self._launch(), finished_only, unread)
 
     def _launch(self) -> InFlight:
         """Schedule a step and hand it to the executor."""
@@ -220,26 +213,22 @@ class LLMEngine:
             inputs = self.step_builder.build(sched)
             try:
                 step.handle = self.executor.submit(inputs)
-                if self.config.scheduler.overlap_structured:  # only then do masks follow a step
-                    step.masks_due = masks_due(sched, inputs)
             except StepFailed as e:
                 step.error = e
-        # Only a step that computes something can change what the next one finds.
-        step.overlaps = (self.async_scheduling and step.error is None and bool(sched.scheduled)
-                         and overlappable(sched, step.handle if self.config.scheduler.overlap_structured else None))
         return step
 
-    def _complete(self, step: InFlight, finished_only: bool, unread: Container[str] = ()) -> list[RequestOutput]:
-        """Wait for a step's samples and apply them."""
+    def _process(self, step: InFlight, finished_only: bool, unread: Container[str] = (),
+                 advanced: bool = False) -> list[RequestOutput]:
+        """Wait for a step's samples and apply them; ``advanced``: its tokens were counted
+        as computed when it was launched (OutputProcessor.advance)."""
         sched = step.sched
-        send_masks(step, self.structured)  # a no-op: step() sent them (a safety net, not a path)
         try:
             if step.error is not None:
                 raise step.error
             result = step.handle.result() if step.handle is not None else StepOutput()
         except StepFailed as e:
             return self._fail_step(sched, e)
-        outputs = self.outputs.process(sched, result, finished_only, advanced=step.advanced, unread=unread)
+        outputs = self.outputs.process(sched, result, finished_only, advanced, unread)
         self.stats_.record_step(sched, step.started)
         for out in outputs:
             if out.finished:
@@ -272,7 +261,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers and free what they hold on the device; a step in flight is
         dropped (its handle keeps device tensors alive)."""
-        self._inflight = None
+        if self.pipeline is not None:
+            self.pipeline.drop()
         self.structured.shutdown()
         self.executor.shutdown()
 

@@ -1,12 +1,12 @@
-"""Async scheduling: which steps the next one may overlap, and the record of a step handed
-to the executor whose outputs are not processed yet.
+"""Async scheduling: step N+1 is scheduled and submitted while step N runs, and N's outputs
+are processed while N+1 runs. ``StepPipeline`` holds the step in flight between two calls
+of LLMEngine.step; the plain step (schedule, execute, process) does not use it.
 
-While step N runs on the device, the engine schedules and submits step N+1, then processes
-step N's outputs while N+1 runs (LLMEngine.step). Step N+1 is planned as if the tokens that
-step N is sampling were known: each has a placeholder (Sequence.add_pending), and the worker
-takes the real token on the device from step N's samples (worker/model_runner.py). That is
-only right when nothing the host decides between the two steps changes N+1's inputs, which
-``overlappable`` checks; any other step runs synchronously (N's outputs first, then N+1).
+Step N+1 is planned as if the tokens that step N is sampling were known: each has a
+placeholder (Sequence.add_pending), and the worker takes the real token on the device from
+step N's samples (worker/model_runner.py). That is only right when nothing the host decides
+between the two steps changes N+1's inputs, which ``overlappable`` checks; any other step
+runs synchronously (N's outputs first, then N+1).
 
 Structured outputs: the host decides one thing between the steps, a structured row's token
 mask for N+1, which depends on the token N samples for it. But the mask is needed only at
@@ -41,13 +41,14 @@ registered), so no cache hit can read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Protocol
 
 from streamkv.core.scheduler import SchedulerOutput
 from streamkv.executor.base import StepHandle
-from streamkv.messages import MASK_FOLLOWS, StepFailed, StepInput
-from streamkv.sequence import Sequence, SequenceGroup
+from streamkv.messages import StepFailed
+from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
 
 
 def simple(group: SequenceGroup, seq: Sequence, masks_follow: bool = False) -> bool:
@@ -73,15 +74,8 @@ def overlappable(sched: SchedulerOutput, handle: StepHandle | None = None) -> bo
 
 def accepts_masks(handle: StepHandle | None) -> bool:
     """Whether ``handle``'s executor takes a step's token masks after the step: the handle
-    has ``attach_masks(masks)`` (an optional method; see ``attach_masks`` below)."""
+    has ``attach_masks(masks)`` (an optional method; see ``send_masks`` below)."""
     return handle is not None and hasattr(handle, "attach_masks")
-
-
-def masks_due(sched: SchedulerOutput, step: StepInput) -> list[Sequence] | None:
-    """The sequences of a built step whose token masks follow it (StepBuilder sends one
-    SeqStep per scheduled sequence, in order); None when there are none."""
-    due = [s.seq for s, item in zip(sched.scheduled, step.seqs, strict=True) if item.token_mask == MASK_FOLLOWS]
-    return due or None
 
 
 @dataclass(slots=True)
@@ -90,17 +84,15 @@ class InFlight:
 
     sched: SchedulerOutput
     started: float  # time.monotonic() when it was scheduled (request metrics)
-    overlaps: bool = False  # the next step may be scheduled before this one's outputs
-    handle: StepHandle | None = None  # None: nothing to run
-    error: StepFailed | None = None  # the executor refused it at submit
-    advanced: bool = False  # OutputProcessor.advance ran for it
-    masks_due: list[Sequence] | None = None  # structured rows whose token masks follow (None: none, or sent)
+    handle: StepHandle | None = None  # None: nothing to run, or refused
+    error: StepFailed | None = None  # the executor refused it (at submit, or its masks)
 
     @property
     def live(self) -> bool:
         """Whether its outputs still matter: a sequence it runs has not ended, or it ends a
         request with an error."""
-        return bool(self.sched.failed) or any(not s.seq.status.finished for s in self.sched.scheduled)
+        sched = self.sched
+        return bool(sched.failed) or any(not s.seq.status.finished for s in sched.scheduled)
 
 
 class MaskSource(Protocol):
@@ -109,18 +101,86 @@ class MaskSource(Protocol):
     def fill_masks(self, grammars: list) -> list: ...
 
 
-def send_masks(step: InFlight, source: MaskSource) -> None:
-    """Hand ``step`` the token masks of its rows that follow it, now that the step before is
-    processed (each row's matcher has taken its input token), so that its sampler runs:
-    before the next step is submitted and before this one's result is read. A row whose
-    sequence has ended gets none: its sample is discarded. A failure ends the step's
-    requests when it is completed."""
-    if step.masks_due is None:
-        return
-    due = [seq for seq in step.masks_due if not seq.status.finished]
-    step.masks_due = None
+Launch = Callable[[], InFlight]
+Process = Callable[[InFlight, bool, Container[str], bool], list[RequestOutput]]
+Advance = Callable[[SchedulerOutput, bool], None]
+
+
+class StepPipeline:
+    """The overlapped step: LLMEngine.step with async scheduling. Each call processes step N
+    with step N+1 already submitted, and returns with N+1 in flight, as vLLM's batch queue
+    and mini-sglang's overlap loop do. A step that is not ``overlappable``, and one whose
+    successor has nothing to run, is processed in the same call, as the plain step does.
+
+    Its collaborators are the engine's: ``launch`` schedules a step and submits it,
+    ``process`` waits for a step's samples and applies them (advanced: its tokens were
+    counted), ``advance`` counts a step's tokens as computed (pending: with a placeholder
+    for each token it samples), and ``masks`` fills structured rows' token masks when
+    ``masks_follow`` (SchedulerConfig.overlap_structured)."""
+
+    def __init__(self, launch: Launch, process: Process, advance: Advance, masks: MaskSource,
+                 masks_follow: bool) -> None:
+        self.launch, self.process, self.advance = launch, process, advance
+        self.masks, self.masks_follow = masks, masks_follow
+        self.inflight: InFlight | None = None
+        self.overlapped_steps = 0  # steps whose successor was submitted before they were processed
+
+    def step(self, finished_only: bool, unread: Container[str]) -> list[RequestOutput]:
+        current = self._take(finished_only, unread) or self.launch()
+        if not self._overlaps(current):
+            return self.process(current, finished_only, unread, False)
+        self.overlapped_steps += 1
+        self.advance(current.sched, True)
+        following = self.launch()
+        if following.handle is None:  # refused, or nothing to run: no need to wait a step
+            return (self.process(current, finished_only, unread, True)
+                    + self.process(following, finished_only, unread, False))
+        due = self._masks_due(following)  # before ``process`` replaces the placeholders
+        self.inflight = following
+        outputs = self.process(current, finished_only, unread, True)
+        if due:  # the matchers took this step's tokens
+            send_masks(following, due, self.masks)
+        return outputs
+
+    def has_live_step(self) -> bool:
+        """Whether a step is in flight whose outputs are still to be processed."""
+        return self.inflight is not None and self.inflight.live
+
+    def drop(self) -> None:
+        """Forget the step in flight (shutdown: its handle keeps device tensors alive)."""
+        self.inflight = None
+
+    def _take(self, finished_only: bool, unread: Container[str]) -> InFlight | None:
+        """The step in flight, if its outputs still matter."""
+        current, self.inflight = self.inflight, None
+        if current is not None and not current.live:  # all it ran has ended: its outputs are void
+            self.process(current, finished_only, unread, False)
+            return None
+        return current
+
+    def _overlaps(self, step: InFlight) -> bool:
+        """Whether the step after ``step`` may be scheduled before ``step``'s outputs: only a
+        step that computes something can change what the next one finds."""
+        return (step.error is None and bool(step.sched.scheduled)
+                and overlappable(step.sched, step.handle if self.masks_follow else None))
+
+    def _masks_due(self, step: InFlight) -> list[Sequence] | None:
+        """The structured rows of a step just launched whose token masks follow it: those
+        whose input token is pending (StepBuilder sends them ``MASK_FOLLOWS``)."""
+        if not self.masks_follow:
+            return None
+        seqs = (s.seq for s in step.sched.scheduled)
+        return [seq for seq in seqs if seq.grammar is not None and seq.has_pending] or None
+
+
+def send_masks(step: InFlight, due: list[Sequence], source: MaskSource) -> None:
+    """Hand ``step`` the token masks of its rows ``due``, now that the step before is
+    processed (each row's matcher has taken its input token), so that its sampler runs
+    before the next step is submitted. A row whose sequence has ended gets none: its sample
+    is discarded. A failure ends the step's requests when it is processed."""
+    due = [seq for seq in due if not seq.status.finished]
     words = source.fill_masks([seq.grammar for seq in due])
     try:
         step.handle.attach_masks({seq.seq_id: words[i] for i, seq in enumerate(due)})
     except StepFailed as e:
-        step.error, step.overlaps = e, False
+        step.error = e

@@ -185,7 +185,7 @@ def test_flag_off_is_the_synchronous_engine(tiny_llama_dir):
         engine = llm.engine
         engine.add_request("a", None, GREEDY, prompt_token_ids=PROMPTS[0])
         engine.step()
-        assert engine._inflight is None and engine.overlapped_steps == 0
+        assert engine.pipeline is None and engine.overlapped_steps == 0
     finally:
         llm.shutdown()
 
