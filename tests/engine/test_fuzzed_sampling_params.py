@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig
 
 from streamkv import LLM, SamplingParams
-from tests.models.hf_tiny import save_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +41,9 @@ _params = st.fixed_dictionaries(
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-fuzz")
-    save_tiny(LlamaConfig(
-        vocab_size=VOCAB, max_position_embeddings=256, num_hidden_layers=2, hidden_size=64,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    ), path)
-    engine = LLM(str(path), device="cpu", num_kv_blocks=128, num_swap_blocks=0, max_model_len=128)
+def llm(tiny_llama):
+    engine = LLM(str(tiny_llama(vocab_size=VOCAB)), device="cpu", num_kv_blocks=128,
+                 num_swap_blocks=0, max_model_len=128)
     yield engine
     engine.shutdown()
 

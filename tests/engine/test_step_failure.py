@@ -4,11 +4,9 @@ engine, its blocks and the requests that come later are unharmed."""
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig
 
 from streamkv import LLM, SamplingParams
 from streamkv.layers.sampler import Sampler
-from tests.models.hf_tiny import save_tiny
 
 POISON_SEED = 666
 PROMPT = [5, 17, 300, 2]
@@ -16,13 +14,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-failure")
-    save_tiny(LlamaConfig(
-        vocab_size=1000, max_position_embeddings=256, num_hidden_layers=2, hidden_size=64,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    ), path)
-    engine = LLM(str(path), device="cpu", num_kv_blocks=64, num_swap_blocks=0, max_model_len=128)
+def llm(tiny_llama_dir):
+    engine = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0,
+                 max_model_len=128)
     yield engine
     engine.shutdown()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import jsonschema
 import numpy as np
@@ -31,20 +30,9 @@ CHOICES = ["yes", "no", "maybe (later)"]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    from streamkv.models.loader import resolve_model_dir
-    from tests.models.hf_tiny import save_tiny
-
-    path = tmp_path_factory.mktemp("tiny-llama-tokenizer")
-    save_tiny(LlamaConfig(vocab_size=49152, max_position_embeddings=256, num_hidden_layers=2, hidden_size=64,
-                          intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2), path)
-    embedded = resolve_model_dir(None)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded / name, path / name)
-    return path
+def tiny_dir(tiny_llama):
+    return tiny_llama(tokenizer=True, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2)
 
 
 def _pair(tiny_dir, **kwargs):

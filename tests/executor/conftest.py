@@ -7,24 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamkv import SamplingParams
-from tests.models.hf_tiny import save_tiny
 
 FAULTS_DIR = Path(__file__).parent / "faults"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="session")
-def tiny4_dir(tmp_path_factory):
+def tiny4_dir(tiny_llama):
     """A 2-layer Llama with 4 query and 4 KV heads and an untied lm_head: splits at TP 2 and 4."""
-    path = tmp_path_factory.mktemp("tiny-llama-kv4")
-    save_tiny(LlamaConfig(
-        vocab_size=1000, max_position_embeddings=256, num_hidden_layers=2, hidden_size=128,
-        intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
-    ), path)
-    return path
+    return tiny_llama(hidden_size=128, intermediate_size=256, num_key_value_heads=4,
+                      tie_word_embeddings=False)
 
 
 def tiny_prompts() -> list[list[int]]:

@@ -7,25 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamkv.entrypoints.llm import LLM
 from tests.executor.test_async_mp import _outputs
-from tests.models.hf_tiny import save_tiny
 
 pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(scope="module")
-def tiny64_dir(tmp_path_factory):
+def tiny64_dir(tiny_llama):
     """4 query / 2 KV heads of 64 (a head size the CUDA kernels serve), untied lm_head."""
-    path = tmp_path_factory.mktemp("tiny-llama-mp-cuda")
-    save_tiny(LlamaConfig(
-        vocab_size=1000, max_position_embeddings=512, num_hidden_layers=2, hidden_size=256,
-        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        tie_word_embeddings=False,
-    ), path)
-    return path
+    return tiny_llama(max_position_embeddings=512, hidden_size=256, intermediate_size=512,
+                      head_dim=64, tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamkv import SamplingParams
 from streamkv.engine.async_engine import AsyncEngine
@@ -23,7 +22,6 @@ from streamkv.entrypoints.cli import build_parser, engine_kwargs
 from streamkv.entrypoints.llm import LLM, engine_config
 from streamkv.executor.multiproc import MultiprocExecutor, WorkerError, verify_tensor_parallel
 from streamkv.models.loader import load_config, resolve_model_dir
-from tests.models.hf_tiny import save_tiny
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [
@@ -46,15 +44,12 @@ def _tokens(outs) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tiny_llama):
     """A 2-layer Llama with 4 query / 2 KV heads (TP=2 splits it) and an untied lm_head, so
     the sharded head's all-gather runs on every step."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny(LlamaConfig(
-        vocab_size=1000, max_position_embeddings=512, num_hidden_layers=2, hidden_size=256,
-        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    ), path)  # head_dim 64: a size the CUDA kernels are built for
-    return path
+    # head_dim 64 (hidden / heads): a size the CUDA kernels are built for
+    return tiny_llama(max_position_embeddings=512, hidden_size=256, intermediate_size=512,
+                      tie_word_embeddings=False)
 
 
 def _tiny_prompts() -> list[list[int]]:

@@ -135,15 +135,12 @@ def test_accepted_extremes_sample_a_real_token_in_bounded_time(kw: dict, logits_
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tmp_path_factory):
-    from transformers import LlamaConfig
-
+def tiny_llm(tiny_llama):
     from streamkv import LLM
-    from tests.models.hf_tiny import save_tiny
 
-    path = tmp_path_factory.mktemp("tiny-llama-extremes")
-    save_tiny(LlamaConfig(vocab_size=VOCAB * 4, max_position_embeddings=64, num_hidden_layers=1, hidden_size=32,
-                          intermediate_size=64, num_attention_heads=2, num_key_value_heads=1), path)
+    path = tiny_llama(vocab_size=VOCAB * 4, max_position_embeddings=64, num_hidden_layers=1,
+                      hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=1)
     llm = LLM(str(path), device="cpu", num_kv_blocks=64, num_swap_blocks=0, max_model_len=64)
     yield llm
     llm.shutdown()

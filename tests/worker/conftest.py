@@ -7,15 +7,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    from tests.models.hf_tiny import save_tiny
-
-    path = tmp_path_factory.mktemp("tiny-llama-cuda")
-    save_tiny(LlamaConfig(
-        vocab_size=1000, max_position_embeddings=2048, num_hidden_layers=3, hidden_size=256,
-        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        tie_word_embeddings=False,
-    ), path)
-    return path
+def tiny_dir(tiny_llama):
+    return tiny_llama(max_position_embeddings=2048, num_hidden_layers=3, hidden_size=256,
+                      intermediate_size=512, head_dim=64, tie_word_embeddings=False)

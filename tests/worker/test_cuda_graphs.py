@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamkv import SamplingParams
 from streamkv.config import ModelConfig
@@ -34,23 +33,17 @@ from streamkv.worker.cuda_graphs import (
     padded_batch_size,
 )
 from streamkv.worker.input_batch import SampleRequest, SeqInput
-from tests.models.hf_tiny import save_tiny
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tiny_llama):
     """A 2-layer Llama, 4 query / 2 KV heads of 64 (a head size the CUDA kernels serve),
     untied lm_head, wide random weights (few near-ties)."""
-    path = tmp_path_factory.mktemp("tiny-llama-graphs")
-    save_tiny(LlamaConfig(
-        vocab_size=1000, max_position_embeddings=2048, num_hidden_layers=2, hidden_size=256,
-        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        tie_word_embeddings=False,
-    ), path)
-    return path
+    return tiny_llama(max_position_embeddings=2048, hidden_size=256, intermediate_size=512,
+                      head_dim=64, tie_word_embeddings=False)
 
 
 def _runner(llm: LLM):

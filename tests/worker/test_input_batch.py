@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamkv import LLM, BeamSearchParams, SamplingParams
 from streamkv.messages import NewSeq, SeqParams, SeqStep, StepInput
 from streamkv.sequence import SequenceStatus
 from streamkv.worker.input_batch import InputBatch, ProtocolError
-from tests.models.hf_tiny import save_tiny
 
 VOCAB = 300
 
@@ -123,13 +121,8 @@ def test_the_builder_sends_a_sequence_once_then_deltas() -> None:
 
 # -- the engine's StepBuilder and the worker's InputBatch, through the real engine --------------
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-batch")
-    save_tiny(LlamaConfig(
-        vocab_size=VOCAB, max_position_embeddings=256, num_hidden_layers=1, hidden_size=64,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    ), path)
-    return path
+def tiny_dir(tiny_llama):
+    return tiny_llama(vocab_size=VOCAB, num_hidden_layers=1)
 
 
 def _check_mirror(engine) -> None:
