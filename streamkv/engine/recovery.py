@@ -58,7 +58,8 @@ _CONTEXT = 6  # prompt tokens decoded with the first output tokens (engine/detok
 
 
 class EngineRestartedError(RuntimeError):
-    """The workers were restarted and this request could not be resumed."""
+    """The engine was restarted after a stall and this request, a suspect, was ended (the
+    others resume)."""
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from streamkv.engine.async_engine import (
     EngineNotReadyError,
     RequestAbortedError,
 )
-from streamkv.engine.recovery import EngineRestartedError, RestartBudget
+from streamkv.engine.recovery import RestartBudget
 from streamkv.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
 

@@ -148,3 +148,68 @@ def test_stops_that_do_not_straddle_are_left_to_the_engines():
     # No stop strings: the text is joined as it is.
     plain = resumed("the EN", SamplingParams(max_tokens=40), shown="the EN")
     assert plain.join(output("D"))[0].outputs[0].text == "the END"
+
+
+# -- requests of several samples, best_of and beam search across a worker kill ---------------
+SAMPLES = {"prompt": "The history of the sea:", "max_tokens": 30, "ignore_eos": True, "n": 3,
+           "temperature": 1.0, "seed": 1234, "stream_options": {"include_usage": True}}
+BEST_OF = {"prompt": "A lighthouse keeper wrote:", "max_tokens": 40, "ignore_eos": True, "n": 1, "best_of": 3,
+           "temperature": 1.0, "seed": 7}
+BEAM = {"prompt": "The old harbour", "max_tokens": 40, "ignore_eos": True, "n": 2, "best_of": 3,
+        "use_beam_search": True, "temperature": 0}
+
+
+def stream_choices(server, body: dict, kill_after: int | None = None) -> tuple[dict, dict, dict]:
+    """Stream ``body``: each choice's text and finish reason, and the usage chunk. With
+    ``kill_after``, SIGKILL the worker after that many chunks, first checking that every
+    request of this test is running then."""
+    texts, finish, usage, n = {}, {}, None, 0
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            n += 1
+            for c in chunk["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                if c.get("finish_reason"):
+                    finish[c["index"]] = c["finish_reason"]
+            usage = chunk.get("usage") or usage
+            if n == kill_after:
+                assert server.gauge("num_requests_running") == 3  # this stream, best_of and beams
+                (pid,) = worker_pids(server.proc.pid)
+                os.kill(pid, signal.SIGKILL)
+    return texts, finish, usage
+
+
+def answer(server, body: dict) -> dict:
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return {"choices": [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]], "usage": out["usage"]}
+
+
+@pytest.mark.slow
+def test_samples_best_of_and_beam_search_survive_a_worker_kill(server):
+    """n = 3 seeded samples streamed, best_of = 3 (n = 1) and beam search, all running when
+    the worker is killed: each answers as a fault-free run does (before: 503 engine_restarted)."""
+    expected_stream = stream_choices(server, SAMPLES)
+    assert len(expected_stream[0]) == 3 and len(set(expected_stream[0].values())) == 3
+    expected = {"best_of": answer(server, BEST_OF), "beam": answer(server, BEAM)}
+    got: dict = {}
+    threads = [threading.Thread(target=lambda k=k, b=b: got.__setitem__(k, answer(server, b)))
+               for k, b in (("best_of", BEST_OF), ("beam", BEAM))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while server.gauge("num_requests_running") < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    before = worker_pids(server.proc.pid)
+    assert stream_choices(server, SAMPLES, kill_after=5) == expected_stream
+    for t in threads:
+        t.join(600)
+    assert got == expected
+    assert worker_pids(server.proc.pid) != before  # the worker was killed and restarted
+    server.wait_idle()
