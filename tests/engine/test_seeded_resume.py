@@ -191,3 +191,21 @@ def test_beam_search_and_token_less_requests_start_over(engine):
     parallel = SamplingParams(n=3, seed=1)
     (part,), resumed = resume("p", PROMPT, parallel, None, None)
     assert resumed is None and part.params is parallel
+
+
+def test_the_samples_compute_their_common_prompt_once(engine, tiny_llama_dir):
+    """After a restart the cache is empty; with prefix caching on, the samples' parts share
+    the full blocks of the prompt they have in common: one computes them, the others hit."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    expected = _finish(engine, "whole", PROMPT, params)
+    before = _finish(engine, "cut", PROMPT, params, stop_after=5)
+    assert len({c.token_ids[0] for c in before.outputs}) == 3  # no block shared past the prompt
+    fresh = LLM(str(tiny_llama_dir), device="cpu", block_size=8, num_kv_blocks=128, num_swap_blocks=0,
+                max_model_len=256, enable_prefix_caching=True)
+    try:
+        after, parts = _resume(fresh.engine, "cut", params, before)
+        _same(after, expected)
+        shared = len(PROMPT) // 8 * 8  # the prompt's full blocks (the 4th holds each sample's first token)
+        assert fresh.engine.stats()["prefix_cache_hits"] == (len(parts) - 1) * shared
+    finally:
+        fresh.shutdown()
