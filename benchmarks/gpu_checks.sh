@@ -190,6 +190,9 @@ if [[ " $PARTS " == *" serve "* ]]; then
     step serve_burst_$l 120 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
       --server-args "--loop $l" --json-out "$OUT/serve_burst_$l.json"
   done
+  # A shorter GIL switch interval (the engine thread waits less for the loop to let go).
+  step serve_burst_switch02 120 env STREAMKV_GIL_SWITCH_INTERVAL_MS=0.2 $SERVE --num-prompts 1000 \
+    --request-rate inf --engine-args "$E8B" --json-out "$OUT/serve_burst_switch02.json"
   # The same with Python's default GIL switch interval (5 ms; the engine thread sets 0.5 ms).
   step serve_burst_switch5 120 env STREAMKV_GIL_SWITCH_INTERVAL_MS=5 $SERVE --num-prompts 1000 \
     --request-rate inf --engine-args "$E8B" --json-out "$OUT/serve_burst_switch5.json"

@@ -50,8 +50,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="path prefix when behind a proxy that routes a path to this server (e.g. /llm)")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
-    s.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
-                   help="the event loop (auto: uvloop where installed, as uvicorn picks)")
+    s.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the event loop. asyncio by default: uvloop writes each SSE event holding the "
+                        "GIL that the engine thread needs, and served 7%% less under a burst on an H200 "
+                        "(docs/benchmarks.md \"Serving\")")
     s.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY; none = open)")
     tc = p.add_argument_group("tool calling")
@@ -218,13 +220,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s: requests must name the server by the IP address they connect to or a loopback name; "
                        "list its DNS names with --allowed-hosts (others get 421)", args.host)
     loop = args.loop
-    if loop == "auto":
+    if loop == "uvloop":
         try:
             import uvloop  # noqa: F401
-
-            loop = "uvloop"
         except ImportError:
-            loop = "asyncio"
+            raise SystemExit("error: --loop uvloop: uvloop is not installed") from None
     limits = ConnectionLimits(args.timeout_request_head, args.timeout_request_body,
                               fit_open_files(args.limit_concurrency))
     server = DrainingServer(uvicorn.Config(

@@ -1,5 +1,5 @@
 """``streamkv serve``: the Starlette app (OpenAI HTTP API with SSE, WebSocket chat, metrics,
-the demo page) on uvicorn with uvloop. The model loads on the engine thread after the
+the demo page) on uvicorn (asyncio's loop; --loop uvloop). The model loads on the engine thread after the
 server is up; until then /health answers 503.
 """
 
