@@ -1,5 +1,6 @@
 """The event loop's book of open requests: each one's stream, its submission as first made
-(a restart resumes it from there), what came before a resume, and the counts that admission
+(a restart resumes it from there), what came before a resume and the parts it runs as (one
+per sample of a request of several: engine/recovery.py), and the counts that admission
 control reads.
 
 Only the event loop touches the book. The engine thread reaches it through the loop
