@@ -12,6 +12,11 @@
 // logits, softmax, then p.v. A long context is split into partitions (flash-decoding
 // style) whose partial results are merged by the last CTA of the sequence to finish (or by
 // paged_attention_reduce_kernel), so the context length is bounded only by the block table.
+//
+// Both decode kernels take the cache's element type C after their other template arguments,
+// defaulting to the query's T: C = __nv_fp8_e4m3 is the fp8 cache, widened in registers
+// after each load (the launcher folds the K scale into `scale` and multiplies the output by
+// the V scale). With C = T the code is the 16-bit / fp32 kernel as it always was.
 #include "dtypes.cuh"
 #include "pdl.cuh"
 
@@ -357,9 +362,21 @@ __device__ __forceinline__ void finish_partition(
   }
 }
 
+// N consecutive elements of T (N * sizeof(T) a multiple of 16 bytes) as floats, in 16-byte loads.
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* p, float* f) {
+  constexpr int PER = 16 / sizeof(T);
+#pragma unroll
+  for (int k = 0; k < N / PER; ++k) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p + k * PER);  // one 16-byte load
+    Traits<T>::to_float(raw, f + k * PER);
+  }
+}
+
 // Dynamic shared memory: the ring (RowShape::RING uint4) then max(partition_size,
 // kWarps * HEAD) * GPAD floats for the logits and later the output sums (the host computes it).
-template <typename T, int HEAD, int BLOCK, int GPAD, int STAGES>
+// A row is HEAD elements of the cache type C, so an fp8 row is half the vectors of a bf16 one.
+template <typename T, int HEAD, int BLOCK, int GPAD, int STAGES, typename C = T>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     T* __restrict__ out,              // [seqs, heads, HEAD] (single-partition launches)
     float* __restrict__ part_out,     // [seqs, heads, max_partitions, HEAD]
@@ -368,14 +385,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     int* __restrict__ merge_counters,  // [seqs, gridDim.y] zeros (fused merge), or null;
                                       // left at zero again by the merging CTAs
     const T* __restrict__ query,      // [seqs, heads, HEAD], seq stride q_stride
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+    const C* __restrict__ key_cache, const C* __restrict__ value_cache,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
     long long q_stride, int block_table_stride, int num_kv_heads, int group_size,
     int partition_size, int max_partitions) {
   launch_dependents();  // the o projection after it may start loading its weights
   grid_dependency_wait();  // launched with PDL: q and the cache come from the kernels before
-  using R = RowShape<T, HEAD, STAGES>;
-  using Tr = Traits<T>;
+  using R = RowShape<C, HEAD, STAGES>;
+  using Tc = Traits<C>;
   static_assert(kMaxPartition % BLOCK == 0, "partition must hold whole blocks");
   static_assert(GPAD <= 32 && (GPAD & (GPAD - 1)) == 0, "GPAD is a power of two <= 32");
 
@@ -401,7 +418,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
   const long long head_off = (long long)kvh * BLOCK * HEAD;
   const int n_iter = (n_tok + R::STEP - 1) / R::STEP;
   __syncthreads();  // blk_s
-  const RowStream<T, HEAD, BLOCK, STAGES> keys{key_cache + head_off, blk_s, blk_stride,
+  const RowStream<C, HEAD, BLOCK, STAGES> keys{key_cache + head_off, blk_s, blk_stride,
                                                n_tok, n_iter, grp, lg, ring};
   keys.start();
 
@@ -413,9 +430,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     for (int j = 0; j < R::NVT; ++j) {
       const int c = lg + j * R::TG;
       if (g < n_heads && c < R::NV) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(
-            query + seq * q_stride + (long long)(head0 + g) * HEAD + c * R::VEC);
-        Tr::to_float(raw, q[g][j]);
+        load_floats<T, R::VEC>(query + seq * q_stride + (long long)(head0 + g) * HEAD + c * R::VEC,
+                               q[g][j]);
 #pragma unroll
         for (int e = 0; e < R::VEC; ++e) q[g][j][e] *= scale;
       } else {
@@ -443,7 +459,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
 #pragma unroll
       for (int j = 0; j < R::NVT; ++j) {
         float kf[R::VEC];
-        Tr::to_float(kv[u][j], kf);
+        Tc::to_float(kv[u][j], kf);
 #pragma unroll
         for (int g = 0; g < GPAD; ++g)
 #pragma unroll
@@ -459,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
     }
   }
   // V's first stages load while the softmax below runs.
-  const RowStream<T, HEAD, BLOCK, STAGES> values{value_cache + head_off, blk_s, blk_stride,
+  const RowStream<C, HEAD, BLOCK, STAGES> values{value_cache + head_off, blk_s, blk_stride,
                                                  n_tok, n_iter, grp, lg, ring};
   values.start();
   __syncthreads();
@@ -487,7 +503,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode_kernel(
 #pragma unroll
         for (int j = 0; j < R::NVT; ++j) {
           float vf[R::VEC];
-          Tr::to_float(vv[u][j], vf);
+          Tc::to_float(vv[u][j], vf);
 #pragma unroll
           for (int g = 0; g < GPAD; ++g)
 #pragma unroll
@@ -609,18 +625,25 @@ __device__ __forceinline__ unsigned word(const uint4& v, int i) {
 // __launch_bounds__(kThreads, 1), not (kThreads): with a minimum of one CTA per multiprocessor
 // stated, ptxas used 86 registers instead of 69 for bf16 / 128, and that code was up to 25%
 // faster on an H200 (docs/kernels.md).
-template <typename T, int HEAD, int BLOCK, int GPAD, bool WARP_SOFTMAX, int UNROLL>
+//
+// C = __nv_fp8_e4m3: a lane loads the same 8 elements per vector as for 16-bit, as 8 bytes
+// (uint2), and widens them to T just before the mma that takes them, so the loads of a
+// step stay in flight as before.
+template <typename T, int HEAD, int BLOCK, int GPAD, bool WARP_SOFTMAX, int UNROLL,
+          typename C = T>
 __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_attention_decode_tc_kernel(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
     float* __restrict__ part_sum, int* __restrict__ merge_counters,
-    const T* __restrict__ query, const T* __restrict__ key_cache,
-    const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+    const T* __restrict__ query, const C* __restrict__ key_cache,
+    const C* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ context_lens, float scale, long long q_stride,
     int block_table_stride, int num_kv_heads, int group_size, int partition_size,
     int max_partitions) {
   launch_dependents();  // the o projection after it may start loading its weights
   grid_dependency_wait();  // launched with PDL: q and the cache come from the kernels before
   using Tr = Traits<T>;
+  using Wd = Widen8<T, C>;
+  using Raw = typename Wd::Raw;  // one lane's load of 8 cache elements
   static_assert(HEAD % 64 == 0, "tensor-core decode needs a head size that is a multiple of 64");
   static_assert(Tr::VEC == 8, "tensor-core decode is for 16-bit caches");
   static_assert(GPAD <= 8 && (GPAD & (GPAD - 1)) == 0, "GPAD is a power of two <= 8");
@@ -652,6 +675,7 @@ __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_att
   const long long head_off = (long long)kvh * BLOCK * HEAD;
   const int n_chunks = (n_tok + CHUNK - 1) / CHUNK;
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  const Raw raw_zero = Wd::zero();
 
   // q of head `grp` (zero past the CTA's heads), vectors quad + 4 v.
   uint4 qf[KV1];
@@ -663,9 +687,9 @@ __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_att
                           : zero;
   __syncthreads();  // blk_s
 
-  auto row = [&](const T* cache, int t) {
-    return reinterpret_cast<const uint4*>(cache + head_off + blk_s[t / BLOCK] * blk_stride +
-                                          (t % BLOCK) * HEAD);
+  auto row = [&](const C* cache, int t) {
+    return reinterpret_cast<const Raw*>(cache + head_off + blk_s[t / BLOCK] * blk_stride +
+                                        (t % BLOCK) * HEAD);
   };
   float* logits = smem;  // [partition][NH]
   constexpr int STEP = kWarps * UNROLL;  // chunks a CTA takes per step
@@ -673,17 +697,17 @@ __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_att
   // Pass 1: logits of tokens (grp, grp + 8) of each chunk for heads (2 quad, 2 quad + 1).
   // A step loads UNROLL chunks (ch0, ch0 + kWarps, ...) before multiplying any of them.
   for (int ch0 = warp; ch0 < n_chunks; ch0 += STEP) {
-    uint4 k0[UNROLL][KV1], k1[UNROLL][KV1];
+    Raw k0[UNROLL][KV1], k1[UNROLL][KV1];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int t0 = (ch0 + u * kWarps) * CHUNK + grp, t1 = t0 + 8;
       const bool ok0 = t0 < n_tok, ok1 = t1 < n_tok;
-      const uint4* r0 = ok0 ? row(key_cache, t0) : nullptr;
-      const uint4* r1 = ok1 ? row(key_cache, t1) : nullptr;
+      const Raw* r0 = ok0 ? row(key_cache, t0) : nullptr;
+      const Raw* r1 = ok1 ? row(key_cache, t1) : nullptr;
 #pragma unroll
       for (int v = 0; v < KV1; ++v) {
-        k0[u][v] = ok0 ? __ldg(r0 + quad + 4 * v) : zero;
-        k1[u][v] = ok1 ? __ldg(r1 + quad + 4 * v) : zero;
+        k0[u][v] = ok0 ? __ldg(r0 + quad + 4 * v) : raw_zero;
+        k1[u][v] = ok1 ? __ldg(r1 + quad + 4 * v) : raw_zero;
       }
     }
 #pragma unroll
@@ -692,10 +716,11 @@ __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_att
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int v = 0; v < KV1; ++v) {
+        const uint4 ka = Wd::run(k0[u][v]), kb = Wd::run(k1[u][v]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const unsigned a[4] = {word(k0[u][v], 2 * h), word(k1[u][v], 2 * h),
-                                 word(k0[u][v], 2 * h + 1), word(k1[u][v], 2 * h + 1)};
+          const unsigned a[4] = {word(ka, 2 * h), word(kb, 2 * h), word(ka, 2 * h + 1),
+                                 word(kb, 2 * h + 1)};
           const unsigned b[2] = {word(qf[v], 2 * h), word(qf[v], 2 * h + 1)};
           Mma<T>::run(acc, a, b);
         }
@@ -712,16 +737,16 @@ __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_att
   // Pass 2's first step of V loads goes out now, before the softmax: the probabilities are
   // not needed to fetch V, so the memory system stays busy across the barrier and softmax.
   // Token i of a chunk's lane: 2 quad + (i & 1) + 8 (i >> 1).
-  uint4 vv[UNROLL][KV2][4];
+  Raw vv[UNROLL][KV2][4];
   auto load_v = [&](int ch0) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int t = (ch0 + u * kWarps) * CHUNK + 2 * quad + (i & 1) + (i >> 1) * 8;
-        const uint4* r = t < n_tok ? row(value_cache, t) : nullptr;
+        const Raw* r = t < n_tok ? row(value_cache, t) : nullptr;
 #pragma unroll
-        for (int j = 0; j < KV2; ++j) vv[u][j][i] = t < n_tok ? __ldg(r + grp + 8 * j) : zero;
+        for (int j = 0; j < KV2; ++j) vv[u][j][i] = t < n_tok ? __ldg(r + grp + 8 * j) : raw_zero;
       }
   };
   load_v(warp);
@@ -780,10 +805,12 @@ __global__ void __launch_bounds__(kThreads, tc_min_ctas(HEAD, UNROLL)) paged_att
       const unsigned b[2] = {Mma<T>::pack(p[0], p[1]), Mma<T>::pack(p[2], p[3])};
 #pragma unroll
       for (int j = 0; j < KV2; ++j) {
+        const uint4 v0 = Wd::run(vv[u][j][0]), v1 = Wd::run(vv[u][j][1]);
+        const uint4 v2 = Wd::run(vv[u][j][2]), v3 = Wd::run(vv[u][j][3]);
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          const unsigned w0 = word(vv[u][j][0], w), w1 = word(vv[u][j][1], w);
-          const unsigned w2 = word(vv[u][j][2], w), w3 = word(vv[u][j][3], w);
+          const unsigned w0 = word(v0, w), w1 = word(v1, w);
+          const unsigned w2 = word(v2, w), w3 = word(v3, w);
           const unsigned a[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
                                  __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632)};
           Mma<T>::run(o[4 * j + w], a, b);

@@ -17,6 +17,12 @@
 // the block table, so every power-of-two block size takes the same path.
 //
 // Grid: x = query tile (over all spans, see tile_of), y = group of G query heads.
+//
+// The cache's element type C follows the other template arguments, defaulting to T. With
+// C = __nv_fp8_e4m3 (the fp8 cache) each thread copies its 8-byte chunks of a K/V tile into a
+// staging area with cp.async, then, once they landed, widens them to T into the same padded
+// tile the 16-bit path fills directly; everything after that is unchanged. The launcher
+// folds the K scale into scale_log2 and multiplies the output by the V scale.
 #include "dtypes.cuh"
 
 namespace streamkv {
@@ -83,6 +89,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   // traffic and hold zeros, so a masked (zero) probability never meets a NaN.
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(valid ? 8 : 0)
                : "memory");
 }
 
@@ -158,17 +170,19 @@ __device__ __forceinline__ void for_chunks(int tid, F&& copy) {
 }
 
 // Dynamic shared memory: (BM + 2 * BN) rows of HEAD + kPad elements (Q, one K tile, one V
-// tile), then 2 * BN row offsets of 8 bytes; computed by streamkv/kernels/prefill.py.
-template <typename T, int HEAD, int G, int WARPS, int MT, int BN>
+// tile), then 2 * BN row offsets of 8 bytes, then for an fp8 cache the staging area (8 bytes
+// per chunk of a tile); computed by streamkv/kernels/prefill.py.
+template <typename T, int HEAD, int G, int WARPS, int MT, int BN, typename C = T>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_kernel(
     T* __restrict__ out, long long out_stride,  // [tokens, heads, HEAD], token stride
     const T* __restrict__ query, long long q_stride,  // [tokens, heads, HEAD]
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+    const C* __restrict__ key_cache, const C* __restrict__ value_cache,
     const int* __restrict__ block_tables, int block_table_stride,  // [spans, max_blocks]
     const int* __restrict__ cu_query_lens,  // [spans + 1]: span i's rows cu[i] .. cu[i+1]
     const int* __restrict__ context_lens,   // [spans]: tokens in the cache, span included
     int num_spans, float scale_log2, int num_kv_heads, int group_size, int block_shift) {
-  static_assert(Traits<T>::VEC == 8, "prefill attention is for 16-bit caches");
+  static_assert(Traits<T>::VEC == 8, "prefill attention is for 16-bit queries");
+  constexpr bool kFp8 = sizeof(C) == 1;  // C is __nv_fp8_e4m3
   static_assert(HEAD % 16 == 0, "head size must be a multiple of 16");
   static_assert(BN % 16 == 0, "key tile must be a multiple of 16");
   static_assert(BN <= WARPS * 32, "a thread publishes each key row's offset");
@@ -223,8 +237,8 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
   // costs one shared load and an add. Each thread's table read is issued a tile ahead, so
   // its latency hides behind a whole iteration. Keys past the context get offset 0 (a
   // valid address) and copy nothing.
-  const long long blk_bytes = (long long)num_kv_heads * HEAD * sizeof(T) << block_shift;
-  const long long head_bytes = (long long)kvh * HEAD * sizeof(T) << block_shift;
+  const long long blk_bytes = (long long)num_kv_heads * HEAD * sizeof(C) << block_shift;
+  const long long head_bytes = (long long)kvh * HEAD * sizeof(C) << block_shift;
   auto fetch_id = [&](int tile) {
     const int k = tile * BN + tid;
     return tid < BN && tile >= 0 ? __ldg(bt + ((k < n_kv ? k : 0) >> block_shift)) : 0;
@@ -233,17 +247,37 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
     const int k = tile * BN + tid;
     if (tid < BN)
       sOff[(tile & 1) * BN + tid] =
-          k < n_kv ? id * blk_bytes + head_bytes + (k & bmask) * (HEAD * (int)sizeof(T)) : 0;
+          k < n_kv ? id * blk_bytes + head_bytes + (k & bmask) * (HEAD * (int)sizeof(C)) : 0;
   };
   using KV = ChunkMap<BN, CPR, THREADS>;
-  auto load_kv = [&](T* dst, const T* cache, int tile) {
+  // fp8: chunk i of this thread is staged at stage[i * THREADS + tid] (8 bytes), which only
+  // this thread writes and reads, so staging needs no barrier of its own; K and V share it
+  // (a tile is widened before the next one is copied in).
+  uint2* stage = reinterpret_cast<uint2*>(sOff + 2 * BN);
+  auto load_kv = [&](T* dst, const C* cache, int tile) {
     const char* base = reinterpret_cast<const char*>(cache);
     const long long* off = sOff + (tile & 1) * BN;
 #pragma unroll
     for (int i = 0; i < KV::N; ++i) {
       if (!KV::used(tid, i)) continue;
       const int r = KV::row(tid, i), col = KV::col(tid, i);
-      cp_async16(dst + r * LD + col * 8, base + off[r] + col * 16, tile * BN + r < n_kv);
+      if constexpr (kFp8)
+        cp_async8(stage + i * THREADS + tid, base + off[r] + col * 8, tile * BN + r < n_kv);
+      else
+        cp_async16(dst + r * LD + col * 8, base + off[r] + col * 16, tile * BN + r < n_kv);
+    }
+  };
+  // fp8: this thread's staged chunks of the tile that just landed, widened into dst (the
+  // barrier after it publishes them to the CTA). A no-op for a 16-bit cache.
+  auto widen_kv = [&](T* dst) {
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int i = 0; i < KV::N; ++i) {
+        if (!KV::used(tid, i)) continue;
+        const int r = KV::row(tid, i), col = KV::col(tid, i);
+        *reinterpret_cast<uint4*>(dst + r * LD + col * 8) =
+            Widen8<T, C>::run(stage[i * THREADS + tid]);
+      }
     }
   };
 
@@ -276,6 +310,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
       next_id = fetch_id(j - 2);
     }
     cp_async_wait_all();
+    widen_kv(sK);
     __syncthreads();  // K(j) (and Q) landed, sOff(j-1) is out; every warp is done with V(j+1)
     load_kv(sV, value_cache, j);
     cp_async_commit();
@@ -320,6 +355,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1) paged_prefill_
     }
 
     cp_async_wait_all();
+    widen_kv(sV);
     __syncthreads();  // V(j) landed; every warp is done with K(j)
     if (j > 0) {
       load_kv(sK, key_cache, j - 1);

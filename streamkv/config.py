@@ -21,6 +21,9 @@ EXECUTOR_BACKENDS = ("inprocess", "mp")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Every power of two from 1 to 256 (the paper's Fig 18b sweep; docs/kernels.md "Block sizes").
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# vLLM's names: "auto" stores K/V in the model's dtype; "fp8" and "fp8_e4m3" (the same) store
+# float8_e4m3fn, half the bytes, so twice the blocks (docs/kernels.md, "FP8 KV cache").
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 
 
@@ -32,6 +35,9 @@ def arg(default: Any, help: str, **meta: Any) -> Any:
 @dataclass
 class CacheConfig:
     block_size: int = arg(16, "tokens per KV block", choices=BLOCK_SIZES)
+    kv_cache_dtype: str = arg("auto", "KV cache element type: 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' "
+                                      "(float8 e4m3, per-layer scales of 1.0, twice the blocks)",
+                              choices=KV_CACHE_DTYPES)
     num_kv_blocks: int | None = arg(None, "KV pool size in blocks (default: sized from memory, "
                                           "gpu_memory_utilization on a GPU, cpu_kv_cache_space on a CPU)")
     # None: 4 GiB on a GPU, none on a CPU, where a CPU "swap" pool would only duplicate the
@@ -50,6 +56,8 @@ class CacheConfig:
                                                "(repeatable)", repeatable=True, metavar="FILE")
 
     def verify(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}.")
         if not isinstance(self.reserved_prefix, (tuple, list)) or not all(isinstance(p, str) for p in self.reserved_prefix):

@@ -1,7 +1,8 @@
 """Kernels that move K/V bytes without looking at them (``kernels_cu/cache_ops.cu``):
 reshape-and-cache writes each new token's K/V into its slot; copy-on-write copies move
 whole blocks of every layer's pools in one launch (``move_blocks``, which swaps between
-device and host pools use too: kernels/block_swap.py).
+device and host pools use too: kernels/block_swap.py). Into an fp8 cache reshape-and-cache
+quantizes (``reshape_and_cache_fp8_kernel``); block moves copy the bytes as they are.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from functools import lru_cache
 import torch
 
 from streamkv.kernels import launch, nvrtc
-from streamkv.kernels.launch import INT, LONG, PTR
+from streamkv.kernels.fp8 import is_fp8
+from streamkv.kernels.launch import DTYPE_NAMES, FLOAT, INT, LONG, PTR
 
 CACHE_OPS_SOURCE = "cache_ops.cu"
 COPY_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
@@ -22,7 +24,12 @@ def cache_ops_names() -> tuple[str, ...]:
         f"streamkv::{k}<{u}>"
         for u in COPY_UNITS.values()
         for k in ("reshape_and_cache_kernel", "move_blocks_kernel")
-    )
+    ) + tuple(fp8_write_name(t) for t in DTYPE_NAMES.values())
+
+
+def fp8_write_name(dtype: str) -> str:
+    """The fp8 cache write for K/V of CUDA type ``dtype``."""
+    return f"streamkv::reshape_and_cache_fp8_kernel<{dtype}>"
 
 
 def copy_unit(nbytes: int, *addresses: int) -> int:
@@ -38,21 +45,35 @@ def _cache_ops_kernel(kind: str, unit: int, device: torch.device) -> nvrtc.Kerne
     return module.kernel(f"streamkv::{kind}<{COPY_UNITS[unit]}>")
 
 
+def _check_write(key, value, key_cache, value_cache) -> None:
+    num_tokens, num_kv_heads, head = key.shape
+    _, cache_heads, block_size, cache_head = key_cache.shape
+    if (cache_heads, cache_head) != (num_kv_heads, head) or value.shape != key.shape:
+        raise ValueError(f"K/V {tuple(key.shape)} do not fit caches {tuple(key_cache.shape)}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    """``k_scale`` / ``v_scale``: an fp8 cache stores K / k_scale and V / v_scale; other
+    caches ignore them."""
     num_tokens, num_kv_heads, head = key.shape
     if num_tokens == 0:
         return
-    _, cache_heads, block_size, cache_head = key_cache.shape
-    if (cache_heads, cache_head) != (num_kv_heads, head) or value.shape != key.shape:
-        raise ValueError(f"K/V {tuple(key.shape)} do not fit caches {tuple(key_cache.shape)}")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("KV caches must be contiguous")
+    _check_write(key, value, key_cache, value_cache)
+    if is_fp8(key_cache.dtype):
+        return _reshape_and_cache_fp8(
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        )
+    _, _, block_size, _ = key_cache.shape
     key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if key.stride(-1) != 1 or key.stride(1) != head:
         key = key.contiguous()
@@ -86,6 +107,42 @@ def reshape_and_cache(
             (INT, num_kv_heads),
             (INT, block_size),
             (INT, row_units),
+        ],
+        launch.stream(key.device),
+        pdl=launch.use_pdl(key.device),
+    )
+
+
+def _reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+    num_tokens, num_kv_heads, head = key.shape
+    if value_cache.dtype != key_cache.dtype or key.dtype not in DTYPE_NAMES:
+        raise TypeError(f"no fp8 cache write from {key.dtype} into {key_cache.dtype} / {value_cache.dtype}")
+    if head % 2:
+        raise ValueError(f"the fp8 cache write takes element pairs: head size {head} is odd")
+    value = value.to(key.dtype)
+    if key.stride(-1) != 1 or key.stride(1) != head:
+        key = key.contiguous()
+    if value.stride(-1) != 1 or value.stride(1) != head:
+        value = value.contiguous()
+    slots = slot_mapping.to(device=key.device, dtype=torch.int64).contiguous()
+    threads = min(512, -(-num_kv_heads * head // 2 // 32) * 32)
+    module = launch.module(CACHE_OPS_SOURCE, cache_ops_names(), key.device)
+    module.kernel(fp8_write_name(DTYPE_NAMES[key.dtype])).launch(
+        (num_tokens, 1, 1),
+        (threads, 1, 1),
+        [
+            (PTR, key.data_ptr()),
+            (PTR, value.data_ptr()),
+            (PTR, key_cache.data_ptr()),
+            (PTR, value_cache.data_ptr()),
+            (PTR, slots.data_ptr()),
+            (LONG, key.stride(0)),
+            (LONG, value.stride(0)),
+            (INT, num_kv_heads),
+            (INT, key_cache.shape[2]),
+            (INT, head),
+            (FLOAT, 1.0 / k_scale),
+            (FLOAT, 1.0 / v_scale),
         ],
         launch.stream(key.device),
         pdl=launch.use_pdl(key.device),

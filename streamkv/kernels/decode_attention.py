@@ -6,6 +6,10 @@ chooses the partition size from the grid it would launch (``choose_partition_siz
 launches on torch's current stream; it never synchronises the host. ``max_context_len``
 bounds the partitions: a CUDA graph is captured for one bound per context bucket
 (worker/cuda_graphs.py), an eager call uses the batch's own maximum.
+
+With an fp8 cache the kernels run in the query's dtype and widen K/V in registers; the K
+scale folds into the softmax scale and the V scale multiplies the output (an extra
+elementwise op only when it is not 1.0).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from functools import lru_cache
 import torch
 
 from streamkv.kernels import launch, nvrtc
+from streamkv.kernels.fp8 import FP8_CUDA_NAME, is_fp8
 from streamkv.kernels.decode_variants import (
     ATTENTION_SOURCE,
     ATTENTION_THREADS,
@@ -39,16 +44,17 @@ DEFAULT_VARIANT = DecodeVariant()
 
 @lru_cache(maxsize=256)
 def _attention_kernels(
-    dtype: str, head: int, block: int, gpad: int, variant: DecodeVariant, device: int
+    dtype: str, head: int, block: int, gpad: int, variant: DecodeVariant, device: int,
+    cache: str | None = None,
 ) -> tuple[str, nvrtc.Kernel, nvrtc.Kernel]:
     """(resolved kernel kind, decode kernel, merge kernel) for one variant on one device:
-    looked up once, not on every layer's call."""
+    looked up once, not on every layer's call. ``cache``: the fp8 cache's element type."""
     v = variant
     kind = resolve_kernel(v.kernel, dtype, head, gpad)
-    names = attention_names(dtype, head, block, (gpad,), v.stages, v.warp_softmax, v.unroll)
+    names = attention_names(dtype, head, block, (gpad,), v.stages, v.warp_softmax, v.unroll, cache)
     module = launch.module(ATTENTION_SOURCE, names, torch.device("cuda", device))
     decode = module.kernel(
-        decode_name(dtype, head, block, gpad, v.stages, kind, v.warp_softmax, v.unroll)
+        decode_name(dtype, head, block, gpad, v.stages, kind, v.warp_softmax, v.unroll, cache)
     )
     return kind, decode, module.kernel(reduce_name(dtype, head))
 
@@ -88,7 +94,9 @@ def choose_partition_size(
 def _check(query, key_cache, value_cache) -> None:
     head, (_, num_kv_heads, _, cache_head) = query.shape[-1], key_cache.shape
     dtype = key_cache.dtype
-    if dtype not in DTYPE_NAMES or value_cache.dtype != dtype:
+    if is_fp8(dtype) and query.dtype not in DTYPE_NAMES:
+        raise TypeError(f"no fp8-cache decode kernel for a {query.dtype} query")
+    if (dtype not in DTYPE_NAMES and not is_fp8(dtype)) or value_cache.dtype != dtype:
         raise TypeError(f"unsupported KV cache dtype {dtype} / {value_cache.dtype}")
     if cache_head != head or value_cache.shape != key_cache.shape:
         raise ValueError(f"query head size {head} vs caches {tuple(key_cache.shape)}")
@@ -114,13 +122,32 @@ def paged_attention_decode(
     partition_size: int | None = None,
     out: torch.Tensor | None = None,
     variant: DecodeVariant = DEFAULT_VARIANT,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """``partition_size`` (tokens per CTA), ``out`` (cache dtype, [seqs, heads, head]) and
-    ``variant`` are for tests and benchmarks; ops.py leaves them be."""
+    """``partition_size`` (tokens per CTA), ``out`` (the kernels' dtype, [seqs, heads,
+    head]) and ``variant`` are for tests and benchmarks; ops.py leaves them be. The kernels
+    run in the cache's dtype, or in the query's over an fp8 cache, whose ``k_scale`` and
+    ``v_scale`` they apply (other caches ignore them)."""
     _check(query, key_cache, value_cache)
+    if is_fp8(key_cache.dtype):
+        out = _decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale * k_scale,
+            max_context_len, partition_size, out, variant, FP8_CUDA_NAME,
+        )
+        return out if v_scale == 1.0 else out.mul_(v_scale)
+    return _decode(query, key_cache, value_cache, block_tables, context_lens, scale,
+                   max_context_len, partition_size, out, variant)
+
+
+def _decode(
+    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
+    partition_size, out, variant, cache: str | None = None,
+) -> torch.Tensor:
+    """The launches; ``cache`` is the fp8 cache's CUDA type (kernels in the query's dtype)."""
     num_seqs, num_heads, head = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
-    dtype = key_cache.dtype
+    dtype = query.dtype if cache is not None else key_cache.dtype
     q = query.to(dtype)
     if q.stride(-1) != 1 or q.stride(1) != head or not launch.aligned16(q):
         q = q.contiguous()
@@ -132,7 +159,7 @@ def paged_attention_decode(
     if out is None:
         out = torch.empty((num_seqs, num_heads, head), dtype=dtype, device=query.device)
     elif out.shape != query.shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError("out must be a contiguous [seqs, heads, head] tensor of the cache dtype")
+        raise ValueError("out must be a contiguous [seqs, heads, head] tensor of the kernels' dtype")
     if num_seqs == 0:
         return out.to(query.dtype)
     group = num_heads // num_kv_heads
@@ -140,11 +167,11 @@ def paged_attention_decode(
     chunks = -(-group // gpad)
     device = launch.device_index(query.device)
     kind, decode, reduce = _attention_kernels(
-        DTYPE_NAMES[dtype], head, block_size, gpad, variant, device
+        DTYPE_NAMES[dtype], head, block_size, gpad, variant, device, cache
     )
 
     def smem(p: int) -> int:
-        return attention_smem(p, gpad, head, dtype, variant.stages, kind)
+        return attention_smem(p, gpad, head, key_cache.dtype, variant.stages, kind)
 
     if partition_size is None:
         partition_size = choose_partition_size(

@@ -2,6 +2,10 @@
 a (dtype, head size, block size, query heads per CTA) case, the experimental variants the
 tests and ``benchmarks/bench_kernels.py`` measure (one explicit record, ``DecodeVariant``),
 and the dynamic shared memory of each. No GPU needed: CI compiles every name.
+
+``dtype`` is always the query's (and output's) CUDA type. An fp8 cache adds its element
+type as the kernels' last template argument (``cache=FP8_CUDA_NAME``); ``cache=None`` is a
+cache of the query's type, and names the kernels exactly as before fp8 existed.
 """
 
 from __future__ import annotations
@@ -92,9 +96,12 @@ def decode_name(
     kernel: str,
     warp_softmax: bool | None = None,
     unroll: int | None = None,
+    cache: str | None = None,
 ) -> str:
     """``warp_softmax`` / ``unroll``: the tensor-core kernel's WARP_SOFTMAX and UNROLL
-    (None: TC_WARP_SOFTMAX, TC_UNROLL for the head size)."""
+    (None: TC_WARP_SOFTMAX, TC_UNROLL for the head size). ``cache``: the cache's element
+    type when it is not ``dtype`` (the fp8 cache)."""
+    tail = "" if cache is None else f", {cache}"
     if resolve_kernel(kernel, dtype, head, gpad) == "tensor_core":
         ws = TC_WARP_SOFTMAX if warp_softmax is None else warp_softmax
         un = TC_UNROLL.get(head, 1) if unroll is None else unroll
@@ -102,9 +109,11 @@ def decode_name(
             raise ValueError(f"tensor-core unroll must be 1 to 4 chunks, got {un}")
         return (
             f"streamkv::paged_attention_decode_tc_kernel<{dtype}, {head}, {block}, {gpad}, "
-            f"{'true' if ws else 'false'}, {un}>"
+            f"{'true' if ws else 'false'}, {un}{tail}>"
         )
-    return f"streamkv::paged_attention_decode_kernel<{dtype}, {head}, {block}, {gpad}, {stages}>"
+    return (
+        f"streamkv::paged_attention_decode_kernel<{dtype}, {head}, {block}, {gpad}, {stages}{tail}>"
+    )
 
 
 def reduce_name(dtype: str, head: int) -> str:
@@ -119,15 +128,16 @@ def attention_names(
     stages: int | None = None,
     warp_softmax: bool | None = None,
     unroll: int | None = None,
+    cache: str | None = None,
 ) -> tuple[str, ...]:
     """Name expressions of one attention program: the CUDA-core decode kernel for each of
     ``gpads``, the tensor-core one for each of them where the dtype and head size allow, and
-    the reduce."""
+    the reduce. ``cache``: the fp8 cache's element type (decode_name)."""
     stages = DecodeVariant().stages if stages is None else stages
-    names = [decode_name(dtype, head, block, g, stages, "cuda_core") for g in gpads]
+    names = [decode_name(dtype, head, block, g, stages, "cuda_core", cache=cache) for g in gpads]
     if tensor_core_ok(dtype, head):
         names += [
-            decode_name(dtype, head, block, g, stages, "tensor_core", warp_softmax, unroll)
+            decode_name(dtype, head, block, g, stages, "tensor_core", warp_softmax, unroll, cache)
             for g in gpads
         ]
     names.append(reduce_name(dtype, head))
@@ -138,7 +148,8 @@ def attention_smem(
     partition_size: int, gpad: int, head: int, dtype: torch.dtype, stages: int,
     kernel: str = "cuda_core",
 ) -> int:
-    """Dynamic shared memory of a decode kernel (mirrors paged_attention.cu)."""
+    """Dynamic shared memory of a decode kernel (mirrors paged_attention.cu); ``dtype`` is
+    the cache's, whose element size sets the CUDA-core kernel's vectors per row."""
     if kernel == "tensor_core":  # logits [partition][8], reused for the cross-warp sums
         return max(partition_size * 8, ATTENTION_WARPS * gpad * head) * 4
     vec = 16 // dtype.itemsize

@@ -10,12 +10,18 @@ decode kernel that walks a block table reads each tile as one coalesced burst an
 block is read once per KV head, whatever the GQA ratio (docs/kernels.md).
 
 A flat slot is ``block_id * block_size + offset``; slot -1 marks padding and is skipped.
+
+An fp8 cache (``torch.float8_e4m3fn``, kernels/fp8.py) holds ``x / scale`` saturated to ±448:
+writes quantize with the layer's ``k_scale`` / ``v_scale``, reads dequantize in the query's
+dtype. Any other cache dtype ignores the scales (they are 1.0).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from streamkv.kernels.fp8 import as_bytes, dequantize, is_fp8, quantize
 
 
 def _use_cuda(t: torch.Tensor) -> bool:
@@ -28,16 +34,26 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V into its slot."""
+    """Write each token's K/V into its slot (quantized when the cache is fp8)."""
     if _use_cuda(key):
         from streamkv.kernels import cuda_ops
 
-        return cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        return cuda_ops.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        )
+    reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
-def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    return quantize(x, scale) if is_fp8(cache.dtype) else x.to(cache.dtype)
+
+
+def reshape_and_cache_ref(
+    key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0
+) -> None:
     num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -45,8 +61,8 @@ def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> N
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Advanced indexing on (block, :, offset) puts the token axis first: [n, kv_heads, head].
-    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+    key_cache[blocks, :, offsets] = _to_cache(key, key_cache, k_scale)
+    value_cache[blocks, :, offsets] = _to_cache(value, value_cache, v_scale)
 
 
 def paged_attention_decode(
@@ -57,16 +73,20 @@ def paged_attention_decode(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     max_context_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence attending over its whole paged context."""
     if _use_cuda(query):
         from streamkv.kernels import cuda_ops
 
         return cuda_ops.paged_attention_decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
+            k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_decode_ref(
-        query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+        query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
+        k_scale, v_scale,
     )
 
 
@@ -87,8 +107,15 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
 _DECODE_CHUNK = 16
 
 
+def _gather_read(cache, block_tables, num_blocks: int, scale: float, dtype: torch.dtype):
+    """gather_kv, dequantized to ``dtype`` when the cache is fp8."""
+    kv = gather_kv(cache, block_tables, num_blocks)
+    return dequantize(kv, scale, dtype) if is_fp8(kv.dtype) else kv
+
+
 def paged_attention_decode_ref(
-    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None
+    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
+    k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = query.shape
     if num_seqs > _DECODE_CHUNK:
@@ -97,15 +124,16 @@ def paged_attention_decode_ref(
         for i in range(0, num_seqs, _DECODE_CHUNK):
             sel = order[i : i + _DECODE_CHUNK]
             out[sel] = paged_attention_decode_ref(
-                query[sel], key_cache, value_cache, block_tables[sel], context_lens[sel], scale
+                query[sel], key_cache, value_cache, block_tables[sel], context_lens[sel], scale,
+                k_scale=k_scale, v_scale=v_scale,
             )
         return out
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
     num_blocks = (max_context_len + block_size - 1) // block_size
-    k = gather_kv(key_cache, block_tables, num_blocks)
-    v = gather_kv(value_cache, block_tables, num_blocks)
+    k = _gather_read(key_cache, block_tables, num_blocks, k_scale, query.dtype)
+    v = _gather_read(value_cache, block_tables, num_blocks, v_scale, query.dtype)
     group = num_heads // num_kv_heads
     # [S, kvh, group, hd] @ [S, kvh, hd, T] -> [S, kvh, group, T]: no K/V repeat for GQA.
     q = query.view(num_seqs, num_kv_heads, group, head_size).to(k.dtype)
@@ -127,6 +155,8 @@ def paged_attention_prefill_varlen(
     context_lens: torch.Tensor,  # [num_spans] int32: tokens in the cache, the span's included
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size], query's dtype
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for every prefill span of a step, each being the last
     ``cu[i + 1] - cu[i]`` tokens of its sequence, over its paged context.
@@ -134,22 +164,26 @@ def paged_attention_prefill_varlen(
     One call (one launch on CUDA) serves prompts, prompt chunks, recompute after preemption
     and prefix-cache hits alike: the cached prefix and the new tokens (already written by
     reshape_and_cache) are read the same way, through the block table. fp16 / bf16 caches
-    on CUDA run kernels_cu/prefill_attention.cu; anything else runs the reference.
+    (and fp8 caches under fp16 / bf16 queries) on CUDA run kernels_cu/prefill_attention.cu;
+    anything else runs the reference.
     """
     if _use_cuda(query):
         from streamkv.kernels import prefill
 
-        if prefill.supports(key_cache.dtype, query.shape[-1]):
+        if prefill.supports(key_cache.dtype, query.shape[-1], query.dtype):
             return prefill.paged_attention_prefill_varlen(
-                query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out
+                query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out,
+                k_scale=k_scale, v_scale=v_scale,
             )
     return paged_attention_prefill_varlen_ref(
-        query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out
+        query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out,
+        k_scale, v_scale,
     )
 
 
 def paged_attention_prefill_varlen_ref(
-    query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out=None
+    query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out=None,
+    k_scale=1.0, v_scale=1.0,
 ) -> torch.Tensor:
     """Each span through torch's SDPA on its gathered K/V (docs/kernels.md)."""
     if out is None:
@@ -158,18 +192,22 @@ def paged_attention_prefill_varlen_ref(
     for i, ctx in enumerate(context_lens.tolist()):
         if cu[i + 1] > cu[i]:
             out[cu[i] : cu[i + 1]] = _prefill_span_ref(
-                query[cu[i] : cu[i + 1]], key_cache, value_cache, block_tables[i], ctx, scale
+                query[cu[i] : cu[i + 1]], key_cache, value_cache, block_tables[i], ctx, scale,
+                k_scale, v_scale,
             )
     return out
 
 
-def _prefill_span_ref(query, key_cache, value_cache, block_table, context_len: int, scale: float):
+def _prefill_span_ref(
+    query, key_cache, value_cache, block_table, context_len: int, scale: float,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+):
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     num_blocks = (context_len + block_size - 1) // block_size
     bt = block_table[:num_blocks].view(1, -1)
-    k = gather_kv(key_cache, bt, num_blocks)[0, :, :context_len]  # [kvh, ctx, hd]
-    v = gather_kv(value_cache, bt, num_blocks)[0, :, :context_len]
+    k = _gather_read(key_cache, bt, num_blocks, k_scale, query.dtype)[0, :, :context_len]
+    v = _gather_read(value_cache, bt, num_blocks, v_scale, query.dtype)[0, :, :context_len]
     gqa = num_heads != num_kv_heads
     q = query.transpose(0, 1).to(k.dtype)  # [H, q_len, hd]
     if q_len == context_len:
@@ -204,6 +242,7 @@ def copy_blocks_ref(key_caches, value_caches, block_mapping) -> None:
     src = block_mapping[:, 0].to(key_caches[0].device)
     dst = block_mapping[:, 1].to(key_caches[0].device)
     for cache in (*key_caches, *value_caches):
+        cache = as_bytes(cache)  # the bytes as they are: torch has no fp8 index_copy_ on the CPU
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
@@ -226,4 +265,5 @@ def swap_blocks_ref(src_caches, dst_caches, block_mapping) -> None:
     src = block_mapping[:, 0].to(src_caches[0].device)
     dst = block_mapping[:, 1].to(dst_caches[0].device)
     for s, d in zip(src_caches, dst_caches):
+        s, d = as_bytes(s), as_bytes(d)
         d.index_copy_(0, dst, s.index_select(0, src).to(d.device))

@@ -4,6 +4,10 @@ One launch per layer covers every prompt span of a step, each over its paged con
 variant is picked from the tensors: dtype, head size, and how many query heads share a KV
 head (packed side by side in a CTA's rows). The block size is a run-time argument, so any
 power of two takes the same compiled code. docs/kernels.md ("Prefill") has the design.
+
+An fp8 cache runs the kernel of the query's dtype with the cache type as its last template
+argument (widened in shared memory); the K scale folds into the softmax scale and the V scale
+multiplies the output (only when it is not 1.0).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from functools import lru_cache
 import torch
 
 from streamkv.kernels import nvrtc
+from streamkv.kernels.fp8 import FP8_CUDA_NAME, is_fp8
 
 SOURCE = "prefill_attention.cu"
 DTYPE_NAMES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
@@ -37,9 +42,19 @@ class Tile:
     def rows(self) -> int:
         return self.warps * self.m_tiles * 16
 
-    def shared_bytes(self, head: int) -> int:
-        """Q, one K and one V tile of padded 16-bit rows, and two tiles of 8-byte row offsets."""
-        return (self.rows + 2 * self.block_n) * (head + _PAD) * 2 + 2 * self.block_n * 8
+    def shared_bytes(self, head: int, fp8: bool = False) -> int:
+        """Q, one K and one V tile of padded 16-bit rows, and two tiles of 8-byte row offsets;
+        for an fp8 cache then the staging area, 8 bytes per 16-byte chunk of a tile rounded up
+        to whole rounds of the CTA's threads (ChunkMap in the kernel)."""
+        size = (self.rows + 2 * self.block_n) * (head + _PAD) * 2 + 2 * self.block_n * 8
+        if fp8:
+            threads, per_row = self.warps * 32, head // 8
+            if threads % per_row == 0:
+                rounds = -(-self.block_n // (threads // per_row))
+            else:
+                rounds = -(-self.block_n * per_row // threads)
+            size += rounds * threads * 8
+        return size
 
 
 # FlashAttention-2's shapes for mma.sync: 128 rows and 64 keys, 32 rows per warp (so each K/V
@@ -57,7 +72,10 @@ TILES = {
 _P, _I, _LL, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
-def supports(dtype: torch.dtype, head: int) -> bool:
+def supports(dtype: torch.dtype, head: int, query_dtype: torch.dtype | None = None) -> bool:
+    """A kernel for a ``dtype`` cache; an fp8 cache needs a 16-bit ``query_dtype``."""
+    if is_fp8(dtype):
+        return query_dtype in DTYPE_NAMES and head in TILES
     return dtype in DTYPE_NAMES and head in TILES
 
 
@@ -66,17 +84,24 @@ def head_pack(group: int) -> int:
     return max(p for p in HEAD_PACKS if group % p == 0)
 
 
-def kernel_name(dtype: str, head: int, pack: int, tile: Tile | None = None) -> str:
+def kernel_name(
+    dtype: str, head: int, pack: int, tile: Tile | None = None, cache: str | None = None
+) -> str:
+    """``dtype``: the query's CUDA type; ``cache``: the fp8 cache's, None for a cache of
+    ``dtype`` (then the name is the one it always was)."""
     t = tile or TILES[head]
+    tail = "" if cache is None else f", {cache}"
     return (
         f"streamkv::prefill::paged_prefill_kernel<{dtype}, {head}, {pack}, "
-        f"{t.warps}, {t.m_tiles}, {t.block_n}>"
+        f"{t.warps}, {t.m_tiles}, {t.block_n}{tail}>"
     )
 
 
-def program_names(dtype: str, head: int, tile: Tile | None = None) -> tuple[str, ...]:
+def program_names(
+    dtype: str, head: int, tile: Tile | None = None, cache: str | None = None
+) -> tuple[str, ...]:
     """Every head packing of one (dtype, head size): one program, one front-end pass."""
-    return tuple(kernel_name(dtype, head, p, tile) for p in HEAD_PACKS)
+    return tuple(kernel_name(dtype, head, p, tile, cache) for p in HEAD_PACKS)
 
 
 def _device_index(device: torch.device) -> int:
@@ -84,10 +109,12 @@ def _device_index(device: torch.device) -> int:
 
 
 @lru_cache(maxsize=128)
-def _kernel(dtype: str, head: int, pack: int, tile: Tile, device: int) -> nvrtc.Kernel:
+def _kernel(
+    dtype: str, head: int, pack: int, tile: Tile, device: int, cache: str | None = None
+) -> nvrtc.Kernel:
     major, minor = torch.cuda.get_device_capability(device)
-    module = nvrtc.load(SOURCE, program_names(dtype, head, tile), device, major * 10 + minor)
-    return module.kernel(kernel_name(dtype, head, pack, tile))
+    module = nvrtc.load(SOURCE, program_names(dtype, head, tile, cache), device, major * 10 + minor)
+    return module.kernel(kernel_name(dtype, head, pack, tile, cache))
 
 
 def _rows_ok(t: torch.Tensor, head: int) -> bool:
@@ -111,13 +138,18 @@ def paged_attention_prefill_varlen(
     scale: float,
     out: torch.Tensor | None = None,
     tile: Tile | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """See ops.paged_attention_prefill_varlen; ``tile`` overrides TILES (benchmarks)."""
     num_tokens, num_heads, head = query.shape
     _, num_kv_heads, block_size, cache_head = key_cache.shape
-    dtype = key_cache.dtype
-    if not supports(dtype, head) or value_cache.dtype != dtype:
-        raise TypeError(f"no prefill kernel for a {dtype} cache with head size {head}")
+    cache_dtype = key_cache.dtype
+    if not supports(cache_dtype, head, query.dtype) or value_cache.dtype != cache_dtype:
+        raise TypeError(f"no prefill kernel for a {cache_dtype} cache with head size {head}")
+    fp8 = is_fp8(cache_dtype)
+    # The kernel's T: the cache's 16-bit type, or the query's over an fp8 cache.
+    dtype = query.dtype if fp8 else cache_dtype
     if cache_head != head or value_cache.shape != key_cache.shape:
         raise ValueError(f"query head size {head} vs caches {tuple(key_cache.shape)}")
     if num_heads % num_kv_heads:
@@ -147,7 +179,7 @@ def paged_attention_prefill_varlen(
     t = tile or TILES[head]
     tokens_per_cta = t.rows // pack
     device = _device_index(query.device)
-    kernel = _kernel(DTYPE_NAMES[dtype], head, pack, t, device)
+    kernel = _kernel(DTYPE_NAMES[dtype], head, pack, t, device, FP8_CUDA_NAME if fp8 else None)
     # Span i's tiles start at slot cu[i] // tokens_per_cta + i (span_of in the kernel), so
     # this many slots cover every span without a host-side tile map; each slot is one CTA
     # per group of `pack` heads, the groups of a slot adjacent in the 1-D grid.
@@ -167,14 +199,16 @@ def paged_attention_prefill_varlen(
             (_P, cu.data_ptr()),
             (_P, ctx.data_ptr()),
             (_I, num_spans),
-            (_F, scale * math.log2(math.e)),
+            (_F, scale * (k_scale if fp8 else 1.0) * math.log2(math.e)),
             (_I, num_kv_heads),
             (_I, group),
             (_I, block_size.bit_length() - 1),
         ],
         torch.cuda.current_stream(query.device).cuda_stream,
-        t.shared_bytes(head),
+        t.shared_bytes(head, fp8),
     )
+    if fp8 and v_scale != 1.0:
+        dst.mul_(v_scale)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -59,6 +59,10 @@ class PagedAttention(torch.nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        # An fp8 cache stores K / k_scale and V / v_scale (vLLM's per-layer _k_scale and
+        # _v_scale, 1.0 without calibrated scales); other caches ignore them (kernels/fp8.py).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -76,23 +80,25 @@ class PagedAttention(torch.nn.Module):
         """Write the step's K/V into their slots, then attend: decode rows in one call, every
         prefill span in one varlen call. Rows past the decodes and spans are left as they are."""
         key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, **scales)
         d = meta.num_decode
         if out is None and d and d == q.shape[0]:  # decode only (every CUDA graph): no output copy
             return ops.paged_attention_decode(
                 q, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, meta.decode_max_context_len,
+                self.scale, meta.decode_max_context_len, **scales,
             )
         if out is None:
             out = torch.empty_like(q)
         if d:
             out[:d] = ops.paged_attention_decode(
                 q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, meta.decode_max_context_len,
+                self.scale, meta.decode_max_context_len, **scales,
             )
         if meta.num_prefill_spans:
             ops.paged_attention_prefill_varlen(
                 q[d:], key_cache, value_cache, meta.prefill_block_tables,
                 meta.prefill_cu_query_lens, meta.prefill_context_lens, self.scale, out=out[d:],
+                **scales,
             )
         return out

@@ -1,11 +1,23 @@
 """The KV pools of one worker: per layer a K and a V tensor on the device, and a CPU twin
-(pinned when the device is a GPU) for swapping."""
+(pinned when the device is a GPU) for swapping. Their element type is the model's dtype, or
+float8 e4m3 for ``kv_cache_dtype="fp8"`` (kernels/fp8.py): swaps and copies move the bytes as
+they are."""
 
 from __future__ import annotations
 
 import torch
 
 from streamkv.kernels import ops
+from streamkv.kernels.fp8 import FP8_DTYPE
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pools' element type for CacheConfig.kv_cache_dtype ("auto": the model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return FP8_DTYPE
+    raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {kv_cache_dtype!r}")
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:

@@ -15,7 +15,7 @@ from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo
 from streamkv.models.loader import resolve_model_info
 from streamkv.models.registry import build_model
-from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block, kv_cache_torch_dtype
 from streamkv.worker.input_batch import InputBatch, SeqInput
 from streamkv.worker.model_runner import ModelRunner, StepResult
 from streamkv.worker.token_broadcast import TokenBroadcast
@@ -57,6 +57,7 @@ class Worker:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.cache_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
         # The engine's ModelInfo; resolved here only for a Worker built on its own (benchmarks).
         self.model_info = model_info or resolve_model_info(mc)
         self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
@@ -83,7 +84,7 @@ class Worker:
     def block_bytes(self) -> int:
         s = self.model.shape
         kv_heads = max(1, s.num_kv_heads // self.config.model.tensor_parallel_size)
-        return kv_bytes_per_block(s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size, self.dtype)
+        return kv_bytes_per_block(s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size, self.cache_dtype)
 
     def num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, cpu swap blocks) that fit the configured memory."""
@@ -108,10 +109,10 @@ class Worker:
         params = list(self.model.parameters())
         logger.info(
             "%s on %s: %.1fM parameters, %s, %.2f GiB of weights; %d KV blocks of %d tokens "
-            "fit (%.2f GiB, %d tokens), %d CPU swap blocks",
+            "fit (%s, %.2f GiB, %d tokens), %d CPU swap blocks",
             type(self.model).__name__, self.device, sum(p.numel() for p in params) / 1e6, self.dtype,
             sum(p.numel() * p.element_size() for p in params) / 2**30, device_blocks, cc.block_size,
-            device_blocks * per_block / 2**30, device_blocks * cc.block_size, cpu_blocks,
+            self.cache_dtype, device_blocks * per_block / 2**30, device_blocks * cc.block_size, cpu_blocks,
         )
         return device_blocks, cpu_blocks
 
@@ -120,7 +121,7 @@ class Worker:
         kv_heads = max(1, s.num_kv_heads // self.config.model.tensor_parallel_size)
         self.cache = CacheEngine(
             s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size,
-            num_device_blocks, num_cpu_blocks, self.dtype, self.device,
+            num_device_blocks, num_cpu_blocks, self.cache_dtype, self.device,
         )
         if self.device.type == "cuda" and not self.config.model.enforce_eager:
             # The graphs' memory pool (decode activations and attention partials, logged at
