@@ -38,6 +38,8 @@ browser:
 test: setup
 	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
+# Skips the tests marked slow: those on the real model, with worker processes or a server,
+# or over a few seconds each on the 2-core CPU box.
 test-fast: setup
 	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
 

@@ -58,6 +58,7 @@ def _check(entries, ids: list[int], ref: torch.Tensor, k: int) -> None:
             assert lp.logprob == pytest.approx(float(row[t]), abs=ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_logprobs_equal_a_forward_pass(llm, hf_model, prompts, k):
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k))
@@ -67,6 +68,7 @@ def test_prompt_logprobs_equal_a_forward_pass(llm, hf_model, prompts, k):
     assert plain[0].prompt_logprobs is None
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_a_prefix_cache_hit(chunked, hf_model, prompts):
     long = prompts[1]
     bm = chunked.engine.block_manager
@@ -80,6 +82,7 @@ def test_chunked_prefill_and_a_prefix_cache_hit(chunked, hf_model, prompts):
     assert outs[1].prompt_logprobs is None
 
 
+@pytest.mark.slow
 def test_max_logprobs_caps_both(llm, prompts):
     engine = llm.engine
     cap = engine.config.model.max_logprobs

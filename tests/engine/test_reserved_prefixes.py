@@ -61,6 +61,7 @@ def test_engine_outputs_equal_under_preemption(tiny_llama_dir, mode):
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_prefix_file_flag_is_read_and_pinned(tiny_llama_dir, tmp_path):
     system = "You are a careful assistant. Answer briefly and politely, in plain English.\n" * 3
     path = tmp_path / "system.txt"

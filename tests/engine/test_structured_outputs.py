@@ -55,6 +55,7 @@ def _greedy(structured=None, max_tokens=96, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=structured, **kw)
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_parse_and_validate(llm):
     names = list(SCHEMAS)
     outs = llm.generate([PROMPT] * len(names), [_greedy({"json": SCHEMAS[n]}) for n in names])
@@ -66,6 +67,7 @@ def test_json_schema_outputs_parse_and_validate(llm):
     assert list(json.loads(outs[0].outputs[0].text)) == ["name", "age"]
 
 
+@pytest.mark.slow
 def test_json_object_regex_and_choice(llm):
     choices = ["yes", "no", "maybe (later)"]
     specs = [{"json_object": True}, {"regex": r"[0-9]{3}-[0-9]{4}"}, {"choice": choices},
@@ -83,6 +85,7 @@ def test_json_object_regex_and_choice(llm):
         assert o.outputs[0].finish_reason == "stop" and not eos & set(o.outputs[0].token_ids)
 
 
+@pytest.mark.slow
 def test_unconstrained_rows_keep_their_greedy_tokens(llm):
     plain = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     alone = llm.generate(plain, _greedy(max_tokens=20))
@@ -94,6 +97,7 @@ def test_unconstrained_rows_keep_their_greedy_tokens(llm):
     assert re.fullmatch("[a-z]{5}", mixed[4].outputs[0].text)
 
 
+@pytest.mark.slow
 def test_parallel_samples_each_follow_the_schema(llm):
     schema = SCHEMAS["required fields"]
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=64, structured_outputs={"json": schema})
@@ -105,6 +109,7 @@ def test_parallel_samples_each_follow_the_schema(llm):
     assert len(set(texts)) > 1  # forks sample on their own: each matcher is its own copy
 
 
+@pytest.mark.slow
 def test_bad_specs_are_refused_by_name(llm):
     engine = llm.engine
     for spec in ({"json": {"type": "objectx"}}, {"regex": "(("}, {"grammar": "root ::= missing"}):
@@ -121,6 +126,7 @@ def test_bad_specs_are_refused_by_name(llm):
     assert e.value.param == "structured_outputs"
 
 
+@pytest.mark.slow
 def test_schemas_compile_once(llm):
     manager = llm.engine.structured
     a = StructuredOutputs(json=SCHEMAS["enum"])
@@ -129,6 +135,7 @@ def test_schemas_compile_once(llm):
     assert manager._compiled(a) is manager._compiled(b)
 
 
+@pytest.mark.slow
 def test_forked_matchers_are_independent(llm):
     manager = llm.engine.structured
     tok = llm.get_tokenizer()
@@ -275,6 +282,7 @@ def test_bench_shape_dir_has_the_presets_dims_and_the_tokenizers_vocab(tmp_path)
     assert tokenizer.encode("{", add_special_tokens=False) == load_tokenizer(source).encode("{", add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_batched_accept_matches_accepting_row_by_row(llm):
     from streamkv.engine.structured import accept_tokens
 

@@ -89,6 +89,7 @@ def _check_valid(results, params):
             assert text in spec.choice
 
 
+@pytest.mark.slow
 def test_overlap_on_off_identical_and_valid(pair):
     on, off = pair
     prompts, params = _mixed()
@@ -100,6 +101,7 @@ def test_overlap_on_off_identical_and_valid(pair):
     assert sum(r[1] == "stop" for r, p in zip(got, params) if p.structured_outputs is not None) >= 3
 
 
+@pytest.mark.slow
 def test_structured_only_batch_overlaps(pair):
     # Before masks could follow a step, a step sampling any structured row ran synchronously.
     on, off = pair
@@ -124,6 +126,7 @@ def test_overlap_structured_is_on_by_default_on_a_gpu_only():
     assert SchedulerConfig(overlap_structured=True).on_device("cpu").overlap_structured is True
 
 
+@pytest.mark.slow
 def test_structured_steps_run_in_turn_by_default(tiny_dir):
     """overlap_structured off (the default on a CPU): async scheduling overlaps plain steps
     only; a step that samples a structured row waits for its tokens before the next is
@@ -160,6 +163,7 @@ def test_preemption_mid_flight(tiny_dir, mode):
         off.shutdown()
 
 
+@pytest.mark.slow
 def test_abort_mid_flight(pair):
     seen_by = []
     prompts, params = _mixed(seeded=False)

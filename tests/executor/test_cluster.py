@@ -36,7 +36,8 @@ def want(tiny4_dir):
     return out
 
 
-@pytest.mark.parametrize(("tp", "local"), [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "local"), [(2, 1), (4, 2)])
 def test_ranks_on_two_hosts_match_tp1(tiny4_dir, want, tp, local, monkeypatch, tmp_path):
     port = free_port()
     # torchrun's variables on the engine's host: the rest of the ranks join from elsewhere.

@@ -26,6 +26,7 @@ def want(tiny4_dir):
     return out
 
 
+@pytest.mark.slow
 def test_a_failing_step_fails_on_every_rank_and_the_engine_goes_on(tiny4_dir, want, monkeypatch):
     with_faults(monkeypatch, "sampler,forward")
     llm = LLM(str(tiny4_dir), **KW, tensor_parallel_size=2)

@@ -105,6 +105,7 @@ def test_cli_flags_reach_the_engine_config():
 TWO_GPUS = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
 def test_tiny_tp2_matches_tp1_with_swap_preemption(tiny_dir, device):
     """gloo on the CPU, NCCL on two GPUs; float32 so that the sharded sums stay within
@@ -128,6 +129,7 @@ def test_tiny_tp2_matches_tp1_with_swap_preemption(tiny_dir, device):
     assert _gone(pids)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tiny_dir, monkeypatch):
     llm = LLM(str(tiny_dir), num_kv_blocks=64, num_swap_blocks=0, tensor_parallel_size=2)
     executor = llm.engine.executor
@@ -153,6 +155,7 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tiny_dir, monkeypat
     llm.shutdown()  # idempotent
 
 
+@pytest.mark.slow
 def test_an_interrupted_call_retires_the_workers(tiny_dir, monkeypatch):
     """Ctrl-C while a reply is in flight: a later call must not read that stale reply."""
     llm = LLM(str(tiny_dir), num_kv_blocks=64, num_swap_blocks=0, distributed_executor_backend="mp")
@@ -171,6 +174,7 @@ def test_an_interrupted_call_retires_the_workers(tiny_dir, monkeypatch):
     llm.engine.block_manager.check_no_leaks()
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_to_load_reports_its_error(tmp_path, tiny_dir):
     # A valid config.json (the engine's checks pass) without weights: the ranks fail.
     (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
@@ -178,6 +182,7 @@ def test_a_worker_that_fails_to_load_reports_its_error(tmp_path, tiny_dir):
         LLM(str(tmp_path), num_kv_blocks=8, tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_async_engine_serves_through_worker_processes(tiny_dir):
     config = engine_config(str(tiny_dir), num_kv_blocks=64, distributed_executor_backend="mp")
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from streamkv import SamplingParams
 from streamkv.entrypoints.llm import LLM
 
 KW = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "num_swap_blocks": 0, "max_model_len": 128}
+
+# Starts two worker processes: seconds on a 2-core box.
+pytestmark = pytest.mark.slow
 
 
 def test_every_rank_writes_its_step_split(tiny4_dir, tmp_path, monkeypatch):

@@ -63,6 +63,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_matches_transformers(case, tmp_path):
     hf = save_tiny(CASES[case](), tmp_path)

@@ -155,6 +155,7 @@ def test_llama3_8b_kv_block_size():
     assert kv_bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, 16, torch.bfloat16) == 2 * 2**20
 
 
+@pytest.mark.slow
 def test_smollm2_preset_runs_on_dummy_weights():
     """A preset implies dummy weights and no tokenizer: token ids in, token ids out."""
     llm = LLM("smollm2-135m", device="cpu", dtype="float32", num_kv_blocks=16, num_swap_blocks=0)

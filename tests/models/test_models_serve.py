@@ -59,6 +59,7 @@ def served(tmp_path):
         log.close()
 
 
+@pytest.mark.slow
 def test_serve_accepts_a_hugging_face_directory(served):
     url, hf = served
     models = httpx.get(f"{url}/v1/models", timeout=10).json()

@@ -187,6 +187,7 @@ def _tokens(outs) -> list:
     return [[tuple(c.token_ids) for c in o.outputs] for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_state_stays_exact_through_forks_beams_and_preemption(tiny_dir, mode):
     roomy = LLM(str(tiny_dir), device="cpu", block_size=8, num_kv_blocks=512, num_swap_blocks=0)
