@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from streamkv.messages import PENDING_TOKEN
 from streamkv.sampling_params import SamplingParams
 
 
@@ -61,9 +60,14 @@ class Sequence:
     # The parent key of its first block in the prefix cache (core/block_pool.root_key): its
     # request's cache_salt's, or None, the key every unsalted sequence shares.
     cache_root: bytes | None = None
+    # Async scheduling: 1 while the step that samples its next token runs. That token counts
+    # in its length, so the next step is planned with it (its slot and block; the worker
+    # takes the token on the device), but is no output until it is known: the step's
+    # outputs replace the count with the token (engine/output_processor.py).
+    num_pending: int = 0
 
     def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -90,21 +94,9 @@ class Sequence:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
-    # Async scheduling: while the step that samples a sequence's next token runs, that token
-    # is a placeholder at the end of its outputs, so the next step can be planned with it
-    # (its length, slot and block; the worker fills in the token). It is replaced before
-    # anything reads the outputs (engine/output_processor.py).
     @property
     def has_pending(self) -> bool:
-        out = self.output_token_ids
-        return bool(out) and out[-1] == PENDING_TOKEN
-
-    def add_pending(self) -> None:
-        self.output_token_ids.append(PENDING_TOKEN)
-
-    def drop_pending(self) -> None:
-        if self.has_pending:
-            self.output_token_ids.pop()
+        return self.num_pending > 0
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0

@@ -127,7 +127,7 @@ class Scheduler:
 
     def _awaiting_step(self) -> bool:
         """Async scheduling: a running sequence waits for the token that the step in flight
-        samples for it (a placeholder, or nothing to compute before it comes), so that step's
+        samples for it (pending, or nothing to compute before it comes), so that step's
         outputs will change what can run: an empty step now is no stall."""
         return any(
             s.num_uncomputed_tokens == 0 or s.has_pending
@@ -154,7 +154,7 @@ class Scheduler:
                 # lists. It falls through to that path only to preempt.
                 seq = seqs[0]
                 computed, n_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
-                n = min(n_prompt + len(seq.output_token_ids) - computed, budget)
+                n = min(n_prompt + len(seq.output_token_ids) + seq.num_pending - computed, budget)
                 if n <= 0 or num_seqs >= max_seqs:
                     running.append(group)
                     continue

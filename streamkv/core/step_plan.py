@@ -77,7 +77,9 @@ def decode_rows(group: SequenceGroup) -> int | None:
     seqs = group.seqs
     if len(seqs) == 1:
         seq = seqs[0]
-        left = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens  # inline: per group per step
+        # len(seq) - computed, inline (per group per step)
+        left = (len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
+                - seq.num_computed_tokens)
         if left > 1:
             return None
         return 1 if left and seq.status is SequenceStatus.RUNNING else 0

@@ -242,7 +242,7 @@ class LLMEngine:
         # answered already.
         failed = {s.group.request_id: s.group for s in sched.scheduled if not s.group.finished}
         for s in sched.scheduled:
-            s.seq.drop_pending()
+            s.seq.num_pending = 0
         logger.error("a step failed; ending its %d request(s): %s", len(failed), error)
         for request_id, group in failed.items():
             self.scheduler.abort(request_id)

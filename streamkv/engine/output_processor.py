@@ -13,7 +13,7 @@ from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
 from streamkv.engine.structured import accept_tokens
-from streamkv.messages import PENDING_TOKEN, SampleResult, StepOutput
+from streamkv.messages import SampleResult, StepOutput
 from streamkv.sequence import (
     CompletionOutput,
     Logprob,
@@ -50,8 +50,8 @@ class OutputProcessor:
     def advance(self, sched: SchedulerOutput, pending: bool = False) -> None:
         """Count a step's tokens as computed and register its full blocks in the prefix cache
         (each holds known tokens only). With async scheduling this runs as soon as the step
-        is handed off, and ``pending`` gives each sequence it samples a placeholder for that
-        token (Sequence.add_pending), so the next step is planned while this one runs; a
+        is handed off, and ``pending`` counts the token that each sequence it samples is
+        sampling (Sequence.num_pending), so the next step is planned while this one runs; a
         sequence whose next token ends it by length gets none, so it is not scheduled again."""
         mark, max_len = self.bm.mark_computed, self.max_model_len
         for s in sched.scheduled:
@@ -67,7 +67,7 @@ class OutputProcessor:
                 # Unless the token being sampled ends it by length, whatever it is (check_stop).
                 max_tokens = s.group.sampling_params.max_tokens
                 if (max_tokens is None or n_out + 1 < max_tokens) and length + 1 < max_len:
-                    seq.add_pending()
+                    seq.num_pending = 1
 
     def process(
         self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False, advanced: bool = False,
@@ -87,9 +87,8 @@ class OutputProcessor:
         now = time.monotonic()
         for s in sched.scheduled:
             seq, group = s.seq, s.group
-            out_ids = seq.output_token_ids
-            if out_ids and out_ids[-1] == PENDING_TOKEN:  # Sequence.drop_pending, inline (per row per step)
-                out_ids.pop()  # the sample below takes its place
+            if seq.num_pending:  # the sample below takes its place
+                seq.num_pending = 0
             if seq.status.finished:
                 # Aborted, or ended by the step before while this one ran (async scheduling):
                 # this step's work for it is discarded, and its request was answered already.

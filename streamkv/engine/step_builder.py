@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from streamkv.core.scheduler import SchedulerOutput
 from streamkv.engine.beam_search import beams_to_keep, ending_tokens
-from streamkv.messages import MASK_FOLLOWS, NewSeq, SeqParams, SeqStep, StepInput
+from streamkv.messages import MASK_FOLLOWS, PENDING_TOKEN, NewSeq, SeqParams, SeqStep, StepInput
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -56,14 +56,19 @@ class StepBuilder:
                     step.finished_ids.append(seq_id)
                 step.new_seqs.append(self._new_seq(s.group, seq))
                 known = sent[seq_id] = _Sent(seq, [], start)
-            # Sequence.token_at / token_window and ScheduledSeq.do_sample, inline (per row per step).
+            # Sequence.token_at / token_window and ScheduledSeq.do_sample, inline (per row per
+            # step). A sequence with a pending token (async scheduling) has only that one to
+            # compute, and samples: the worker takes it from the step before's samples.
             prompt, out = seq.prompt_token_ids, seq.output_token_ids
             n_prompt = len(prompt)
-            if n == 1:
+            if seq.num_pending:
+                tokens, sample = [PENDING_TOKEN], True
+            elif n == 1:
                 tokens = [prompt[start] if start < n_prompt else out[start - n_prompt]]
+                sample = start + 1 == n_prompt + len(out)
             else:
                 tokens = seq.token_window(start)[:n]
-            sample = start + n == n_prompt + len(out)
+                sample = start + n == n_prompt + len(out)
             item = SeqStep(seq_id, tokens, start, sample)
             table, prev = tables[seq_id], known.table
             n_prev, n_table = len(prev), len(table)
@@ -83,7 +88,7 @@ class StepBuilder:
                     item.num_samples = p.best_of
                 if seq.grammar is not None:  # structured outputs: the tokens it may sample
                     # Of the state after its input token: a pending one is not accepted yet.
-                    item.token_mask = MASK_FOLLOWS if seq.has_pending else seq.grammar.mask_bytes()
+                    item.token_mask = MASK_FOLLOWS if seq.num_pending else seq.grammar.mask_bytes()
             known.next_start = start + n
             append(item)
         return step

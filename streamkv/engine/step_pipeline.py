@@ -2,11 +2,11 @@
 are processed while N+1 runs. ``StepPipeline`` holds the step in flight between two calls
 of LLMEngine.step; the plain step (schedule, execute, process) does not use it.
 
-Step N+1 is planned as if the tokens that step N is sampling were known: each has a
-placeholder (Sequence.add_pending), and the worker takes the real token on the device from
-step N's samples (worker/model_runner.py). That is only right when nothing the host decides
-between the two steps changes N+1's inputs, which ``overlappable`` checks; any other step
-runs synchronously (N's outputs first, then N+1).
+Step N+1 is planned as if the tokens that step N is sampling were known: each is counted
+as pending (Sequence.num_pending) and sent as PENDING_TOKEN, and the worker takes the real
+token on the device from step N's samples (worker/model_runner.py). That is only right
+when nothing the host decides between the two steps changes N+1's inputs, which
+``overlappable`` checks; any other step runs synchronously (N's outputs first, then N+1).
 
 Structured outputs: the host decides one thing between the steps, a structured row's token
 mask for N+1, which depends on the token N samples for it. But the mask is needed only at
@@ -114,8 +114,8 @@ class StepPipeline:
 
     Its collaborators are the engine's: ``launch`` schedules a step and submits it,
     ``process`` waits for a step's samples and applies them (advanced: its tokens were
-    counted), ``advance`` counts a step's tokens as computed (pending: with a placeholder
-    for each token it samples), and ``masks`` fills structured rows' token masks when
+    counted), ``advance`` counts a step's tokens as computed (pending: and the tokens it
+    samples as pending), and ``masks`` fills structured rows' token masks when
     ``masks_follow`` (SchedulerConfig.overlap_structured)."""
 
     def __init__(self, launch: Launch, process: Process, advance: Advance, masks: MaskSource,
@@ -135,7 +135,7 @@ class StepPipeline:
         if following.handle is None:  # refused, or nothing to run: no need to wait a step
             return (self.process(current, finished_only, unread, True)
                     + self.process(following, finished_only, unread, False))
-        due = self._masks_due(following)  # before ``process`` replaces the placeholders
+        due = self._masks_due(following)  # before ``process`` makes the pending tokens known
         self.inflight = following
         outputs = self.process(current, finished_only, unread, True)
         if due:  # the matchers took this step's tokens
@@ -170,7 +170,7 @@ class StepPipeline:
         if not self.masks_follow:
             return None
         seqs = (s.seq for s in step.sched.scheduled)
-        return [seq for seq in seqs if seq.grammar is not None and seq.has_pending] or None
+        return [seq for seq in seqs if seq.grammar is not None and seq.num_pending] or None
 
 
 def send_masks(step: InFlight, due: list[Sequence], source: MaskSource) -> None:
