@@ -180,6 +180,8 @@ def main() -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: 4096 on CPU, sized from memory on GPU")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                    help="KV cache element type (docs/kernels.md, 'FP8 KV cache')")
     ap.add_argument("--workload-file", default=None,
                     help="JSON of [[prompt ids], output len] pairs; written with --save-workload")
     ap.add_argument("--save-workload", default=None, help="sample the ShareGPT workload, save it here, exit")
@@ -222,7 +224,7 @@ def main() -> int:
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     blocks = args.num_kv_blocks or (4096 if on_cpu else None)
     kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-              "num_kv_blocks": blocks, "num_swap_blocks": 0,
+              "num_kv_blocks": blocks, "num_swap_blocks": 0, "kv_cache_dtype": args.kv_cache_dtype,
               "device": args.device, "dtype": args.dtype, "load_format": args.load_format,
               "async_scheduling": args.async_scheduling}
     if args.workload_file:

@@ -78,6 +78,13 @@ if [[ " $PARTS " == *" speed "* ]]; then
   # The same 1,000 without async scheduling.
   step throughput_sync 80 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --no-async-scheduling \
     --json-out "$OUT/throughput_sync.json"
+  # FP8 KV cache (docs/kernels.md, "FP8 KV cache"): its CUDA kernels (cache write, decode, prefill)
+  # against the torch reference over the same fp8 cache, greedy agreement on the embedded model,
+  # then the throughput step's twin with an fp8 cache: same requests and block count, so the
+  # difference is the kernels (at the same memory fp8 holds twice the blocks: 40000).
+  step fp8_tests 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py
+  step throughput_fp8 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --kv-cache-dtype fp8 \
+    --json-out "$OUT/throughput_fp8.json"
   # The multiprocess executor (a worker process at TP 1, pipelined steps) against the in-process
   # one, 400 ShareGPT requests x <= 256 tokens, same call, greedy outputs compared.
   step throughput_mp 150 python3 benchmarks/bench_throughput.py --compare-executors $M8B \
