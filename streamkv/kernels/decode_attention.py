@@ -20,7 +20,6 @@ from functools import lru_cache
 import torch
 
 from streamkv.kernels import launch, nvrtc
-from streamkv.kernels.fp8 import FP8_CUDA_NAME, is_fp8
 from streamkv.kernels.decode_variants import (
     ATTENTION_SOURCE,
     ATTENTION_THREADS,
@@ -33,6 +32,7 @@ from streamkv.kernels.decode_variants import (
     reduce_name,
     resolve_kernel,
 )
+from streamkv.kernels.fp8 import FP8_CUDA_NAME, is_fp8
 from streamkv.kernels.launch import DTYPE_NAMES, FLOAT, INT, LONG, PTR
 
 # choose_partition_size's long_waves: 1024-token partitions when the grid fits one wave or
