@@ -163,7 +163,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts: its outputs are still to be processed (async scheduling).
-        return self.scheduler.has_unfinished() or (self.pipeline is not None and self.pipeline.has_live_step())
+        pipeline = self.pipeline
+        return self.scheduler.has_unfinished() or (pipeline is not None and pipeline.has_live_step())
 
     @property
     def overlapped_steps(self) -> int:

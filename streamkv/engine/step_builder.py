@@ -59,16 +59,16 @@ class StepBuilder:
             # Sequence.token_at / token_window and ScheduledSeq.do_sample, inline (per row per
             # step). A sequence with a pending token (async scheduling) has only that one to
             # compute, and samples: the worker takes it from the step before's samples.
-            prompt, out = seq.prompt_token_ids, seq.output_token_ids
-            n_prompt = len(prompt)
+            out = seq.output_token_ids
+            i = start - len(seq.prompt_token_ids)  # where the step starts in the outputs
             if seq.num_pending:
                 tokens, sample = [PENDING_TOKEN], True
             elif n == 1:
-                tokens = [prompt[start] if start < n_prompt else out[start - n_prompt]]
-                sample = start + 1 == n_prompt + len(out)
+                tokens = [out[i] if i >= 0 else seq.prompt_token_ids[start]]
+                sample = i + 1 == len(out)
             else:
                 tokens = seq.token_window(start)[:n]
-                sample = start + n == n_prompt + len(out)
+                sample = i + n == len(out)
             item = SeqStep(seq_id, tokens, start, sample)
             table, prev = tables[seq_id], known.table
             n_prev, n_table = len(prev), len(table)
