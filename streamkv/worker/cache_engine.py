@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from streamkv.kernels import ops
-from streamkv.kernels.fp8 import FP8_DTYPE
+from streamkv.kernels.fp8 import FP8_DTYPE, as_bytes
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -31,7 +31,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, wha
     from tqdm import tqdm
 
     pool = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-    planes = pool.view(shape[0] * shape[1], *shape[2:])
+    # Zeroed as bytes: the same for every dtype, and no float8 fill kernel needed.
+    planes = as_bytes(pool).view(shape[0] * shape[1], *shape[2:])
     for plane in tqdm(planes, desc=f"allocating the {what}", unit="layer", disable=None if pool.numel() else True,
                       leave=False):
         plane.zero_()

@@ -228,13 +228,11 @@ def _first_difference(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@needs_model
-def test_engine_greedy_agrees_with_the_default_cache(engines) -> None:
-    auto, fp8 = engines
+def _check_agreement(auto, fp8, max_gap: float) -> None:
     ref = auto.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     ref_ids = [list(o.outputs[0].token_ids) for o in ref]
     # Free-running (the decode path): where the fp8 run leaves the default's text, the
-    # default's token is a near tie under fp8 too, its runner-up within a few tenths of a nat.
+    # default's token is a near tie under fp8 too, its runner-up within max_gap nats.
     free = fp8.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5), use_tqdm=False)
     for out, r in zip(free, ref_ids):
         got = out.outputs[0]
@@ -243,7 +241,7 @@ def test_engine_greedy_agrees_with_the_default_cache(engines) -> None:
         if d < 16:
             top = got.logprobs[d]
             assert r[d] in top, (d, r[d], top)
-            assert top[got.token_ids[d]].logprob - top[r[d]].logprob < 0.3
+            assert top[got.token_ids[d]].logprob - top[r[d]].logprob < max_gap
     # Teacher-forced (the prefill path over the default's text): most tokens agree.
     texts = [o.prompt_token_ids + r for o, r in zip(ref, ref_ids)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -255,6 +253,11 @@ def test_engine_greedy_agrees_with_the_default_cache(engines) -> None:
             agree += min(entry.items(), key=lambda kv: kv[1].rank)[0] == text[i]
             total += 1
     assert agree >= 0.85 * total, (agree, total)
+
+
+@needs_model
+def test_engine_greedy_agrees_with_the_default_cache(engines) -> None:
+    _check_agreement(*engines, max_gap=0.3)
 
 
 # --- CUDA kernels against the reference path over the same fp8 cache ----------------------
@@ -345,8 +348,5 @@ def test_cuda_prefill_matches_reference(dtype, head: int, group: int, block: int
 def test_cuda_engine_fp8_greedy_agrees(make_llm) -> None:
     auto = make_llm(num_kv_blocks=512, num_swap_blocks=0, device="cuda")
     fp8 = make_llm(num_kv_blocks=512, num_swap_blocks=0, device="cuda", kv_cache_dtype="fp8")
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    ref = [o.outputs[0].token_ids for o in auto.generate(PROMPTS, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, params, use_tqdm=False)]
-    agree = sum(next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got))
-    assert agree >= 0.6 * sum(len(r) for r in ref), (agree, ref, got)
+    assert fp8.engine.executor.worker.cache.device_pool.dtype == FP8_DTYPE
+    _check_agreement(auto, fp8, max_gap=0.5)  # bf16 logits: coarser near ties than fp32's
