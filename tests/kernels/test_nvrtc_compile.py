@@ -48,6 +48,25 @@ def test_attention_variants_compile(dtype: str, arch: int, fresh_cache) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", sorted(cuda_ops.DTYPE_NAMES.values()))
+def test_fp8_cache_attention_variants_compile(dtype: str, arch: int, fresh_cache) -> None:
+    # The fp8 cache's decode kernels for a `dtype` query, every head size; the block size only
+    # addresses rows (the default programs compile every one of them).
+    from streamkv.kernels.fp8 import FP8_CUDA_NAME
+
+    jobs = [cuda_ops.attention_names(dtype, head, 16, cache=FP8_CUDA_NAME) for head in cuda_ops.HEAD_SIZES]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(
+            pool.map(
+                lambda names: nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, arch), jobs
+            )
+        )
+    for names, compiled in zip(jobs, results, strict=True):
+        assert all(name.endswith(f", {FP8_CUDA_NAME}>") for name in names if "reduce" not in name)
+        _assert_complete(compiled, names)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_core_step_variants_compile(arch: int, fresh_cache) -> None:
     # Every chunks-per-step choice of the tensor-core kernel, not only the defaults
     # (tests/kernels/test_cuda_kernels.py runs them), at the largest head size.

@@ -24,10 +24,13 @@ def fresh_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_variants_compile(arch: int, fresh_cache) -> None:
     # One program per (dtype, head size) holds every head packing; NVRTC drops the GIL.
+    from streamkv.kernels.fp8 import FP8_CUDA_NAME
+
     jobs = [
-        prefill.program_names(dtype, head)
+        prefill.program_names(dtype, head, cache=cache)
         for dtype in prefill.DTYPE_NAMES.values()
         for head in prefill.HEAD_SIZES
+        for cache in (None, FP8_CUDA_NAME)  # a cache of the query's dtype, and the fp8 cache
     ]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(pool.map(lambda n: nvrtc.compile_program(prefill.SOURCE, n, arch), jobs))
@@ -45,6 +48,7 @@ def test_every_model_head_size_has_a_tile() -> None:
     for head, tile in prefill.TILES.items():
         assert tile.rows % max(prefill.HEAD_PACKS) == 0
         assert tile.shared_bytes(head) <= 227 * 1024  # sm_90's opt-in limit per CTA
+        assert tile.shared_bytes(head) < tile.shared_bytes(head, fp8=True) <= 227 * 1024
 
 
 def test_head_pack_divides_the_group() -> None:
