@@ -46,6 +46,9 @@ class InvalidParameter(ValueError):
         self.param = param
         self.code = code
 
+    def __reduce__(self):  # pickled whole: the engine's verdicts cross to the server's process
+        return type(self), (self.param, str(self), self.code)
+
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -137,29 +137,15 @@ class KVView:
             self._last = self._last_body = None  # stale once nobody watches
 
     async def _take(self) -> tuple[dict, float] | None:
-        """One snapshot from the engine thread, with the seconds it took there."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def settle(result: tuple[dict, float] | BaseException) -> None:
-            if done.done():
-                return
-            if isinstance(result, BaseException):
-                done.set_exception(result)
-            else:
-                done.set_result(result)
-
-        def on_engine_thread(engine) -> None:
-            t0 = time.perf_counter()
-            try:
-                snap = take_snapshot(engine.block_manager, engine.scheduler).as_dict()
-                result: tuple[dict, float] | BaseException = (snap, time.perf_counter() - t0)
-            except Exception as e:
-                result = e
-            loop.call_soon_threadsafe(settle, result)
-
-        self.engine.call_on_engine_thread(on_engine_thread)
+        """One snapshot from the engine, with the seconds it took there."""
         try:
-            return await asyncio.wait_for(done, self.timeout)
+            return await self.engine.run_on_engine(snapshot_of, self.timeout)
         except asyncio.TimeoutError:
             return None  # the engine died or is stuck in a long step: try again next period
+
+
+def snapshot_of(engine) -> tuple[dict, float]:
+    """The engine's KV snapshot (run where the engine runs) and the seconds it took."""
+    t0 = time.perf_counter()
+    snap = take_snapshot(engine.block_manager, engine.scheduler).as_dict()
+    return snap, time.perf_counter() - t0

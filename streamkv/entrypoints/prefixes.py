@@ -18,10 +18,10 @@ under the same ids and computes them before it takes requests
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -66,25 +66,10 @@ class PrefixAdmin:
         ]
 
     async def _on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
-        """``fn(engine)`` on the engine thread, between two steps; its ValueError comes back."""
+        """``fn(engine)`` where the engine runs, between two steps; its ValueError comes back."""
         self.engine.check_alive()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def settle(result: Any, error: BaseException | None) -> None:
-            if not done.done():
-                done.set_exception(error) if error is not None else done.set_result(result)
-
-        def call(engine: LLMEngine) -> None:
-            try:
-                result, error = fn(engine), None
-            except Exception as e:  # noqa: BLE001 - handed back to the request
-                result, error = None, e
-            loop.call_soon_threadsafe(settle, result, error)
-
-        self.engine.call_on_engine_thread(call)
         try:
-            return await asyncio.wait_for(done, _ENGINE_CALL_TIMEOUT_S)
+            return await self.engine.run_on_engine(fn, _ENGINE_CALL_TIMEOUT_S)
         except TimeoutError:
             raise EngineDeadError("the engine did not answer") from None
 
@@ -95,7 +80,7 @@ class PrefixAdmin:
                 raise APIError("this model has no tokenizer: send the prefix as token ids", param="prompt")
             ids = await self.engine.run_tokenizer(lambda tok: tok.encode(text, add_special_tokens=special), len(text))
         try:
-            prefix = await self._on_engine(lambda e: register_prefix(e, ids))
+            prefix = await self._on_engine(functools.partial(register_prefix, token_ids=list(ids)))
         except ValueError as e:
             raise APIError(str(e), param="prompt", code="invalid_prefix") from None
         if not prefix.ready:
@@ -104,13 +89,9 @@ class PrefixAdmin:
             stream = await self.engine.add_request(f"prefix-{uuid.uuid4().hex}", list(ids), PREFIX_PARAMS)
             async for _ in stream:
                 pass
-        return JSONResponse(await self._on_engine(lambda e: reserved_prefixes(e).describe(prefix)))
+        return JSONResponse(await self._on_engine(functools.partial(describe_prefix, prefix_id=prefix.prefix_id)))
 
     async def list(self, request: Request) -> Response:
-        def describe_all(e: LLMEngine) -> list[dict]:
-            registry = reserved_prefixes(e)
-            return [registry.describe(p) for p in registry.prefixes.values()]
-
         try:
             data = await self._on_engine(describe_all)
         except ReservedPrefixError as e:
@@ -120,7 +101,26 @@ class PrefixAdmin:
     async def delete(self, request: Request) -> Response:
         prefix_id = request.path_params["prefix_id"]
         try:
-            await self._on_engine(lambda e: reserved_prefixes(e).remove(prefix_id))
+            await self._on_engine(functools.partial(remove_prefix, prefix_id=prefix_id))
         except ReservedPrefixError as e:
             raise APIError(str(e), 404, param="prefix_id", code="prefix_not_found") from None
         return JSONResponse({"id": prefix_id, "object": "reserved_prefix", "deleted": True})
+
+
+# What the routes run where the engine runs (module-level: with the engine in a process of
+# its own they travel there, pickled).
+def describe_prefix(engine: LLMEngine, prefix_id: str) -> dict:
+    registry = reserved_prefixes(engine)
+    prefix = registry.prefixes.get(prefix_id)
+    if prefix is None:
+        raise ReservedPrefixError(f"no reserved prefix {prefix_id!r}: it was removed")
+    return registry.describe(prefix)
+
+
+def describe_all(engine: LLMEngine) -> list[dict]:
+    registry = reserved_prefixes(engine)
+    return [registry.describe(p) for p in registry.prefixes.values()]
+
+
+def remove_prefix(engine: LLMEngine, prefix_id: str) -> None:
+    reserved_prefixes(engine).remove(prefix_id)

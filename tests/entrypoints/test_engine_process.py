@@ -1,0 +1,120 @@
+"""The engine core in a process of its own (engine/engine_process.py) behind the real app,
+with the embedded model on the CPU: the same tokens as the offline engine, streams and
+aborts that free their blocks, the engine's verdicts and calls across the process line, and
+a dead engine process reported instead of hanging the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.engine.engine_process import EngineProcess, EngineSpec
+from streamkv.entrypoints.kv_view import snapshot_of
+from streamkv.entrypoints.llm import LLM, engine_config
+from streamkv.entrypoints.security import HostPolicy
+from streamkv.entrypoints.server import ServerConfig, build_app
+from streamkv.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # the embedded model in a child process: tens of seconds on a loaded CPU
+
+PROMPT = "The capital of France is"
+ENGINE = dict(device="cpu", block_size=16, num_kv_blocks=96, num_swap_blocks=0, max_model_len=512)
+
+
+def _app():
+    engine = AsyncEngine(EngineSpec(engine_config(None, **ENGINE)))
+    return engine, build_app(engine, ServerConfig(model_name="m", hosts=HostPolicy.build("testserver"), web_dir=None))
+
+
+def _wait_healthy(c: TestClient) -> None:
+    for _ in range(2400):
+        if c.get("/health").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine did not start")
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine, app = _app()
+    with TestClient(app) as c:
+        _wait_healthy(c)
+        assert isinstance(engine._thread, EngineProcess) and engine.engine is None
+        yield c, engine
+
+
+def _wait_free(engine: AsyncEngine, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.stats.get("num_running", 1) or engine.stats.get("num_waiting", 1):
+        assert time.monotonic() < deadline, engine.stats
+        time.sleep(0.05)
+
+
+def _stream_text(c: TestClient, **body) -> tuple[str, list[str]]:
+    text, finish = "", []
+    with c.stream("POST", "/v1/completions", json={"model": "m", "prompt": PROMPT, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                text += chunk["choices"][0]["text"]
+                finish.append(chunk["choices"][0]["finish_reason"])
+    return text, finish
+
+
+def test_streams_the_offline_engines_tokens(client):
+    c, _ = client
+    text, finish = _stream_text(c, max_tokens=24, temperature=0)
+    llm = LLM(**ENGINE)
+    try:
+        want = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    assert text == want and finish[-1] == "length"
+    whole = c.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    assert whole.status_code == 200 and whole.json()["choices"][0]["text"] == want
+
+
+def test_abort_and_many_streams_free_their_blocks(client):
+    c, engine = client
+    with c.stream("POST", "/v1/completions", json={"model": "m", "prompt": PROMPT, "stream": True,
+                                                   "max_tokens": 400, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first chunk: the request is aborted
+    n = c.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 8, "n": 3, "seed": 1,
+                                        "temperature": 1.0})
+    assert n.status_code == 200 and len(n.json()["choices"]) == 3
+    _wait_free(engine)
+    snap, seconds = c.portal.call(engine.run_on_engine, snapshot_of, 10.0)
+    assert seconds >= 0 and not snap["requests"]
+
+
+def test_engine_verdicts_and_call_errors_cross_back(client):
+    c, engine = client
+    # max_tokens past the context: the engine refuses it, the refusal comes back as a 400.
+    r = c.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 100_000})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(Exception, match="pickle|Pickl|attribute"):
+        c.portal.call(engine.run_on_engine, lambda e: 1, 5.0)
+    assert _stream_text(c, max_tokens=4, temperature=0)[1][-1] == "length"  # still serving
+
+
+def test_a_dead_engine_process_is_reported():
+    engine, app = _app()
+    with TestClient(app) as c:
+        _wait_healthy(c)
+        os.kill(engine._thread._proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while engine.dead is None:
+            assert time.monotonic() < deadline, "the engine process's death went unnoticed"
+            time.sleep(0.05)
+        assert "exited" in str(engine.dead)
+        r = c.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
