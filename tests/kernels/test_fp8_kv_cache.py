@@ -350,3 +350,19 @@ def test_cuda_engine_fp8_greedy_agrees(make_llm) -> None:
     fp8 = make_llm(num_kv_blocks=512, num_swap_blocks=0, device="cuda", kv_cache_dtype="fp8")
     assert fp8.engine.executor.worker.cache.device_pool.dtype == FP8_DTYPE
     _check_agreement(auto, fp8, max_gap=0.5)  # bf16 logits: coarser near ties than fp32's
+
+
+@needs_model
+def test_engine_swap_preemption_keeps_fp8_outputs(engines, make_llm) -> None:
+    # A pool too small for the batch: sequences are swapped out and back in, and since a swap
+    # moves the fp8 bytes as they are, greedy outputs equal the unpreempted fp8 run's.
+    _, roomy = engines
+    tight = make_llm(device="cpu", kv_cache_dtype="fp8", block_size=8, num_kv_blocks=20,
+                     num_swap_blocks=40, preemption_mode="swap")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params, use_tqdm=False)]
+    before = tight.stats()["num_preemptions"]
+    got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params, use_tqdm=False)]
+    stats = tight.stats()
+    assert stats["num_preemptions"] > before and stats["num_swapped_in_blocks"] > 0
+    assert got == want
