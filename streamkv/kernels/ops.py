@@ -48,7 +48,8 @@ def reshape_and_cache(
 
 
 def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
-    return quantize(x, scale) if is_fp8(cache.dtype) else x.to(cache.dtype)
+    """x in the cache's dtype; for an fp8 cache its bytes (written through as_bytes(cache))."""
+    return as_bytes(quantize(x, scale)) if is_fp8(cache.dtype) else x.to(cache.dtype)
 
 
 def reshape_and_cache_ref(
@@ -61,8 +62,9 @@ def reshape_and_cache_ref(
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Advanced indexing on (block, :, offset) puts the token axis first: [n, kv_heads, head].
-    key_cache[blocks, :, offsets] = _to_cache(key, key_cache, k_scale)
-    value_cache[blocks, :, offsets] = _to_cache(value, value_cache, v_scale)
+    # fp8 caches are indexed as bytes: torch's float8 index ops do not cover every device.
+    as_bytes(key_cache)[blocks, :, offsets] = _to_cache(key, key_cache, k_scale)
+    as_bytes(value_cache)[blocks, :, offsets] = _to_cache(value, value_cache, v_scale)
 
 
 def paged_attention_decode(
@@ -109,8 +111,10 @@ _DECODE_CHUNK = 16
 
 def _gather_read(cache, block_tables, num_blocks: int, scale: float, dtype: torch.dtype):
     """gather_kv, dequantized to ``dtype`` when the cache is fp8."""
-    kv = gather_kv(cache, block_tables, num_blocks)
-    return dequantize(kv, scale, dtype) if is_fp8(kv.dtype) else kv
+    if not is_fp8(cache.dtype):
+        return gather_kv(cache, block_tables, num_blocks)
+    kv = gather_kv(as_bytes(cache), block_tables, num_blocks).view(cache.dtype)
+    return dequantize(kv, scale, dtype)
 
 
 def paged_attention_decode_ref(
