@@ -50,10 +50,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="path prefix when behind a proxy that routes a path to this server (e.g. /llm)")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
-    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine core (scheduler, step building, output processing) in a process "
-                        "of its own, apart from the HTTP server's event loop, as vLLM v1 does (default: "
-                        "on with worker processes, i.e. on a GPU; docs/architecture.md)")
+                        "of its own, apart from the HTTP server's event loop, as vLLM v1 does. Off by "
+                        "default: its outputs cross whole, and on an H200 burst it served less than the "
+                        "engine thread (docs/benchmarks.md \"Serving\")")
     s.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="the event loop. asyncio by default: uvloop writes each SSE event holding the "
                         "GIL that the engine thread needs, and served 7%% less under a burst on an H200 "
@@ -178,10 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             set_chat_template(engine.tokenizer, template)  # again after a worker restart
         return engine
 
-    own_process = args.engine_process
-    if own_process is None:
-        own_process = kwargs["distributed_executor_backend"] == "mp"
-    if own_process:
+    if args.engine_process:
         build = EngineSpec(config, template, args.max_worker_restarts,
                            log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                            step_timeout_s=args.engine_step_timeout, log_level=logging.getLogger().level)

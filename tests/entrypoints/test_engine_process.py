@@ -118,3 +118,37 @@ def test_a_dead_engine_process_is_reported():
         assert "exited" in str(engine.dead)
         r = c.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_output_deltas_rebuild_every_output():
+    """The child's rows rebuild, on the server, exactly the outputs the engine made: growing
+    choices as deltas, a choice that shrank or changed index (a beam, a resumed request)
+    whole, finished requests forgotten on both ends."""
+    from streamkv.engine.engine_process import OutputDeltas
+    from streamkv.sequence import CompletionOutput, Logprob, RequestOutput
+
+    def out(rid, choices, finished=False):
+        return RequestOutput(rid, "p", [1, 2], [CompletionOutput(i, t, list(ids), -0.5 * len(ids),
+                                                                 [{x: Logprob(-0.1)} for x in ids], f)
+                                                for i, t, ids, f in choices], finished, metrics={"t": 1.0})
+
+    steps = [
+        [out("a", [(0, "He", [5], None)]), out("b", [(0, "x", [9], None), (1, "y", [8], None)])],
+        [out("a", [(0, "Hello", [5, 6], None)]), out("b", [(0, "xz", [9, 4], None), (1, "yy", [8, 8], None)])],
+        # b's beams swap places and one shrinks: those choices go whole
+        [out("a", [(0, "Hello w", [5, 6, 7], None)]), out("b", [(1, "yyq", [8, 8, 3], None), (0, "x", [9], None)])],
+        [out("a", [(0, "Hello wo", [5, 6, 7, 2], "stop")], finished=True)],
+    ]
+    child, server = OutputDeltas(), OutputDeltas()
+    for outs in steps:
+        rows = child.encode(outs)
+        got = server.decode(rows)
+        assert [(o.request_id, o.finished, [(c.index, c.text, list(c.token_ids), len(c.logprobs), c.finish_reason)
+                                            for c in o.outputs]) for o in got] == \
+               [(o.request_id, o.finished, [(c.index, c.text, c.token_ids, len(c.logprobs), c.finish_reason)
+                                            for c in o.outputs]) for o in outs]
+        assert all(o.prompt_token_ids == [1, 2] and o.metrics == {"t": 1.0} for o in got)
+    assert set(child._last) == set(server._last) == {"b"}  # "a" finished: forgotten on both ends
+    # after the first step each growing choice crossed as a delta, not whole
+    rows = child.encode([out("b", [(1, "yyqq", [8, 8, 3, 3], None), (0, "xk", [9, 1], None)])])
+    assert all(isinstance(c, tuple) for c in rows[0][4])
