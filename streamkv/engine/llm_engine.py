@@ -147,6 +147,11 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params.resumed_sample_index,
                        cache_root=root_key(params.cache_salt))
         seq.grammar = self.structured.new_grammar(params)
+        if seq.grammar is not None and params.resumed_output_tokens:
+            # A request resumed after a restart: its grammar stands where the outputs before
+            # the restart (now the prompt's tail) left it, not at its start.
+            for token in prompt_token_ids[len(prompt_token_ids) - params.resumed_output_tokens:]:
+                seq.grammar.accept(token)
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
         prompt_logprobs.prepare(group, seq, params)
         if params.use_beam_search:

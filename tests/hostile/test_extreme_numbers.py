@@ -110,14 +110,18 @@ _accepted = st.builds(
 )
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA the sampler's kernels draw (kernels_cu/sampling.cu)
 @settings(max_examples=200, deadline=None)
 @given(kw=_accepted, logits_scale=st.sampled_from([1.0, 1e4, 1e30, 3e38]))
-def test_accepted_extremes_sample_a_real_token_in_bounded_time(kw: dict, logits_scale: float) -> None:
+def test_accepted_extremes_sample_a_real_token_in_bounded_time(device: str, kw: dict, logits_scale: float) -> None:
     bias = kw.pop("bias")
     params = _built(**kw, logit_bias={1: bias})
     if params is None:
         return
-    x = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1)) * logits_scale
+    x = (torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1)) * logits_scale).to(device)
     req = SampleRequest(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
         seed=params.seed, logit_bias=params.logit_bias, presence_penalty=params.presence_penalty,
@@ -126,7 +130,7 @@ def test_accepted_extremes_sample_a_real_token_in_bounded_time(kw: dict, logits_
     if req.has_penalties:
         from streamkv.layers.penalties import TokenCounts
 
-        counts = TokenCounts(VOCAB, "cpu")
+        counts = TokenCounts(VOCAB, device)
         req.counts, req.counts_row = counts, counts.allocate([1, 2, 3], [4, 5])
     with deadline(10):
         out = Sampler()(x, [req, SampleRequest(temperature=1.0, top_p=0.5)])
