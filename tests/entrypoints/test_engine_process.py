@@ -152,3 +152,20 @@ def test_output_deltas_rebuild_every_output():
     # after the first step each growing choice crossed as a delta, not whole
     rows = child.encode([out("b", [(1, "yyqq", [8, 8, 3, 3], None), (0, "xk", [9, 1], None)])])
     assert all(isinstance(c, tuple) for c in rows[0][4])
+
+
+def test_a_worker_killed_mid_stream_resumes_through_the_engine_process():
+    """The restart hand-over across the process line: the child restarts the worker, the
+    server re-queues the stream (add_first, then handed), its deltas start again whole."""
+    import httpx
+
+    from tests.entrypoints.conftest import run_server
+    from tests.entrypoints.test_worker_recovery import BODY, stream_with_fault, worker_pids
+
+    with run_server("--distributed-executor-backend", "mp", "--engine-process") as server:
+        expected = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=300).json()["choices"][0]["text"]
+        before = worker_pids(server.proc.pid)
+        text, chunks, health, _ = stream_with_fault(server, signal.SIGKILL)
+        assert text == expected and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert 503 in health and health[-1] == 200 and worker_pids(server.proc.pid) != before
+        server.wait_idle()
