@@ -91,8 +91,7 @@ class EngineCommands:
             if isinstance(cmd, Submission):
                 # A grammar compiles on its own thread; the submission comes back here when
                 # it is done (a compile on this thread stalled every stream: issue 26).
-                defer = getattr(engine, "defer_until_compiled", None)  # absent in the tests' fakes
-                if defer is not None and defer(cmd.params, lambda c=cmd: self.submit(c)):
+                if engine.defer_until_compiled(cmd.params, lambda c=cmd: self.submit(c)):
                     continue
                 try:
                     engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prompt_token_ids, cmd.arrival_time)

@@ -148,9 +148,7 @@ class EngineThread:
                 self._commands.wait(_IDLE_PROBE_S)
                 # Idle, a worker can die or freeze too: /health should say so at once,
                 # not when the next request's step fails.
-                probe = getattr(engine.executor, "check_workers", None)
-                if probe is not None:
-                    probe()
+                engine.executor.check_workers()
                 continue
             self._clock.begin()
             outputs = engine.step(unread=self._commands.unread)

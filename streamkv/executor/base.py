@@ -50,5 +50,9 @@ class Executor(abc.ABC):
         output = self.execute(step)
         return DoneStep(output, time.perf_counter() - start)
 
+    def check_workers(self) -> None:  # noqa: B027 - nothing to check without worker processes
+        """Raise WorkerError if a worker process died or froze while no step was waiting on
+        it (the idle engine thread asks, so /health turns at once)."""
+
     def shutdown(self) -> None:  # noqa: B027 - executors without resources need nothing
         """Release workers and their memory."""

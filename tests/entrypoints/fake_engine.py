@@ -45,7 +45,7 @@ class FakeEngine:
         # a model output on demand (a tool call, say).
         self.script = script
         self.tokenizer = FakeTokenizer()
-        self.executor = SimpleNamespace(hf_config={"vocab_size": 1000})
+        self.executor = SimpleNamespace(hf_config={"vocab_size": 1000}, check_workers=lambda: None)
         self.config = SimpleNamespace(
             scheduler=SimpleNamespace(max_model_len=max_model_len, max_num_seqs=8),
             cache=SimpleNamespace(enable_prefix_caching=False),
@@ -80,6 +80,9 @@ class FakeEngine:
         return EngineInfo(max_model_len=self.config.scheduler.max_model_len, vocab_size=1000, block_size=16,
                           num_kv_blocks=self.block_manager.device.num_blocks, num_swap_blocks=0,
                           usable_kv_blocks=self.block_manager.device.num_blocks, max_num_seqs=8, prefix_caching=False)
+
+    def defer_until_compiled(self, params: SamplingParams, resume) -> bool:
+        return False  # no grammars here
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
