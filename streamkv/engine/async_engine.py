@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from streamkv.engine.engine_commands import EngineCommands, Submission
-from streamkv.engine.engine_process import EngineProcess, EngineSpec, RemoteCommands
+from streamkv.engine.engine_process import EngineProcess, EngineSpec, RemoteCommands, RunSettings
 from streamkv.engine.engine_thread import EngineThread, LoopSide
 from streamkv.engine.llm_engine import EngineInfo, LLMEngine
 from streamkv.engine.recovery import EngineRestartedError, RestartBudget
@@ -65,9 +65,10 @@ class AsyncEngine:
         # Worker processes that die are restarted (a new engine from ``build``) and the
         # running requests resume by recompute (engine/recovery.py), within the restart
         # budget. The operator's log: a stats line every log_stats_interval seconds (None: none).
-        if isinstance(build, EngineSpec):  # the child builds its own restart budget and stats logger
-            self._thread: EngineThread | EngineProcess = EngineProcess(build, self._commands, side,
-                                                                       self._tokenizer_lanes)
+        if isinstance(build, EngineSpec):  # the same run settings, applied in the child
+            self._thread: EngineThread | EngineProcess = EngineProcess(
+                build, self._commands, side, self._tokenizer_lanes,
+                RunSettings(restarts or RestartBudget(), stats_interval, log_stats_interval, step_timeout_s))
         else:
             self._thread = EngineThread(build, self._commands, side, self._tokenizer_lanes,
                                         restarts or RestartBudget(), stats_interval,

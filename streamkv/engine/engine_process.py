@@ -24,6 +24,7 @@ loop. Messages are pickled over a socket pair between the server and the process
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from streamkv.engine.engine_commands import EngineCommands, Submission
 from streamkv.engine.engine_thread import EngineThread, LoopSide
@@ -52,15 +53,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class EngineSpec:
-    """What the child needs to build and run the engine (pickled to it)."""
+    """What the child needs to build the engine (pickled to it). How it runs (restart
+    budget, stats intervals, step timeout) is AsyncEngine's to say: ``EngineProcess`` fills
+    in ``run`` from its arguments, so both modes read the same ones."""
 
     config: Any  # EngineConfig
     chat_template: str | None = None
-    max_restarts: int = 3
-    stats_interval: float = 0.25
-    log_stats_interval: float | None = None
-    step_timeout_s: float = STEP_TIMEOUT_S
     log_level: int = logging.INFO
+    run: RunSettings | None = None
+
+
+@dataclass(slots=True)
+class RunSettings:
+    restarts: RestartBudget
+    stats_interval: float
+    log_stats_interval: float | None
+    step_timeout_s: float = STEP_TIMEOUT_S
 
 
 def build_from_spec(spec: EngineSpec):
@@ -98,7 +106,8 @@ class OutputDeltas:
     (a beam reordered, a request resumed after a restart) goes whole."""
 
     def __init__(self) -> None:
-        self._last: dict[str, RequestOutput] = {}  # the child: as sent; the server: as rebuilt
+        # The child: each running request's choices as last sent; the server: its rebuilt output.
+        self._last: dict[str, list[_Sent] | RequestOutput] = {}
 
     def forget(self, request_id: str | None = None) -> None:
         if request_id is None:
@@ -114,13 +123,15 @@ class OutputDeltas:
             if prev is None:
                 rows.append((out.request_id, out))  # whole, the first time
             else:
-                choices = [_choice_delta(p, c) for p, c in zip(prev.outputs, out.outputs)]
-                choices += [c for c in out.outputs[len(prev.outputs):]]
+                choices = [_choice_delta(p, c) for p, c in zip(prev, out.outputs)]
+                choices += out.outputs[len(prev):]
                 rows.append((out.request_id, out.finished, out.error, out.metrics, choices))
             if out.finished:
                 self._last.pop(out.request_id, None)
             else:
-                self._last[out.request_id] = _lengths(out)
+                self._last[out.request_id] = [_Sent(c.index, len(c.text), len(c.token_ids),
+                                                    None if c.logprobs is None else len(c.logprobs))
+                                              for c in out.outputs]
         return rows
 
     # -- the server ---------------------------------------------------------------------------
@@ -146,18 +157,19 @@ class OutputDeltas:
         return outs
 
 
-def _lengths(out: RequestOutput) -> RequestOutput:
-    """What the child remembers of a sent output: its choices' lengths (as a RequestOutput
-    whose choices hold the lengths in place of their contents)."""
-    return RequestOutput(out.request_id, None, [], [
-        CompletionOutput(c.index, len(c.text), len(c.token_ids), 0.0,  # type: ignore[arg-type]
-                         None if c.logprobs is None else len(c.logprobs)) for c in out.outputs], out.finished)
+class _Sent(NamedTuple):
+    """What the child remembers of a choice it sent: its sample and its lengths."""
+
+    index: int
+    text_len: int
+    num_tokens: int
+    num_logprobs: int | None
 
 
-def _choice_delta(prev: CompletionOutput, c: CompletionOutput) -> tuple | CompletionOutput:
+def _choice_delta(prev: _Sent, c: CompletionOutput) -> tuple | CompletionOutput:
     """(index, new text, new token ids, new logprobs, cumulative logprob, finish, stop), or
     the choice whole when it did not only grow."""
-    text_len, num_tokens, num_lps = prev.text, prev.token_ids, prev.logprobs
+    _, text_len, num_tokens, num_lps = prev
     if (prev.index != c.index or len(c.text) < text_len or len(c.token_ids) < num_tokens
             or (c.logprobs is None) != (num_lps is None) or (num_lps is not None and len(c.logprobs) < num_lps)):
         return c
@@ -236,8 +248,10 @@ class EngineProcess:
 
     engine = None
 
-    def __init__(self, spec: EngineSpec, commands: RemoteCommands, side: LoopSide, lanes: TokenizerLanes) -> None:
-        self._spec, self._commands, self._side, self._lanes = spec, commands, side, lanes
+    def __init__(self, spec: EngineSpec, commands: RemoteCommands, side: LoopSide, lanes: TokenizerLanes,
+                 run: RunSettings) -> None:
+        self._spec = dataclasses.replace(spec, run=run)
+        self._commands, self._side, self._lanes = commands, side, lanes
         self.info: Any = None
         self.tokenizer: Any = None
         self.stats: dict = {}
@@ -376,13 +390,14 @@ def serve(conn: Connection) -> None:
         outputs=lambda outs, waiting: pipe.send("out", deltas.encode(outs), waiting),
         verdicts=lambda vs, waiting: pipe.send("verdicts", [(s.request_id, _picklable(e)) for s, e in vs], waiting),
     )
-    thread = EngineThread(lambda: build_from_spec(spec), commands, side, TokenizerLanes(),
-                          RestartBudget(limit=spec.max_restarts), spec.stats_interval,
-                          StatsLogger(spec.log_stats_interval) if spec.log_stats_interval is not None else None,
-                          spec.step_timeout_s)
+    run = spec.run
+    thread = EngineThread(lambda: build_from_spec(spec), commands, side, TokenizerLanes(), run.restarts,
+                          run.stats_interval,
+                          StatsLogger(run.log_stats_interval) if run.log_stats_interval is not None else None,
+                          run.step_timeout_s)
     holder["thread"] = thread
     thread.start(_Direct())
-    threading.Thread(target=_send_stats, args=(pipe, thread, spec.stats_interval), daemon=True).start()
+    threading.Thread(target=_send_stats, args=(pipe, thread, run.stats_interval), daemon=True).start()
     while True:
         try:
             msg = pipe.recv()

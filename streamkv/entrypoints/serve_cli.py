@@ -180,9 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return engine
 
     if args.engine_process:
-        build = EngineSpec(config, template, args.max_worker_restarts,
-                           log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                           step_timeout_s=args.engine_step_timeout, log_level=logging.getLogger().level)
+        build = EngineSpec(config, template, log_level=logging.getLogger().level)
     engine = AsyncEngine(build, restarts=RestartBudget(limit=args.max_worker_restarts),
                          log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                          log_requests=args.enable_log_requests, step_timeout_s=args.engine_step_timeout)
