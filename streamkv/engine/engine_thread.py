@@ -138,6 +138,10 @@ class EngineThread:
 
     def _serve(self, engine: LLMEngine) -> None:
         last_stats, last_waiting = time.monotonic(), 0
+
+        def emit(outputs: list[RequestOutput]) -> None:  # mid-step: the device runs the next one
+            self._post(self._side.outputs, outputs, engine.num_waiting())
+
         while not self._stopping:
             verdicts = self._commands.apply(engine)
             if verdicts:
@@ -151,7 +155,7 @@ class EngineThread:
                 engine.executor.check_workers()
                 continue
             self._clock.begin()
-            outputs = engine.step(unread=self._commands.unread)
+            outputs = engine.step(unread=self._commands.unread, emit=emit)
             self._clock.end()
             waiting = engine.num_waiting()
             if outputs or waiting != last_waiting:

@@ -106,8 +106,8 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         # Async scheduling needs workers that fill pending input tokens on the device.
         self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
-        self.pipeline = StepPipeline(self._launch, self._process, self.outputs.advance, self.structured,
-                                     sched.overlap_structured) if self.async_scheduling else None
+        self.pipeline = StepPipeline(self._launch, self._apply, self._build, self.outputs.advance,
+                                     self.structured, sched.overlap_structured) if self.async_scheduling else None
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
 
     # -- requests -----------------------------------------------------------------------
@@ -197,17 +197,20 @@ class LLMEngine:
         )
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, finished_only: bool = False, unread: Container[str] = ()) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, unread: Container[str] = (),
+             emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One iteration, three calls: schedule a step, execute it (``_launch``: build its
         StepInput, submit it), process its samples (``_process``). Returns the outputs of
         every request the step touched (with ``finished_only``, of those that finished:
         offline generation skips building a snapshot of every running request on every
         step; nor of the running requests in ``unread``, whose last output the server has
         not read yet). With async scheduling the step pipeline makes the same calls with
-        step N+1 submitted before step N is processed, and N+1 in flight when this returns
+        step N+1 submitted before step N is processed, and N+1 in flight when this returns;
+        then N's outputs are built in the next call, once N+2 is submitted, and handed to
+        ``emit`` if given (else returned) before that call waits for N+1
         (engine/step_pipeline.py)."""
         if self.pipeline is not None:
-            return self.pipeline.step(finished_only, unread)
+            return self.pipeline.step(finished_only, unread, emit)
         return self._process(self._launch(), finished_only, unread)
 
     def _launch(self) -> InFlight:
@@ -225,8 +228,13 @@ class LLMEngine:
 
     def _process(self, step: InFlight, finished_only: bool, unread: Container[str] = (),
                  advanced: bool = False) -> list[RequestOutput]:
-        """Wait for a step's samples and apply them; ``advanced``: its tokens were counted
-        as computed when it was launched (OutputProcessor.advance)."""
+        """Wait for a step's samples, apply them, and build the outputs of the requests it
+        touched; ``advanced``: its tokens were counted as computed when it was launched
+        (OutputProcessor.advance)."""
+        return self._build(self._apply(step, advanced), finished_only, unread)
+
+    def _apply(self, step: InFlight, advanced: bool = False) -> list[SequenceGroup]:
+        """Wait for a step's samples and apply them; the requests it touched."""
         sched = step.sched
         try:
             if step.error is not None:
@@ -234,16 +242,24 @@ class LLMEngine:
             result = step.handle.result() if step.handle is not None else StepOutput()
         except StepFailed as e:
             return self._fail_step(sched, e)
-        outputs = self.outputs.process(sched, result, finished_only, advanced, unread)
+        touched = self.outputs.apply(sched, result, advanced)
         self.stats_.record_step(sched, step.started)
+        return touched
+
+    def _build(self, touched: list[SequenceGroup], finished_only: bool,
+               unread: Container[str] = ()) -> list[RequestOutput]:
+        """The outputs of requests a step touched (``_apply``), built at once or after the
+        next step was submitted; a request answered in between (aborted) is skipped."""
+        groups = self.groups
+        outputs = self.outputs.build([g for g in touched if groups.get(g.request_id) is g], finished_only, unread)
         for out in outputs:
             if out.finished:
-                self.groups.pop(out.request_id, None)
+                del groups[out.request_id]
         return outputs
 
-    def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[RequestOutput]:
+    def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[SequenceGroup]:
         """The worker could not run this step: its requests end with the error (their blocks
-        freed); requests outside the step, and later steps, go on."""
+        freed); requests outside the step, and later steps, go on. The requests to answer."""
         # A group that ended before (async scheduling: while this step was planned) was
         # answered already.
         failed = {s.group.request_id: s.group for s in sched.scheduled if not s.group.finished}
@@ -253,13 +269,11 @@ class LLMEngine:
         for request_id, group in failed.items():
             self.scheduler.abort(request_id)
             group.error = f"the step failed: {error}"
-        outputs = []
-        for group in [*failed.values(), *sched.failed]:
+        ended = [*failed.values(), *sched.failed]
+        for group in ended:
             if group.finished_time is None:
                 group.finished_time = time.monotonic()
-            outputs.append(self.outputs.make_output(group))
-            self.groups.pop(group.request_id, None)
-        return outputs
+        return ended
 
     def stats(self) -> dict:
         return self.stats_.as_dict()

@@ -73,9 +73,14 @@ class OutputProcessor:
         self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False, advanced: bool = False,
         unread: Container[str] = (),
     ) -> list[RequestOutput]:
-        """Apply a step's samples. ``advanced``: ``advance`` already ran for this step. Outputs
-        are built for the requests touched, but for running ones with ``finished_only`` or in
-        ``unread`` (their last output is not read yet: outputs are cumulative)."""
+        """Apply a step's samples and build the outputs of the requests it touched."""
+        return self.build(self.apply(sched, result, advanced), finished_only, unread)
+
+    def apply(self, sched: SchedulerOutput, result: StepOutput, advanced: bool = False) -> list[SequenceGroup]:
+        """Apply a step's samples (``advanced``: ``advance`` already ran for this step): append
+        the tokens, apply the stop conditions, free what finished. Returns the requests it
+        touched, whose outputs ``build`` makes, at once or after the next step is submitted
+        (engine/step_pipeline.py)."""
         if not advanced:
             self.advance(sched)
         results = result.results
@@ -116,15 +121,17 @@ class OutputProcessor:
             group = touched[request_id]
             if not group.beam_state.done:
                 group.seqs = [s for s in group.seqs if not s.status.finished]
-        outputs = []
         for group in touched.values():
-            if group.finished:
-                if group.finished_time is None:
-                    group.finished_time = now
-            elif finished_only or group.request_id in unread:
-                continue
-            outputs.append(self.make_output(group))
-        return outputs
+            if group.finished and group.finished_time is None:
+                group.finished_time = now
+        return list(touched.values())
+
+    def build(self, touched: list[SequenceGroup], finished_only: bool = False,
+              unread: Container[str] = ()) -> list[RequestOutput]:
+        """The outputs of the requests ``touched``, but for running ones with ``finished_only``
+        or in ``unread`` (their last output is not read yet: outputs are cumulative)."""
+        make = self.make_output
+        return [make(g) for g in touched if g.finished or not (finished_only or g.request_id in unread)]
 
     def _append_samples(self, group: SequenceGroup, seq: Sequence, res: SampleResult,
                         structured: list | None = None) -> None:

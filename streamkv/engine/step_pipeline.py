@@ -102,8 +102,10 @@ class MaskSource(Protocol):
 
 
 Launch = Callable[[], InFlight]
-Process = Callable[[InFlight, bool, Container[str], bool], list[RequestOutput]]
+Apply = Callable[[InFlight, bool], list[SequenceGroup]]
+Build = Callable[[list[SequenceGroup], bool, Container[str]], list[RequestOutput]]
 Advance = Callable[[SchedulerOutput, bool], None]
+Emit = Callable[[list[RequestOutput]], None]
 
 
 class StepPipeline:
@@ -112,49 +114,77 @@ class StepPipeline:
     and mini-sglang's overlap loop do. A step that is not ``overlappable``, and one whose
     successor has nothing to run, is processed in the same call, as the plain step does.
 
-    Its collaborators are the engine's: ``launch`` schedules a step and submits it,
-    ``process`` waits for a step's samples and applies them (advanced: its tokens were
-    counted), ``advance`` counts a step's tokens as computed (pending: and the tokens it
-    samples as pending), and ``masks`` fills structured rows' token masks when
-    ``masks_follow`` (SchedulerConfig.overlap_structured)."""
+    An overlapped step's outputs are built in the next call, after N+2 is submitted: from
+    N's samples to N+2's submission the host does only what planning N+2 needs (apply N's
+    tokens and stop conditions, schedule, build N+2's input), so the device does not wait
+    while every streaming request's output is built and handed to the server. The call
+    hands them to ``emit`` as soon as they are built (the server's engine thread posts them
+    to the event loop while the device runs N+1), or returns them.
 
-    def __init__(self, launch: Launch, process: Process, advance: Advance, masks: MaskSource,
+    Its collaborators are the engine's: ``launch`` schedules a step and submits it,
+    ``apply`` waits for a step's samples and applies them (advanced: its tokens were
+    counted), returning the requests it touched, ``build`` makes their outputs,
+    ``advance`` counts a step's tokens as computed (pending: and the tokens it samples as
+    pending), and ``masks`` fills structured rows' token masks when ``masks_follow``
+    (SchedulerConfig.overlap_structured)."""
+
+    def __init__(self, launch: Launch, apply: Apply, build: Build, advance: Advance, masks: MaskSource,
                  masks_follow: bool) -> None:
-        self.launch, self.process, self.advance = launch, process, advance
+        self.launch, self.apply, self.build, self.advance = launch, apply, build, advance
         self.masks, self.masks_follow = masks, masks_follow
         self.inflight: InFlight | None = None
+        self.applied: list[SequenceGroup] = []  # touched by the step applied last; outputs not built
         self.overlapped_steps = 0  # steps whose successor was submitted before they were processed
 
-    def step(self, finished_only: bool, unread: Container[str]) -> list[RequestOutput]:
-        current = self._take(finished_only, unread) or self.launch()
+    def step(self, finished_only: bool, unread: Container[str], emit: Emit | None = None) -> list[RequestOutput]:
+        current = self._take(finished_only, unread)
+        if current is None:
+            current = self.launch()
         if not self._overlaps(current):
-            return self.process(current, finished_only, unread, False)
+            return self._built(finished_only, unread) + self._process(current, finished_only, unread, False)
         self.overlapped_steps += 1
         self.advance(current.sched, True)
         following = self.launch()
         if following.handle is None:  # refused, or nothing to run: no need to wait a step
-            return (self.process(current, finished_only, unread, True)
-                    + self.process(following, finished_only, unread, False))
-        due = self._masks_due(following)  # before ``process`` makes the pending tokens known
+            return (self._built(finished_only, unread) + self._process(current, finished_only, unread, True)
+                    + self._process(following, finished_only, unread, False))
+        due = self._masks_due(following)  # before ``apply`` makes the pending tokens known
         self.inflight = following
-        outputs = self.process(current, finished_only, unread, True)
+        # The step before's outputs, while the device runs this one.
+        outputs = self._built(finished_only, unread)
+        if emit is not None and outputs:
+            emit(outputs)
+            outputs = []
+        self.applied = self.apply(current, True)
         if due:  # the matchers took this step's tokens
             send_masks(following, due, self.masks)
         return outputs
 
+    def _process(self, step: InFlight, finished_only: bool, unread: Container[str], advanced: bool) -> list[RequestOutput]:
+        return self.build(self.apply(step, advanced), finished_only, unread)
+
+    def _built(self, finished_only: bool, unread: Container[str]) -> list[RequestOutput]:
+        """The outputs of the step applied in the call before (none if there is none)."""
+        if not self.applied:
+            return []
+        touched, self.applied = self.applied, []
+        return self.build(touched, finished_only, unread)
+
     def has_live_step(self) -> bool:
-        """Whether a step is in flight whose outputs are still to be processed."""
-        return self.inflight is not None and self.inflight.live
+        """Whether a step is in flight whose outputs are still to be processed, or one was
+        applied whose outputs are still to be built."""
+        return bool(self.applied) or (self.inflight is not None and self.inflight.live)
 
     def drop(self) -> None:
         """Forget the step in flight (shutdown: its handle keeps device tensors alive)."""
         self.inflight = None
+        self.applied = []
 
     def _take(self, finished_only: bool, unread: Container[str]) -> InFlight | None:
         """The step in flight, if its outputs still matter."""
         current, self.inflight = self.inflight, None
         if current is not None and not current.live:  # all it ran has ended: its outputs are void
-            self.process(current, finished_only, unread, False)
+            self.apply(current, False)
             return None
         return current
 

@@ -167,7 +167,11 @@ def test_abort_mid_flight(tiny_llama_dir):
                     seen[out.request_id] = out.outputs[0].token_ids
             engine.block_manager.check_no_leaks()
             seen_by.append(seen)
-        assert seen_by[0] == seen_by[1] and "1" in seen_by[0]
+        # The aborted request's last output seen may be a step behind: with async scheduling a
+        # step's outputs are built in the next call, and none is built once it is aborted.
+        got, want = seen_by[0].pop("1"), seen_by[1].pop("1")
+        assert got and want[: len(got)] == got and len(want) - len(got) <= 1
+        assert seen_by[0] == seen_by[1]
     finally:
         on.shutdown()
         off.shutdown()

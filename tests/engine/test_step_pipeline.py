@@ -47,9 +47,13 @@ class _Engine:
         self.log.append(("launch", self.name(step)))
         return step
 
-    def process(self, step: InFlight, finished_only: bool, unread, advanced: bool) -> list:
-        self.log.append(("process", self.name(step), advanced))
+    def apply(self, step: InFlight, advanced: bool) -> list:
+        self.log.append(("apply", self.name(step), advanced))
         return [self.name(step)]
+
+    def build(self, touched: list, finished_only: bool, unread) -> list:
+        self.log.append(("build", *touched))
+        return list(touched)
 
     def advance(self, sched: SchedulerOutput, pending: bool) -> None:
         self.log.append(("advance", sched.scheduled[0].group.request_id, pending))
@@ -60,20 +64,32 @@ class _Engine:
 
 
 def _pipeline(engine: _Engine, masks_follow: bool = False) -> StepPipeline:
-    return StepPipeline(engine.launch, engine.process, engine.advance, engine, masks_follow)
+    return StepPipeline(engine.launch, engine.apply, engine.build, engine.advance, engine, masks_follow)
 
 
-def test_each_call_processes_one_step_with_the_next_in_flight():
+def test_each_call_applies_one_step_with_the_next_in_flight_and_builds_its_outputs_in_the_next():
     engine = _Engine(_step("a"), _step("b"), _step("c"))
     pipe = _pipeline(engine)
-    assert pipe.step(False, ()) == ["a"]
-    assert engine.log == [("launch", "a"), ("advance", "a", True), ("launch", "b"), ("process", "a", True)]
+    assert pipe.step(False, ()) == []
+    assert engine.log == [("launch", "a"), ("advance", "a", True), ("launch", "b"), ("apply", "a", True)]
     assert pipe.inflight is not None and pipe.has_live_step()
     engine.log.clear()
-    assert pipe.step(False, ()) == ["b"]
-    # b was launched by the call before: this one only advances it and launches c.
-    assert engine.log == [("advance", "b", True), ("launch", "c"), ("process", "b", True)]
+    # b was launched by the call before: this one only advances it and launches c, then
+    # builds a's outputs (while b runs) before it waits for b and applies it.
+    assert pipe.step(False, ()) == ["a"]
+    assert engine.log == [("advance", "b", True), ("launch", "c"), ("build", "a"), ("apply", "b", True)]
     assert pipe.overlapped_steps == 2
+
+
+def test_outputs_go_to_emit_before_the_wait_for_the_step_in_flight():
+    engine = _Engine(_step("a"), _step("b"), _step("c"))
+    pipe = _pipeline(engine)
+    emitted = []
+    pipe.step(False, (), emit=emitted.append)
+    engine.log.clear()
+    assert pipe.step(False, (), emit=lambda outs: emitted.append((outs, list(engine.log)))) == []
+    assert emitted == [(["a"], [("advance", "b", True), ("launch", "c"), ("build", "a")])]
+    assert engine.log[-1] == ("apply", "b", True)
 
 
 def test_a_step_that_does_not_overlap_is_processed_alone():
@@ -82,15 +98,30 @@ def test_a_step_that_does_not_overlap_is_processed_alone():
         use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=4)
     pipe = _pipeline(engine)
     assert pipe.step(False, ()) == ["beam"]
-    assert engine.log == [("launch", "beam"), ("process", "beam", False)]
+    assert engine.log == [("launch", "beam"), ("apply", "beam", False), ("build", "beam")]
     assert pipe.inflight is None and pipe.overlapped_steps == 0
+
+
+def test_outputs_left_to_build_come_first_from_a_step_that_does_not_overlap():
+    beam = _step("beam")
+    beam.sched.scheduled[0].group.sampling_params = SamplingParams(
+        use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=4)
+    engine = _Engine(_step("a"), _step("b"), beam)
+    pipe = _pipeline(engine)
+    pipe.step(False, ())  # a applied, b in flight
+    pipe.inflight.sched.scheduled[0].group.sampling_params = beam.sched.scheduled[0].group.sampling_params
+    assert pipe.has_live_step()
+    engine.log.clear()
+    assert pipe.step(False, ()) == ["a", "b"]
+    assert engine.log == [("build", "a"), ("apply", "b", False), ("build", "b")]
+    assert not pipe.has_live_step()
 
 
 def test_a_successor_with_nothing_to_run_is_processed_at_once():
     engine = _Engine(_step("a"), InFlight(SchedulerOutput(), 0.0))
     pipe = _pipeline(engine)
     assert pipe.step(False, ()) == ["a", "empty"]
-    assert engine.log[-2:] == [("process", "a", True), ("process", "empty", False)]
+    assert engine.log[-4:] == [("apply", "a", True), ("build", "a"), ("apply", "empty", False), ("build", "empty")]
     assert pipe.inflight is None
 
 
@@ -108,11 +139,11 @@ def test_a_step_in_flight_whose_sequences_ended_is_processed_and_replaced():
     pipe = _pipeline(engine)
     pipe.step(False, ())
     pipe.inflight.sched.scheduled[0].seq.status = SequenceStatus.FINISHED_ABORTED
-    assert not pipe.has_live_step()
+    assert pipe.has_live_step()  # a's outputs are still to build
     engine.log.clear()
-    assert pipe.step(False, ()) == ["c"]
-    assert engine.log == [("process", "b", False), ("launch", "c"), ("advance", "c", True), ("launch", "d"),
-                          ("process", "c", True)]
+    assert pipe.step(False, ()) == ["a"]
+    assert engine.log == [("apply", "b", False), ("launch", "c"), ("advance", "c", True), ("launch", "d"),
+                          ("build", "a"), ("apply", "c", True)]
 
 
 def test_masks_follow_once_the_step_before_is_processed():
@@ -132,7 +163,7 @@ def test_masks_follow_once_the_step_before_is_processed():
     engine = _Engine(first, follow)
     pipe = _pipeline(engine, masks_follow=True)
     pipe.step(False, ())
-    assert engine.log[-2:] == [("process", "s0", True), ("fill", 1)]
+    assert engine.log[-2:] == [("apply", "s0", True), ("fill", 1)]
     assert attached == [[seq.seq_id]] and pipe.inflight is follow
 
 

@@ -87,7 +87,7 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def step(self, unread=()) -> list[RequestOutput]:
+    def step(self, unread=(), emit=None) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
         time.sleep(self.step_delay)
         self.steps += 1

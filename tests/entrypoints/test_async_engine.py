@@ -160,7 +160,7 @@ class DyingEngine(FakeEngine):
         super().add_request(request_id, *args, **kw)
         self.added.append(request_id)
 
-    def step(self, unread=()):
+    def step(self, unread=(), emit=None):
         if self.die_at is not None and self.steps >= self.die_at:
             from streamkv.executor.multiproc import WorkerError
 

@@ -19,7 +19,7 @@ HANG = 666  # a prompt holding this token makes the fake's step spin forever, in
 
 
 class SpinningEngine(FakeEngine):
-    def step(self, unread=()):
+    def step(self, unread=(), emit=None):
         if any(HANG in r["ids"] for r in self.requests.values()):
             while True:  # what top_p=1e-46 did to the sampler's rounds
                 pass
@@ -30,7 +30,7 @@ class NativeHang(FakeEngine):
     """A step stuck where no exception can reach it (a long native call): modelled by a
     sleep that ignores the watchdog's interrupt."""
 
-    def step(self, unread=()):
+    def step(self, unread=(), emit=None):
         if any(HANG in r["ids"] for r in self.requests.values()):
             while True:
                 try:
@@ -115,7 +115,7 @@ class WaitingEngine(FakeEngine):
         super().__init__(**kw)
         self.wait_s = wait_s
 
-    def step(self, unread=()):
+    def step(self, unread=(), emit=None):
         if self.wait_s:
             time.sleep(self.wait_s)
             self.wait_s = 0.0
