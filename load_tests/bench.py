@@ -25,7 +25,7 @@ import platform
 import sys
 from dataclasses import asdict
 
-from load_tests import kv
+from load_tests import capacity, kv
 from load_tests.arrivals import arrival_times, parse_rates
 from load_tests.metrics import parse_slo, summarize
 from load_tests.report import format_summary, plot_latency
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add this sweep's points to --json-out's (same system and workload): extend a sweep")
     o.add_argument("--plot", default=None, help="write a latency-vs-rate PNG here")
     o.add_argument("--disable-tqdm", action="store_true")
+    o.add_argument("--point-dir", default=None, metavar="DIR",
+                   help="also one JSON per rate point here, with its capacity figures (load_tests/capacity.py)")
+    o.add_argument("--figure", default="", help="the paper's figure a --point-dir point is for (recorded in it)")
+    o.add_argument("--record-steps", type=int, default=0, metavar="N",
+                   help="offline: keep a uniform sample of N steps' times and work per point, for "
+                        "load_tests/fit_steps.py (0: off)")
     e = p.add_argument_group("offline engine (--backend offline)")
     e.add_argument("--model", default=None, help="model for the offline engine (default: embedded)")
     e.add_argument("--simulate", action="store_true",
@@ -84,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated swap: us per block moved (each way; one transfer per block)")
     e.add_argument("--sim-swap-token-us", type=float, default=32.8,
                    help="simulated swap: us per token slot moved (each way; 800 KiB at ~25 GB/s)")
+    e.add_argument("--sim-block-us", type=float, default=0.0,
+                   help="simulated step: us per KV block the contexts span (the kernel's per-block cost)")
     e.add_argument("--orca-allocator", choices=["first-fit", "buddy"], default="first-fit",
                    help="where an orca-* baseline's runs go: the engine's first-fit slot space, or the buddy "
                         "allocator the paper assumes for Orca (load_tests/buddy.py; a what-if)")
@@ -134,7 +142,7 @@ def make_engine(args: argparse.Namespace):
         raise SystemExit("error: --simulate needs --num-kv-blocks (there is no device to size the pool from)")
     clock = VirtualClock()
     cost = StepCost(args.sim_base_ms, args.sim_token_ms, args.sim_kv_us, args.sim_swap_block_us,
-                    args.sim_swap_token_us, args.block_size)
+                    args.sim_swap_token_us, args.block_size, args.sim_block_us)
     executor = SimulatedExecutor(args.model, args.num_kv_blocks, args.num_swap_blocks or 0, cost, clock,
                                  args.workload_seed)
     return _with_allocator(build_engine(config, executor), args), clock, executor
@@ -164,8 +172,9 @@ def reserve_common_prefix(engine, requests: list[BenchRequest]) -> dict:
     return {"tokens": n, "blocks": prefix.num_blocks}
 
 
-def run_point(args, requests, rate: float, target) -> dict:
-    """One rate point: arrivals, the run, its summary and the engine's KV figures."""
+def run_point(args, requests, rate: float, target, recorder=None) -> dict:
+    """One rate point: arrivals, the run, its summary, its capacity figures, the engine's KV
+    figures and (``recorder``, offline) a sample of its steps."""
     from tqdm import tqdm
 
     arrivals = arrival_times(len(requests), rate, args.burstiness, seed=args.workload_seed)
@@ -180,8 +189,11 @@ def run_point(args, requests, rate: float, target) -> dict:
         engine, clock, sim = target
         before = kv.snapshot_from_stats(engine.stats())
         busy0 = (sim.busy_seconds, sim.seq_seconds) if sim else None
+        if recorder is not None:
+            recorder.reset()
         records, duration = run_offline(engine, requests, arrivals, args.max_duration, done, clock,
-                                        lambda: arrived.append(kv.snapshot_from_stats(engine.stats())))
+                                        lambda: arrived.append(kv.snapshot_from_stats(engine.stats())),
+                                        recorder.stepped if recorder is not None else None)
         after = kv.snapshot_from_stats(engine.stats())
     else:
         before = scrape(args.url)
@@ -198,8 +210,11 @@ def run_point(args, requests, rate: float, target) -> dict:
         busy, weighted = sim.busy_seconds - busy0[0], sim.seq_seconds - busy0[1]
         # Sequences, weighted by step time (the simulated clock); = requests without n / beams.
         window["time_avg_batched_seqs"] = weighted / busy if busy else None
-    return {"request_rate": rate, "burstiness": args.burstiness, "summary": summary,
-            "kv": window, "label": args.label}
+    run = {"request_rate": rate, "burstiness": args.burstiness, "summary": summary,
+           "capacity": capacity.figures(records), "kv": window, "label": args.label}
+    if recorder is not None:
+        run["steps"] = recorder.as_dict()
+    return run
 
 
 async def _serve(args, tokenizer, requests, arrivals, done):
@@ -267,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(requests)} {args.workload} requests to {args.save_workload}")
         return 0
     target = make_engine(args) if args.backend == "offline" else tokenizer
+    recorder = None
+    if args.record_steps > 0 and args.backend == "offline":
+        from load_tests.steps import StepRecorder
+
+        recorder = StepRecorder(target[0].info().block_size, args.record_steps, args.workload_seed)
+        recorder.attach(target[0].executor)
     if args.reserve_shared_prefix:
         if args.backend != "offline":
             raise SystemExit("error: --reserve-shared-prefix registers on the offline engine: a server takes "
@@ -285,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"] = [r for r in old["runs"] if r["request_rate"] not in rates]
     try:
         for rate in rates:
-            run = run_point(args, requests, rate, target)
+            run = run_point(args, requests, rate, target, recorder)
             result["runs"].append(run)
+            if args.point_dir:
+                print(f"wrote {capacity.write_point(args.point_dir, capacity.point(result, run, args, args.figure))}")
             result["runs"].sort(key=lambda r: r["request_rate"])
             print(format_summary(run), flush=True)
             _write(args.json_out, result)  # after every point: a long sweep keeps what it measured

@@ -23,12 +23,14 @@ def sampling_params(req: BenchRequest) -> SamplingParams:
 def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max_duration: float,
                 on_done: Callable[[RequestRecord], None] = lambda r: None,
                 virtual: VirtualClock | None = None,
-                on_all_arrived: Callable[[], None] = lambda: None) -> tuple[list[RequestRecord], float]:
+                on_all_arrived: Callable[[], None] = lambda: None,
+                on_step: Callable[[float], None] | None = None) -> tuple[list[RequestRecord], float]:
     """The open loop of runner.run_open_loop with the engine stepped in this thread: a request
     due during a step is added right after it (its latency still counts from its arrival).
     With a ``virtual`` clock (sim.py: the executor advances it) waiting advances it too.
     ``on_all_arrived`` runs once, right after the last request is added (the end of the
-    window in which the load is offered; what follows is the queue draining)."""
+    window in which the load is offered; what follows is the queue draining). ``on_step``
+    gets each engine.step() call's time on the run's clock (load_tests/steps.py)."""
     if virtual is None:
         t0 = time.perf_counter()
         base = time.monotonic()
@@ -70,8 +72,11 @@ def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max
             if nxt == len(todo):
                 on_all_arrived()
         if engine.has_unfinished_requests():
+            t_step = clock()
             outputs = engine.step()
             t = clock()
+            if on_step is not None:
+                on_step(t - t_step)
             for out in outputs:
                 rec = active.get(out.request_id)
                 if rec is None:

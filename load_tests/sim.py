@@ -7,12 +7,14 @@ the model's time is modelled, as a GPU serving a 13B model spends it (memory-bou
 a step costs about the same whether it carries 1 or 100 sequences):
 
     step = base_ms + per_token_ms * (tokens computed) + per_kv_token_us * (context tokens read)
+           + per_block_us * (KV blocks those contexts span)
 
 Defaults, from first principles for OPT-13B in fp16 on an A100-40GB (the paper's setup):
 reading 26 GB of weights at ~1.5 TB/s is ~17 ms (base 20 ms with the rest of a step);
 a prompt token costs 2 x 13e9 FLOP, ~0.08 ms at ~300 TFLOP/s; attention reads 800 KB of
-K/V per context token (40 layers x 5120 x 2 x 2 bytes), ~0.55 us at 1.5 TB/s. Replace them
-with measured figures (the H200 point in docs/paper.md) for a closer curve.
+K/V per context token (40 layers x 5120 x 2 x 2 bytes), ~0.55 us at 1.5 TB/s; no per-block
+term. None of them is calibrated: load_tests/fit_steps.py fits them to the step records of
+measured runs (docs/paper.md, "Next GPU run").
 
 A step advances the virtual clock by its modelled time and costs only the engine's own CPU
 work, so a sweep of thousands of requests runs in seconds of CPU on a shared 2-core box.
@@ -37,13 +39,22 @@ class StepCost:
     swap_block_us: float = 10.0
     swap_token_us: float = 32.8
     block_size: int = 16
+    # The decode kernel's cost per KV block a step's contexts span (a block-id lookup and a
+    # scattered read each): what makes small blocks slow in the paper's Fig 18a. 0 until
+    # benchmarks/bench_block_size.py's sweep measures it (load_tests/fit_steps.py).
+    per_block_us: float = 0.0
 
     def seconds(self, step: StepInput) -> float:
-        computed = sum(len(s.token_ids) for s in step.seqs)
-        context = sum(s.start_pos + len(s.token_ids) for s in step.seqs)
+        computed = context = blocks = 0
+        for s in step.seqs:
+            n = s.start_pos + len(s.token_ids)
+            computed += len(s.token_ids)
+            context += n
+            blocks += -(-n // self.block_size)
         moved = len(step.swap_in) + len(step.swap_out)
         swap_us = moved * (self.swap_block_us + self.block_size * self.swap_token_us)
-        return (self.base_ms + self.per_token_ms * computed) / 1e3 + (self.per_kv_token_us * context + swap_us) / 1e6
+        kv_us = self.per_kv_token_us * context + self.per_block_us * blocks
+        return (self.base_ms + self.per_token_ms * computed) / 1e3 + (kv_us + swap_us) / 1e6
 
 
 class VirtualClock:

@@ -1,0 +1,132 @@
+"""Fit the simulator's StepCost (load_tests/sim.py) to measured steps: the step records the
+load harness keeps with ``--record-steps`` (load_tests/steps.py), from capacity points or
+sweeps. Least squares of
+
+    seconds = base_ms / 1e3 + per_token_ms * computed / 1e3
+              + per_kv_token_us * context / 1e6 + per_block_us * blocks / 1e6
+
+over every recorded step without swaps, refitted once without the steps whose residual is
+more than 5x the median (a compile, a stall of the host). At one block size the blocks a
+step touches are about context / block_size + seqs / 2, so their term cannot be told apart
+from the context term: it is fixed (``--block-us``, from benchmarks/bench_block_size.py's
+kernel sweep; default 0) unless ``--fit-blocks`` asks for it (records at several block
+sizes).
+
+    python -m load_tests.fit_steps docs/paper/h200/*.json [--block-us 0.4] [--json-out FIT.json]
+
+Prints the constants, the fit's error (RMS and median relative error per step, R^2) per
+file and pooled, and the ``load_tests.bench --sim-*`` flags that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from load_tests.steps import StepRecord, records_from_dict
+
+OUTLIER_FACTOR = 5.0
+
+
+@dataclass(slots=True)
+class StepFit:
+    base_ms: float
+    per_token_ms: float
+    per_kv_token_us: float
+    per_block_us: float
+    steps: int  # steps fitted
+    dropped: int  # outliers left out of the refit
+    rms_rel_err: float  # of the fitted steps' predicted times
+    median_rel_err: float
+    r2: float
+
+    def predict(self, computed: np.ndarray, context: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        return (self.base_ms + self.per_token_ms * computed) / 1e3 + (
+            self.per_kv_token_us * context + self.per_block_us * blocks) / 1e6
+
+    def flags(self) -> list[str]:
+        return ["--sim-base-ms", f"{self.base_ms:.4g}", "--sim-token-ms", f"{self.per_token_ms:.4g}",
+                "--sim-kv-us", f"{self.per_kv_token_us:.4g}", "--sim-block-us", f"{self.per_block_us:.4g}"]
+
+
+def _columns(records: list[StepRecord]) -> tuple[np.ndarray, ...]:
+    a = np.array([(r.seconds, r.computed, r.context, r.blocks) for r in records if not r.swapped and r.seqs],
+                 dtype=float).reshape(-1, 4)
+    return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+
+
+def fit_step_cost(records: list[StepRecord], block_us: float = 0.0, fit_blocks: bool = False) -> StepFit:
+    """``block_us``: the per-block cost to hold fixed (ignored with ``fit_blocks``)."""
+    y, computed, context, blocks = _columns(records)
+    n_terms = 4 if fit_blocks else 3
+    if len(y) < 2 * n_terms:
+        raise ValueError(f"{len(y)} steps without swaps: too few to fit {n_terms} constants")
+    # Columns in the constants' units: ms, ms per token, us per context token, us per block.
+    x = np.column_stack([np.full_like(y, 1e-3), computed * 1e-3, context * 1e-6, blocks * 1e-6])
+    target = y if fit_blocks else y - block_us * blocks * 1e-6
+    x = x[:, :n_terms]
+    coef, *_ = np.linalg.lstsq(x, target, rcond=None)
+    resid = np.abs(target - x @ coef)
+    keep = resid <= OUTLIER_FACTOR * max(float(np.median(resid)), 1e-12)
+    coef, *_ = np.linalg.lstsq(x[keep], target[keep], rcond=None)
+    per_block = float(coef[3]) if fit_blocks else block_us
+    fit = StepFit(float(coef[0]), float(coef[1]), float(coef[2]), per_block, int(keep.sum()), int((~keep).sum()),
+                  0.0, 0.0, 0.0)
+    fit.rms_rel_err, fit.median_rel_err, fit.r2 = errors(fit, y[keep], computed[keep], context[keep], blocks[keep])
+    return fit
+
+
+def errors(fit: StepFit, y, computed, context, blocks) -> tuple[float, float, float]:
+    """(RMS relative error, median relative error, R^2) of ``fit`` on these steps."""
+    pred = fit.predict(computed, context, blocks)
+    rel = (pred - y) / np.maximum(y, 1e-12)
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((pred - y) ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")
+    return float(np.sqrt((rel**2).mean())), float(np.median(np.abs(rel))), r2
+
+
+def load_records(path: str) -> list[StepRecord]:
+    """Step records of a capacity point (``steps`` at the top) or of a sweep (per run)."""
+    with open(path) as f:
+        d = json.load(f)
+    blocks = [d["steps"]] if "steps" in d else [r["steps"] for r in d.get("runs", []) if r.get("steps")]
+    return [rec for b in blocks for rec in records_from_dict(b)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m load_tests.fit_steps", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", help="capacity-point or sweep JSON with step records")
+    p.add_argument("--block-us", type=float, default=0.0, help="per-block cost held fixed (us per block touched)")
+    p.add_argument("--fit-blocks", action="store_true", help="fit the per-block term too (several block sizes)")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    per_file = {path: load_records(path) for path in args.files}
+    pooled = [r for recs in per_file.values() for r in recs]
+    try:
+        fit = fit_step_cost(pooled, args.block_us, args.fit_blocks)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"{'file':<48}{'steps':>7}{'mean ms':>9}{'rms err':>9}{'median err':>11}")
+    for path, recs in per_file.items():
+        y, c, x, b = _columns(recs)
+        if len(y):
+            rms, med, _ = errors(fit, y, c, x, b)
+            print(f"{path[-48:]:<48}{len(y):>7}{y.mean() * 1e3:>9.2f}{rms:>9.1%}{med:>11.1%}")
+    print(f"\npooled: {fit.steps} steps ({fit.dropped} outliers dropped), RMS relative error "
+          f"{fit.rms_rel_err:.1%}, median {fit.median_rel_err:.1%}, R^2 {fit.r2:.3f}")
+    print(f"step = {fit.base_ms:.3f} ms + {fit.per_token_ms:.4f} ms x computed + {fit.per_kv_token_us:.4f} us x context"
+          f" + {fit.per_block_us:.4f} us x blocks{'' if args.fit_blocks else ' (fixed)'}")
+    print("load_tests.bench flags: " + " ".join(fit.flags()))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"fit": asdict(fit), "files": args.files, "block_us_fixed": not args.fit_blocks}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
