@@ -223,6 +223,49 @@ if [[ " $PARTS " == *" serve "* ]]; then
     --server-tree bench_inputs/before25 --engine-args "$E8B_ABS" --json-out "$OUT/before_poisson.json"
 fi
 
+# The paper's evaluation on the H200 (issue 30; docs/paper.md, "Next GPU run"): Fig 18a's
+# kernel sweep and the capacity points, OPT-13B's shape on an A100-40GB's KV pool, one JSON a
+# point under $OUT/h200/ (load_tests/capacity_point.sh). PAPER_GROUPS picks the groups, each
+# one device call of under 10 minutes. Beside each step: its estimated device seconds (the
+# simulated run's length x 0.385, the session-5 H200 points' ratio, + ~30 s of engine start)
+# and capacity; its limit is the point's MAX_DURATION + 60 s, so a slow point is cut, not lost.
+#     PARTS=paper PAPER_GROUPS=a OUT=$OUT bash benchmarks/gpu_checks.sh   # then b, then c
+# Carry bench_inputs (sharegpt-1000.json, alpaca-3000.json: load_tests/capacity_point.sh
+# says how they are made) and .whl.
+if [[ " $PARTS " == *" paper "* ]]; then
+  PG=" ${PAPER_GROUPS:-a b c} "
+  cap() {  # cap STEP_NAME SYSTEM WORKLOAD RATE NUM_REQUESTS MAX_DURATION
+    step "$1" $(($6 + 60)) env OUT="$OUT" bash load_tests/capacity_point.sh "${@:2}"
+  }
+  mkdir -p "$OUT/h200"
+  if [[ $PG == *" a "* ]]; then  # ~370 s
+    # Fig 18a: the decode kernel at block sizes 1-256 against SDPA on contiguous K/V (~60 s).
+    step kernel_block_size 120 python3 benchmarks/bench_block_size.py --json-out "$OUT/h200/kernel-block-size.json"
+    cap cap_sharegpt_paged paged sharegpt 20 1000 150              # ~130 s, ~10.7 req/s
+    cap cap_sharegpt_orca_oracle orca-oracle sharegpt 12 1000 200  # ~180 s, ~7.2 req/s
+  fi
+  if [[ $PG == *" b "* ]]; then  # ~420 s
+    cap cap_sharegpt_orca_pow2 orca-pow2 sharegpt 9 1000 220       # ~215 s, ~5.7 req/s
+    cap cap_sharegpt_orca_max orca-max sharegpt 5 300 160           # ~150 s, ~2.7 req/s
+    cap cap_alpaca_paged paged alpaca 400 3000 60                   # ~55 s, ~170 req/s
+  fi
+  if [[ $PG == *" c "* ]]; then  # ~430 s
+    cap cap_sharegpt_ft_max ft-max sharegpt 3 300 280               # ~270 s, ~1.3 req/s
+    cap cap_alpaca_orca_oracle orca-oracle alpaca 200 3000 70       # ~60 s, ~120 req/s
+    # Fig 18b end to end, the small end first (the same 15,728 slots): ~100 s.
+    BLOCK_SIZE=1 FIGURE=18b cap cap_sharegpt_paged_b1 paged sharegpt 20 600 90
+  fi
+  if [[ $PG == *" knee "* ]]; then  # ~410 s: below capacity, the knee's cross-check
+    cap knee_sharegpt_paged paged sharegpt 8 1000 150              # ~165 s
+    cap knee_sharegpt_orca_oracle orca-oracle sharegpt 5 1000 230  # ~245 s
+  fi
+  if [[ $PG == *" blocks "* ]]; then  # ~400 s: Fig 18b end to end at more block sizes
+    for b in ${PAPER_BLOCKS:-256 4 64 128}; do
+      BLOCK_SIZE=$b FIGURE=18b cap cap_sharegpt_paged_b$b paged sharegpt 20 600 90
+    done
+  fi
+fi
+
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   step tp_tests 90 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/executor
   step tp2_bf16 120 python3 benchmarks/bench_throughput.py --compare-executors \
