@@ -52,11 +52,12 @@ def make_set(batch: int, ctx: int, block: int, heads: int, head: int, dtype, dev
     per_seq = -(-ctx // block)
     num_blocks = 2 * batch * per_seq
     shape = (num_blocks, heads, block, head)
-    k = torch.randn(shape, generator=gen, dtype=torch.float32).to(device, dtype)
-    v = torch.randn(shape, generator=gen, dtype=torch.float32).to(device, dtype)
-    perm = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].to(torch.int32)
-    tables = perm.view(batch, per_seq).to(device)
-    q = torch.randn((batch, heads, head), generator=gen, dtype=torch.float32).to(device, dtype)
+    # Drawn on the device: a row's pools are up to ~0.5 GB, too slow to draw on the host.
+    k = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=device)[: batch * per_seq].to(torch.int32)
+    tables = perm.view(batch, per_seq)
+    q = torch.randn((batch, heads, head), generator=gen, device=device, dtype=dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     kc = ops.gather_kv(k, tables, per_seq)[:, :, :ctx].contiguous()
     vc = ops.gather_kv(v, tables, per_seq)[:, :, :ctx].contiguous()
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = parse_ints(args.block_sizes)
     if cuda and (bad := [b for b in blocks if b not in BLOCK_SIZES]):
         raise SystemExit(f"error: the CUDA decode kernel serves block sizes {BLOCK_SIZES}, not {bad}")
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     name = torch.cuda.get_device_name(device) if cuda else f"cpu ({os.cpu_count()} cores)"
     paged_impl = "CUDA kernel (kernels_cu/paged_attention.cu)" if cuda else "torch reference (ops.py)"
     print(f"{name}: paged = {paged_impl}; contiguous = torch SDPA; {args.heads} heads x {args.head_size}, {dtype}")
