@@ -192,9 +192,6 @@ if [[ " $PARTS " == *" serve "* ]]; then
   # The same with py-spy attached (`--nonblocking`: it samples without stopping the server).
   step serve_burst_spy 120 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
     --py-spy "$OUT/pyspy_burst" --json-out "$OUT/serve_burst_spy.json"
-  # The engine core in a process of its own (--engine-process; the default is the engine thread).
-  step serve_burst_process 120 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
-    --server-args=--engine-process --json-out "$OUT/serve_burst_process.json"
   # The event loop: uvloop writes each SSE event holding the GIL; asyncio's socket send lets
   # it go for the system call, so the engine thread can run meanwhile.
   for l in ${LOOPS:-asyncio uvloop}; do

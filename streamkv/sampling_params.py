@@ -46,7 +46,7 @@ class InvalidParameter(ValueError):
         self.param = param
         self.code = code
 
-    def __reduce__(self):  # pickled whole: the engine's verdicts cross to the server's process
+    def __reduce__(self):  # copy and pickle: Exception's own rebuilds it from the message alone
         return type(self), (self.param, str(self), self.code)
 
 

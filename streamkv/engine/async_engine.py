@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from streamkv.engine.engine_commands import EngineCommands, Submission
-from streamkv.engine.engine_process import EngineProcess, EngineSpec, RemoteCommands, RunSettings
 from streamkv.engine.engine_thread import EngineThread, LoopSide
 from streamkv.engine.llm_engine import EngineInfo, LLMEngine
 from streamkv.engine.recovery import EngineRestartedError, RestartBudget
@@ -46,16 +45,15 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "EngineNotReadyError"
 
 
 class AsyncEngine:
-    """``build``: a function that builds the engine on a thread of this process, or an
-    ``EngineSpec`` to build and run it in a process of its own (engine/engine_process.py)."""
+    """``build``: a function that builds the engine, called on the engine thread."""
 
-    def __init__(self, build: Callable[[], LLMEngine] | EngineSpec, stats_interval: float = 0.25,
+    def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.25,
                  restarts: RestartBudget | None = None, log_stats_interval: float | None = None,
                  log_requests: bool = False, step_timeout_s: float = STEP_TIMEOUT_S,
                  stop_timeout_s: float = 10.0) -> None:
         self._log_requests = log_requests  # one line per request (engine/serving_logs.py)
         self.observers: list[Observer] = []
-        self._commands = RemoteCommands() if isinstance(build, EngineSpec) else EngineCommands()
+        self._commands = EngineCommands()
         self._book = RequestBook(self._commands, self.observers)
         # Tokenization and chat templates run there, never on the event loop.
         self._tokenizer_lanes = TokenizerLanes()
@@ -65,15 +63,10 @@ class AsyncEngine:
         # Worker processes that die are restarted (a new engine from ``build``) and the
         # running requests resume by recompute (engine/recovery.py), within the restart
         # budget. The operator's log: a stats line every log_stats_interval seconds (None: none).
-        if isinstance(build, EngineSpec):  # the same run settings, applied in the child
-            self._thread: EngineThread | EngineProcess = EngineProcess(
-                build, self._commands, side, self._tokenizer_lanes,
-                RunSettings(restarts or RestartBudget(), stats_interval, log_stats_interval, step_timeout_s))
-        else:
-            self._thread = EngineThread(build, self._commands, side, self._tokenizer_lanes,
-                                        restarts or RestartBudget(), stats_interval,
-                                        StatsLogger(log_stats_interval) if log_stats_interval is not None else None,
-                                        step_timeout_s)
+        self._thread = EngineThread(build, self._commands, side, self._tokenizer_lanes,
+                                    restarts or RestartBudget(), stats_interval,
+                                    StatsLogger(log_stats_interval) if log_stats_interval is not None else None,
+                                    step_timeout_s)
         self._stop_timeout_s = stop_timeout_s  # stop() waits no longer for a stuck engine thread
         self._stalled: str | None = None  # why, while the watchdog sees a step past its limit
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -237,11 +230,9 @@ class AsyncEngine:
 
     async def run_on_engine(self, fn: Callable[[LLMEngine], T], timeout: float) -> T:
         """``fn(engine)`` where the engine runs, between two steps (at once when idle): where
-        engine state can be read safely. Keep it short, the next step waits. ``fn`` must be
-        picklable (a module-level function, or a ``functools.partial`` of one): with the
-        engine in its own process it travels there. Its exception is raised here; a call the
-        engine does not answer within ``timeout`` s (dead, or in a long step) raises
-        TimeoutError."""
+        engine state can be read safely. Keep it short, the next step waits. Its exception is
+        raised here; a call the engine does not answer within ``timeout`` s (dead, or in a
+        long step) raises TimeoutError."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -249,17 +240,14 @@ class AsyncEngine:
             if not done.done():
                 done.set_exception(error) if error is not None else done.set_result(result)
 
-        if isinstance(self._thread, EngineProcess):
-            self._thread.run(fn, settle)
-        else:
-            def call(engine: LLMEngine) -> None:
-                try:
-                    result, error = fn(engine), None
-                except Exception as e:  # noqa: BLE001 - handed back to the caller
-                    result, error = None, e
-                loop.call_soon_threadsafe(settle, result, error)
+        def call(engine: LLMEngine) -> None:
+            try:
+                result, error = fn(engine), None
+            except Exception as e:  # noqa: BLE001 - handed back to the caller
+                result, error = None, e
+            loop.call_soon_threadsafe(settle, result, error)
 
-            self._commands.call(call)
+        self._commands.call(call)
         return await asyncio.wait_for(done, timeout)
 
     # -- what the engine thread tells the loop (called on the loop) -------------------------

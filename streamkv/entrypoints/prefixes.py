@@ -107,8 +107,7 @@ class PrefixAdmin:
         return JSONResponse({"id": prefix_id, "object": "reserved_prefix", "deleted": True})
 
 
-# What the routes run where the engine runs (module-level: with the engine in a process of
-# its own they travel there, pickled).
+# What the routes run where the engine runs, between two steps (AsyncEngine.run_on_engine).
 def describe_prefix(engine: LLMEngine, prefix_id: str) -> dict:
     registry = reserved_prefixes(engine)
     prefix = registry.prefixes.get(prefix_id)

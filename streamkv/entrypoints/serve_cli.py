@@ -50,11 +50,6 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="path prefix when behind a proxy that routes a path to this server (e.g. /llm)")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
-    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the engine core (scheduler, step building, output processing) in a process "
-                        "of its own, apart from the HTTP server's event loop, as vLLM v1 does. Off by "
-                        "default: its outputs cross whole, and on an H200 burst it served less than the "
-                        "engine thread (docs/benchmarks.md \"Serving\")")
     s.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="the event loop. asyncio by default: uvloop writes each SSE event holding the "
                         "GIL that the engine thread needs, and served 7%% less under a burst on an H200 "
@@ -143,7 +138,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from streamkv.engine.async_engine import AsyncEngine
-    from streamkv.engine.engine_process import EngineSpec
     from streamkv.engine.recovery import RestartBudget
     from streamkv.entrypoints.args import engine_kwargs
     from streamkv.entrypoints.cli_common import load_chat_template, set_chat_template
@@ -179,8 +173,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             set_chat_template(engine.tokenizer, template)  # again after a worker restart
         return engine
 
-    if args.engine_process:
-        build = EngineSpec(config, template, log_level=logging.getLogger().level)
     engine = AsyncEngine(build, restarts=RestartBudget(limit=args.max_worker_restarts),
                          log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                          log_requests=args.enable_log_requests, step_timeout_s=args.engine_step_timeout)

@@ -11,7 +11,6 @@ import pytest
 from starlette.testclient import TestClient
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.engine.engine_process import EngineSpec
 from streamkv.entrypoints.llm import build_engine, engine_config
 from streamkv.entrypoints.security import HostPolicy
 from streamkv.entrypoints.server import ServerConfig, build_app
@@ -21,13 +20,11 @@ pytestmark = pytest.mark.slow  # the embedded model behind a real app: tens of s
 SYSTEM = "You are a helpful assistant who answers in one short sentence, politely and plainly.\n" * 2
 
 
-@pytest.fixture(scope="module", params=["thread", "process"])
-def client(request):
-    """The engine on a thread of the server, or in a process of its own (the calls travel
-    there pickled: engine/engine_process.py)."""
+@pytest.fixture(scope="module")
+def client():
     config = engine_config(None, device="cpu", block_size=16, num_kv_blocks=96, num_swap_blocks=0,
                            max_model_len=512)
-    engine = AsyncEngine(EngineSpec(config) if request.param == "process" else lambda: build_engine(config))
+    engine = AsyncEngine(lambda: build_engine(config))
     app = build_app(engine, ServerConfig(model_name="m", hosts=HostPolicy.build("testserver"), web_dir=None))
     with TestClient(app) as c:
         for _ in range(1200):

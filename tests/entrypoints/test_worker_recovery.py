@@ -30,16 +30,16 @@ def server():
 
 
 def worker_pids(pid: int) -> list[int]:
-    """The rank processes under ``pid``: its children, or with --engine-process its
-    grandchildren (the engine process starts them)."""
-    ranks, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in os.listdir(f"/proc/{parent}/task"):
-            with open(f"/proc/{parent}/task/{task}/children") as f:
-                for p in map(int, f.read().split()):
-                    with open(f"/proc/{p}/cmdline", "rb") as c:
-                        (ranks if b"streamkv.executor.rank" in c.read() else todo).append(p)
+    """The rank processes among ``pid``'s children."""
+    pids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    ranks = []
+    for p in pids:
+        with open(f"/proc/{p}/cmdline", "rb") as f:
+            if b"streamkv.executor.rank" in f.read():
+                ranks.append(p)
     return ranks
 
 
