@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Callable
 
 _TOKEN = re.compile(r"""
     (?P<skip>[ \t\r\f]+|(?://|\#)[^\n]*)
@@ -137,14 +138,8 @@ def _expression(tokens: list[tuple[str, str, int]], names: dict[str, str]) -> st
                 raise LarkError(f"line {line_no}: {text!r} is not defined")
             out.append(names[text])
         elif kind == "string":
-            if i + 1 < len(tokens) and tokens[i][1] == ".." and tokens[i + 1][0] == "string":
-                low, high = _string(text, line_no), _string(tokens[i + 1][1], line_no)
-                if len(low) != 1 or len(high) != 1:
-                    raise LarkError(f"line {line_no}: a range joins two one-character strings")
-                out.append(f"[{_class_char(low)}-{_class_char(high)}]")
-                i += 2
-            else:
-                out.append(_literal(text, line_no))
+            i, item = _string_or_range(tokens, i, text, line_no)
+            out.append(item)
         elif kind == "regex":
             out.append(regex_to_ebnf(text, line_no))
         elif text == "->":  # an alias names the tree node: no part of the language
@@ -176,6 +171,17 @@ def _expression(tokens: list[tuple[str, str, int]], names: dict[str, str]) -> st
     if empty:
         out.append('""')
     return " ".join(out)
+
+
+def _string_or_range(tokens: list[tuple[str, str, int]], i: int, text: str,
+                     line_no: int) -> tuple[int, str]:
+    """The string ``text`` (just before ``tokens[i]``), or the ``"a".."z"`` range it opens."""
+    if i + 1 < len(tokens) and tokens[i][1] == ".." and tokens[i + 1][0] == "string":
+        low, high = _string(text, line_no), _string(tokens[i + 1][1], line_no)
+        if len(low) != 1 or len(high) != 1:
+            raise LarkError(f"line {line_no}: a range joins two one-character strings")
+        return i + 2, f"[{_class_char(low)}-{_class_char(high)}]"
+    return i, _literal(text, line_no)
 
 
 def _repeat(tokens: list[tuple[str, str, int]], i: int, line_no: int) -> tuple[int, str]:
@@ -228,73 +234,89 @@ def regex_to_ebnf(token: str, line_no: int = 1) -> str:
 
     while i < len(body):
         c = body[i]
-        i += 1
-        if c == "\\":
-            if i >= len(body):
-                raise fail("ends with a lone backslash")
-            e = body[i]
-            i += 1
-            if e.lower() in _CLASSES:
-                out.append(f"[{'^' if e.isupper() else ''}{_CLASSES[e.lower()]}]")
-            elif e in "xu":
-                width = 2 if e == "x" else 4
-                try:
-                    out.append(json.dumps(chr(int(body[i:i + width], 16)), ensure_ascii=False))
-                except ValueError:
-                    raise fail(f"has a bad \\{e} escape") from None
-                i += width
-            elif e in _ESCAPES:
-                out.append(json.dumps(_ESCAPES[e]))
-            elif e.isalnum():
-                raise fail(f"uses \\{e} (anchors and back-references are not supported)")
-            else:
-                out.append(json.dumps(e))
-        elif c == "[":
-            end = i + (1 if body[i:i + 1] == "^" else 0)
-            end += 1 if body[end:end + 1] == "]" else 0
-            while end < len(body) and body[end] != "]":
-                end += 2 if body[end] == "\\" else 1
-            if end >= len(body):
-                raise fail("has an unclosed '['")
-            inner = re.sub(r"\\([dws])", lambda m: _CLASSES[m.group(1)], body[i:end])
-            if re.search(r"\\[DWS]", inner):
-                raise fail("uses \\D, \\W or \\S inside a class (not supported)")
-            out.append(f"[{inner}]")
-            i = end + 1
-        elif c == ".":
-            out.append("[^\\n]")
-        elif c == "(":
-            if body.startswith("?:", i):
-                i += 2
-            elif body.startswith("?P<", i):
-                i = body.index(">", i) + 1
-            elif body.startswith("?", i):
-                raise fail("uses a lookaround or inline flag (not supported)")
+        if c == "(":
+            i = _skip_group_prefix(body, i + 1, fail)
             out.append("(")
             empty = True
-            continue
         elif c in "|)":
             if empty:
                 out.append('""')
             out.append(c)
             empty = c == "|"
-            continue
+            i += 1
         elif c in "*+?":
             if empty:
                 raise fail(f"has '{c}' with nothing before it")
             out[-1] += c
-            if body[i:i + 1] == "?":  # lazy: the same language
-                i += 1
-            continue
-        elif c == "{" and (m := re.match(r"(\d+)(,(\d*))?\}", body[i:])):
-            out[-1] += "{" + m.group(0)
+            i += 2 if body[i + 1:i + 2] == "?" else 1  # lazy: the same language
+        elif c == "{" and (m := re.match(r"\{\d+(,\d*)?\}", body[i:])):
+            out[-1] += m.group(0)
             i += m.end()
-            continue
-        elif c in "^$":
-            raise fail("uses an anchor (not supported)")
         else:
-            out.append(json.dumps(c, ensure_ascii=False))
-        empty = False
+            i, atom = _regex_atom(body, i, fail)
+            out.append(atom)
+            empty = False
     if empty:
         out.append('""')
     return " ".join(out) + " )"
+
+
+def _skip_group_prefix(body: str, i: int, fail: Callable[[str], LarkError]) -> int:
+    """Past the ``?:`` or ``?P<name>`` after the ``(`` at ``body[i - 1]``; refuses other ``(?``."""
+    if body.startswith("?:", i):
+        return i + 2
+    if body.startswith("?P<", i):
+        return body.index(">", i) + 1
+    if body.startswith("?", i):
+        raise fail("uses a lookaround or inline flag (not supported)")
+    return i
+
+
+def _regex_atom(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[int, str]:
+    """The one-character-wide item at ``body[i]``: (index after it, its EBNF)."""
+    c = body[i]
+    i += 1
+    if c == "\\":
+        return _regex_escape(body, i, fail)
+    if c == "[":
+        return _regex_class(body, i, fail)
+    if c == ".":
+        return i, "[^\\n]"
+    if c in "^$":
+        raise fail("uses an anchor (not supported)")
+    return i, json.dumps(c, ensure_ascii=False)
+
+
+def _regex_escape(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[int, str]:
+    """The escape after the backslash at ``body[i - 1]``: (index after it, its EBNF)."""
+    if i >= len(body):
+        raise fail("ends with a lone backslash")
+    e = body[i]
+    i += 1
+    if e.lower() in _CLASSES:
+        return i, f"[{'^' if e.isupper() else ''}{_CLASSES[e.lower()]}]"
+    if e in "xu":
+        width = 2 if e == "x" else 4
+        try:
+            return i + width, json.dumps(chr(int(body[i:i + width], 16)), ensure_ascii=False)
+        except ValueError:
+            raise fail(f"has a bad \\{e} escape") from None
+    if e in _ESCAPES:
+        return i, json.dumps(_ESCAPES[e])
+    if e.isalnum():
+        raise fail(f"uses \\{e} (anchors and back-references are not supported)")
+    return i, json.dumps(e)
+
+
+def _regex_class(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[int, str]:
+    """The class opened by the ``[`` at ``body[i - 1]``: (index after its ``]``, its EBNF)."""
+    end = i + (1 if body[i:i + 1] == "^" else 0)
+    end += 1 if body[end:end + 1] == "]" else 0
+    while end < len(body) and body[end] != "]":
+        end += 2 if body[end] == "\\" else 1
+    if end >= len(body):
+        raise fail("has an unclosed '['")
+    inner = re.sub(r"\\([dws])", lambda m: _CLASSES[m.group(1)], body[i:end])
+    if re.search(r"\\[DWS]", inner):
+        raise fail("uses \\D, \\W or \\S inside a class (not supported)")
+    return end + 1, f"[{inner}]"
