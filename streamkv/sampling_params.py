@@ -198,22 +198,8 @@ class SamplingParams:
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise bad("best_of", f"must be an integer >= n ({self.n})")
         self._check_numbers(bad)
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", "must be 0 or -1 (disable) or at least 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.min_tokens and self.structured_outputs is not None:
-            # The grammar decides where a structured output ends (engine/structured.py): a
-            # finished grammar allows only a stop token, which min_tokens would ban. Refused
-            # rather than dropped.
-            raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output ends)")
-        if self.allowed_token_ids is not None and self.structured_outputs is not None:
-            # The grammar's mask and the allowed set could leave no token at all.
-            raise bad("allowed_token_ids", "cannot be combined with structured outputs")
+        self._check_token_counts(bad)
+        self._check_structured_conflicts(bad)
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -229,21 +215,47 @@ class SamplingParams:
                 raise bad("structured_outputs", "must be a StructuredOutputs")
             so.verify()
         if self.use_beam_search:
-            if so is not None:
-                raise InvalidParameter(
-                    "structured_outputs", "structured_outputs cannot be combined with beam search."
-                )
-            if self.best_of < 2:
-                raise bad("best_of", "must be >= 2 with use_beam_search (it is the beam width)")
-            if self.temperature > _GREEDY_EPS:
-                raise bad("temperature", "must be 0 with use_beam_search")
-            if self.early_stopping not in (True, False, "never"):
-                raise bad("early_stopping", "must be True, False or 'never'")
-            if self.stop:
-                # A stop string would have to be matched in every candidate's text before the
-                # beams are chosen; stop_token_ids (which end a hypothesis like EOS) are the
-                # supported way to end beams early.
-                raise bad("stop", "is not supported with use_beam_search (use stop_token_ids)")
+            self._check_beam_search(bad)
+
+    def _check_token_counts(self, bad) -> None:
+        """top_k, max_tokens and min_tokens: integers in range, and min_tokens <= max_tokens."""
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", "must be 0 or -1 (disable) or at least 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+
+    def _check_structured_conflicts(self, bad) -> None:
+        """The fields that structured outputs rule out."""
+        if self.min_tokens and self.structured_outputs is not None:
+            # The grammar decides where a structured output ends (engine/structured.py): a
+            # finished grammar allows only a stop token, which min_tokens would ban. Refused
+            # rather than dropped.
+            raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output ends)")
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            # The grammar's mask and the allowed set could leave no token at all.
+            raise bad("allowed_token_ids", "cannot be combined with structured outputs")
+
+    def _check_beam_search(self, bad) -> None:
+        """What use_beam_search requires of the other fields."""
+        if self.structured_outputs is not None:
+            raise InvalidParameter(
+                "structured_outputs", "structured_outputs cannot be combined with beam search."
+            )
+        if self.best_of < 2:
+            raise bad("best_of", "must be >= 2 with use_beam_search (it is the beam width)")
+        if self.temperature > _GREEDY_EPS:
+            raise bad("temperature", "must be 0 with use_beam_search")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", "must be True, False or 'never'")
+        if self.stop:
+            # A stop string would have to be matched in every candidate's text before the
+            # beams are chosen; stop_token_ids (which end a hypothesis like EOS) are the
+            # supported way to end beams early.
+            raise bad("stop", "is not supported with use_beam_search (use stop_token_ids)")
 
     def _check_numbers(self, bad) -> None:
         """Every float the sampler reads: finite, and in a range where float32 keeps it."""
