@@ -122,27 +122,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
                             config.auto_tool_choice, config.model_aliases, config.tokens_as_ids)
     tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
-
-    def api(handler, auth: bool = True, body: bool = True):
-        async def endpoint(request: Request) -> Response:
-            try:
-                local = request.scope["server"][0] if request.scope.get("server") else None
-                if request.method == "POST":
-                    check_origin(request.headers, request.url.scheme, config.hosts, config.allowed_origins, local)
-                if auth:
-                    client = request.client.host if request.client else ""
-                    check_api_key(config.api_key, request.headers, failures=config.auth_failures, client=client)
-                if body:
-                    return await handler(request, await read_json(request, config.max_body_bytes))
-                return await handler(request)
-            except APIError as e:
-                return error_response(e)
-            except ENGINE_ERRORS as e:
-                return error_response(engine_error(e))
-            except ClientDisconnect:
-                return Response(status_code=499)
-
-        return endpoint
+    api = _api_wrapper(config)
 
     async def health(request: Request) -> Response:
         try:
@@ -186,15 +166,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
             return error_response(APIError("the demo page is not installed", 404, "not_found_error"))
         return FileResponse(page, headers=_PAGE_HEADERS)
 
-    async def on_http_error(request: Request, exc: HTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(str(exc.detail), exc.status_code, kind))
-
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        # Logged with its traceback here; the client only learns that it was our fault.
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(APIError("internal server error", 500, "internal_error"))
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         engine.start()
@@ -227,6 +198,44 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
+    app = Starlette(routes=routes, middleware=_middleware(config), lifespan=lifespan,
+                    exception_handlers={HTTPException: _on_http_error, Exception: _on_crash})
+    app.state.engine, app.state.serving, app.state.metrics, app.state.config = engine, serving, metrics, config
+    return app
+
+
+def _api_wrapper(config: ServerConfig):
+    """``api(handler, auth=True, body=True)``: ``handler`` as an endpoint that checks a POST's
+    origin and (``auth``) the API key, passes the JSON body (``body``), and answers errors in
+    the OpenAI shape."""
+
+    def api(handler, auth: bool = True, body: bool = True):
+        async def endpoint(request: Request) -> Response:
+            try:
+                local = request.scope["server"][0] if request.scope.get("server") else None
+                if request.method == "POST":
+                    check_origin(request.headers, request.url.scheme, config.hosts, config.allowed_origins, local)
+                if auth:
+                    client = request.client.host if request.client else ""
+                    check_api_key(config.api_key, request.headers, failures=config.auth_failures, client=client)
+                if body:
+                    return await handler(request, await read_json(request, config.max_body_bytes))
+                return await handler(request)
+            except APIError as e:
+                return error_response(e)
+            except ENGINE_ERRORS as e:
+                return error_response(engine_error(e))
+            except ClientDisconnect:
+                return Response(status_code=499)
+
+        return endpoint
+
+    return api
+
+
+def _middleware(config: ServerConfig) -> list[Middleware]:
+    """Outermost first: the host and header guard, the request-type checks, then CORS for the
+    allowed cross origins (if any)."""
     middleware = [Middleware(Guard, policy=config.hosts, header_limit=config.max_header_bytes),
                   Middleware(RequestTypes, strict=config.strict_request_types, error_format=config.error_format,
                              tools_prompt=config.tools_system_prompt)]
@@ -234,10 +243,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     if cross:
         middleware.append(Middleware(CORSMiddleware, allow_origins=cross, allow_methods=["GET", "POST"],
                                      allow_headers=["authorization", "content-type"]))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={HTTPException: on_http_error, Exception: on_crash})
-    app.state.engine, app.state.serving, app.state.metrics, app.state.config = engine, serving, metrics, config
-    return app
+    return middleware
+
+
+async def _on_http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(str(exc.detail), exc.status_code, kind))
+
+
+async def _on_crash(request: Request, exc: Exception) -> Response:
+    # Logged with its traceback here; the client only learns that it was our fault.
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(APIError("internal server error", 500, "internal_error"))
 
 
 async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None,
