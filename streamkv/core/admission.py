@@ -18,18 +18,22 @@ from dataclasses import dataclass
 
 from streamkv.sampling_params import InvalidParameter, SamplingParams
 
-__all__ = ["InvalidParameter", "Limits", "check_request", "peak_blocks"]
+__all__ = ["EngineLimits", "InvalidParameter", "check_request", "peak_blocks"]
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """The engine's fixed capacity, known once the KV pool is sized."""
+class EngineLimits:
+    """The engine's fixed capacity, known once the KV pool is sized: what admission checks
+    and what a front end is told (``LLMEngine.info()``)."""
 
     max_model_len: int
     vocab_size: int
     block_size: int
-    usable_blocks: int  # the device pool minus the scheduler's watermark
+    num_kv_blocks: int
+    num_swap_blocks: int
+    usable_kv_blocks: int  # the device pool minus the scheduler's watermark
     max_num_seqs: int
+    prefix_caching: bool
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -57,7 +61,7 @@ def _check_ids(name: str, ids: Iterable[int], vocab: int) -> None:
         raise InvalidParameter(name, f"{name} holds token id {bad!r}, outside the vocabulary [0, {vocab})")
 
 
-def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: Limits) -> None:
+def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: EngineLimits) -> None:
     """Raise InvalidParameter unless the request could run to its end on an idle engine."""
     n = len(prompt_token_ids)
     if n == 0:
@@ -98,7 +102,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: L
             "a request's sequences always run together",
         )
 
-    bs, pool = limits.block_size, limits.usable_blocks
+    bs, pool = limits.block_size, limits.usable_kv_blocks
     if peak_blocks(n, 1, 1, bs) > pool:
         raise InvalidParameter(
             "prompt", f"the prompt needs {_cdiv(n, bs)} KV-cache blocks, more than the whole pool "

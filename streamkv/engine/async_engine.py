@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from streamkv.core.admission import EngineLimits
 from streamkv.engine.engine_commands import EngineCommands, Submission
 from streamkv.engine.engine_thread import EngineThread, LoopSide
-from streamkv.engine.llm_engine import EngineInfo, LLMEngine
+from streamkv.engine.llm_engine import LLMEngine
 from streamkv.engine.recovery import EngineRestartedError, RestartBudget
 from streamkv.engine.request_book import RequestBook
 from streamkv.engine.request_stream import (
@@ -40,8 +41,9 @@ T = TypeVar("T")
 
 
 # Re-exported: the front end imports the stream and its errors from here.
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "EngineNotReadyError", "EngineRecoveringError",
-           "EngineStoppingError", "Observer", "QueueFullError", "RequestAbortedError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineLimits", "EngineNotReadyError",
+           "EngineRecoveringError", "EngineStoppingError", "Observer", "QueueFullError",
+           "RequestAbortedError", "RequestStream"]
 
 
 class AsyncEngine:
@@ -83,7 +85,7 @@ class AsyncEngine:
         return self._thread.engine
 
     @property
-    def info(self) -> EngineInfo | None:
+    def info(self) -> EngineLimits | None:
         return self._thread.info
 
     @property

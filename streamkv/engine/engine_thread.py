@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from streamkv.core.admission import EngineLimits
 from streamkv.engine.engine_commands import EngineCommands, Verdicts
-from streamkv.engine.llm_engine import EngineInfo, LLMEngine
+from streamkv.engine.llm_engine import LLMEngine
 from streamkv.engine.recovery import RestartBudget
 from streamkv.engine.reserved_prefixes import carry_prefixes
 from streamkv.engine.serving_logs import StatsLogger
@@ -70,7 +71,7 @@ class EngineThread:
         self._stats_interval = stats_interval
         self._stats_logger = stats_logger
         self.engine: LLMEngine | None = None
-        self.info: EngineInfo | None = None
+        self.info: EngineLimits | None = None
         self.tokenizer: Any = None
         self.stats: dict = {}
         self._stopping = False

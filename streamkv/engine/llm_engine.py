@@ -11,7 +11,7 @@ from collections.abc import Callable, Container
 from pathlib import Path
 
 from streamkv.config import EngineConfig
-from streamkv.core.admission import InvalidParameter, Limits, check_request  # noqa: F401 - re-exported
+from streamkv.core.admission import EngineLimits, InvalidParameter, check_request
 from streamkv.core.block_manager import create_block_manager
 from streamkv.core.block_pool import root_key
 from streamkv.core.preemption import device_profile
@@ -33,20 +33,6 @@ from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What a front end needs to know about the engine, fixed once the model is loaded."""
-
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
-    num_swap_blocks: int
-    usable_kv_blocks: int  # the pool minus the scheduler's watermark
-    max_num_seqs: int
-    prefix_caching: bool
 
 
 class LLMEngine:
@@ -89,9 +75,12 @@ class LLMEngine:
         if sched.preemption_cost_profile is None:  # auto preemption's costs, measured on this kind of device
             sched = dataclasses.replace(sched, preemption_cost_profile=device_profile(self.device_type))
         self.scheduler = Scheduler(sched, bm)
-        self.limits = Limits(
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size, block_size=config.cache.block_size,
-            usable_blocks=bm.device.num_blocks - bm.watermark_blocks, max_num_seqs=config.scheduler.max_num_seqs,
+        self.limits = EngineLimits(
+            max_model_len=info.max_model_len, vocab_size=info.vocab_size, block_size=bm.block_size,
+            num_kv_blocks=bm.device.num_blocks, num_swap_blocks=bm.cpu.num_blocks,
+            usable_kv_blocks=bm.device.num_blocks - bm.watermark_blocks,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            prefix_caching=config.cache.enable_prefix_caching,
         )
         self.eos_token_ids = info.eos_token_ids
         self.structured = StructuredOutputManager(self.tokenizer, info.vocab_size, self.eos_token_ids)
@@ -183,18 +172,8 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def info(self) -> EngineInfo:
-        bm = self.block_manager
-        return EngineInfo(
-            max_model_len=self.model_info.max_model_len,
-            vocab_size=self.model_info.vocab_size,
-            block_size=bm.block_size,
-            num_kv_blocks=bm.device.num_blocks,
-            num_swap_blocks=bm.cpu.num_blocks,
-            usable_kv_blocks=self.limits.usable_blocks,
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            prefix_caching=self.config.cache.enable_prefix_caching,
-        )
+    def info(self) -> EngineLimits:
+        return self.limits
 
     # -- the step -----------------------------------------------------------------------
     def step(self, finished_only: bool = False, unread: Container[str] = (),

@@ -4,9 +4,10 @@ registered over to the new engine under the same ids. Called on the engine's thr
 
 from __future__ import annotations
 
+from streamkv.core.admission import InvalidParameter, check_request
 from streamkv.core.block_manager import BlockManager
 from streamkv.core.reserved_prefix import ReservedPrefix, ReservedPrefixError, ReservedPrefixes
-from streamkv.engine.llm_engine import InvalidParameter, LLMEngine, check_request
+from streamkv.engine.llm_engine import LLMEngine
 from streamkv.sampling_params import SamplingParams
 
 # The request that computes a reserved prefix: its prompt is the prefix, one token sampled.

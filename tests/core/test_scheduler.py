@@ -181,11 +181,13 @@ events = st.lists(
 @given(events=events, mode=st.sampled_from(["auto", "swap", "recompute"]), caching=st.booleans(),
        budget=st.sampled_from([8, 16, 64]), cpu_blocks=st.sampled_from([0, 6]))
 def test_random_arrivals_aborts_and_finishes_always_drain(events, mode, caching, budget, cpu_blocks):
-    from streamkv.core.admission import InvalidParameter, Limits, check_request
+    from streamkv.core.admission import EngineLimits, InvalidParameter, check_request
 
     bm = make_bm(num_blocks=12, block_size=4, cpu_blocks=cpu_blocks, caching=caching)
     sim = Sim(make_scheduler(bm, budget=budget, max_num_seqs=4, mode=mode, max_model_len=64))
-    limits = Limits(max_model_len=64, vocab_size=1000, block_size=4, usable_blocks=12, max_num_seqs=4)
+    limits = EngineLimits(max_model_len=64, vocab_size=1000, block_size=4, num_kv_blocks=12,
+                          num_swap_blocks=cpu_blocks, usable_kv_blocks=12, max_num_seqs=4,
+                          prefix_caching=caching)
     live: list[str] = []
     for i, (kind, size, out_len, n) in enumerate(events):
         if kind == "add":

@@ -8,7 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from streamkv.engine.llm_engine import EngineInfo
+from streamkv.core.admission import EngineLimits
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import CompletionOutput, Logprob, RequestOutput
 
@@ -54,6 +54,10 @@ class FakeEngine:
             block_size=16, watermark_blocks=0,
             device=SimpleNamespace(num_blocks=num_blocks), cpu=SimpleNamespace(num_blocks=0),
         )
+        self.limits = EngineLimits(
+            max_model_len=max_model_len, vocab_size=1000, block_size=16, num_kv_blocks=num_blocks,
+            num_swap_blocks=0, usable_kv_blocks=num_blocks, max_num_seqs=8, prefix_caching=False,
+        )
         self.scheduler = SimpleNamespace(waiting=())
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
@@ -76,10 +80,8 @@ class FakeEngine:
     def num_waiting(self) -> int:
         return 0
 
-    def info(self) -> EngineInfo:
-        return EngineInfo(max_model_len=self.config.scheduler.max_model_len, vocab_size=1000, block_size=16,
-                          num_kv_blocks=self.block_manager.device.num_blocks, num_swap_blocks=0,
-                          usable_kv_blocks=self.block_manager.device.num_blocks, max_num_seqs=8, prefix_caching=False)
+    def info(self) -> EngineLimits:
+        return self.limits
 
     def defer_until_compiled(self, params: SamplingParams, resume) -> bool:
         return False  # no grammars here

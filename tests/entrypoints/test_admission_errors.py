@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from streamkv.core.admission import Limits, check_request
+from streamkv.core.admission import EngineLimits, check_request
 from tests.entrypoints.fake_engine import FakeEngine
 from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
 
-LIMITS = Limits(max_model_len=256, vocab_size=1000, block_size=16, usable_blocks=16, max_num_seqs=8)
+LIMITS = EngineLimits(max_model_len=256, vocab_size=1000, block_size=16, num_kv_blocks=16,
+                      num_swap_blocks=0, usable_kv_blocks=16, max_num_seqs=8, prefix_caching=False)
 
 
 class AdmittingFakeEngine(FakeEngine):
