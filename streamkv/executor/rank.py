@@ -160,25 +160,31 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
                 continue
             launched.append(_launch(worker, msg, profiler))
             if launched[-1].error is not None:  # answered now (after the steps before it): Resume is due
-                while launched:
-                    resumes_due += _answer(rank, conn, launched.popleft())
+                resumes_due += _answer_all(rank, conn, launched)
             continue
         if isinstance(msg, ipc.Resume):
             if not resumes_due:
                 raise ValueError("a Resume came, but this rank failed no step")
             resumes_due -= 1
             continue
-        while launched:  # a control call: its reply follows every step's
-            resumes_due += _answer(rank, conn, launched.popleft())
-        if isinstance(msg, ipc.QueryBlocks):
-            conn.send_bytes(ipc.encode(ipc.Blocks(*worker.num_available_blocks())))
-        elif isinstance(msg, ipc.InitCache):
-            worker.init_cache(msg.num_device_blocks, msg.num_cpu_blocks)
-            conn.send_bytes(ipc.encode(ipc.Ok()))
-        elif isinstance(msg, ipc.Shutdown):
+        # A control call: its reply follows every step's.
+        resumes_due += _answer_all(rank, conn, launched)
+        if not _control(worker, conn, msg):
             return
-        else:
-            raise ValueError(f"unexpected message {ipc.kind(msg)!r}")
+
+
+def _control(worker, conn: Connection, msg) -> bool:
+    """Answer a message other than Step or Resume; whether to serve on (False: Shutdown)."""
+    if isinstance(msg, ipc.QueryBlocks):
+        conn.send_bytes(ipc.encode(ipc.Blocks(*worker.num_available_blocks())))
+    elif isinstance(msg, ipc.InitCache):
+        worker.init_cache(msg.num_device_blocks, msg.num_cpu_blocks)
+        conn.send_bytes(ipc.encode(ipc.Ok()))
+    elif isinstance(msg, ipc.Shutdown):
+        return False
+    else:
+        raise ValueError(f"unexpected message {ipc.kind(msg)!r}")
+    return True
 
 
 def _launch(worker, msg: ipc.Step, profiler: StepProfiler | None) -> _Launched:
@@ -211,6 +217,14 @@ def _answer(rank: int, conn: Connection, step: _Launched) -> bool:
     else:
         conn.send_bytes(ipc.encode(ipc.Ok()))
     return False
+
+
+def _answer_all(rank: int, conn: Connection, launched: deque[_Launched]) -> int:
+    """Answer every launched step, in order; how many of the answers were StepErrors."""
+    errors = 0
+    while launched:
+        errors += _answer(rank, conn, launched.popleft())
+    return errors
 
 
 def _report_and_exit(conn: Connection, error: BaseException) -> None:
