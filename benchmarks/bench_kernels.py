@@ -328,41 +328,8 @@ def bench_attention(
     time_default()
     row["ours_eager_us"] = gpu_time_ms(default, iters, graph=False) / sets * 1e3
     row["ours_idle_stream_us"] = gpu_time_ms(default, iters, busy=False) / sets * 1e3
-    if sweep:  # kernel x merge x partition size (None: the automatic choice), ring depths
-        row["sweep_us"] = {}
-
-        def measure(label: str, **kw) -> None:
-            try:
-                row["sweep_us"][label] = gpu_time_ms(ours(**kw), iters) / sets * 1e3
-            except Exception as e:  # keep measuring the rest
-                row["sweep_us"][label] = f"error: {e}"
-
-        for kernel in KERNELS:
-            for fused in (False, True):
-                for p in (None, *cuda_ops.PARTITION_SIZES):
-                    if p is not None and p > 2 * ctx:
-                        continue  # one partition already holds the context
-                    measure(
-                        f"{kernel} fused {fused} partition {p}",
-                        partition=p,
-                        fused=fused,
-                        kernel=kernel,
-                    )
-        measure("cuda_core fused False partition None stages 0", stages=0, kernel="cuda_core")
-        for p in (None, 512):
-            measure(
-                f"tensor_core warp softmax {not cuda_ops.TC_WARP_SOFTMAX} partition {p}",
-                partition=p,
-                kernel="tensor_core",
-                warp_softmax=not cuda_ops.TC_WARP_SOFTMAX,
-            )
-        for unroll in TC_UNROLLS:
-            if unroll != cuda_ops.TC_UNROLL.get(head, 1):
-                measure(
-                    f"tensor_core unroll {unroll} partition None",
-                    kernel="tensor_core",
-                    unroll=unroll,
-                )
+    if sweep:
+        row["sweep_us"] = _sweep(ours, ctx, head, iters, sets)
         best = min((v, k) for k, v in row["sweep_us"].items() if isinstance(v, float))
         row["sweep_best"] = {
             "config": best[1],
@@ -372,7 +339,68 @@ def bench_attention(
 
     time_default()
 
-    # SDPA on contiguous copies of exactly the same K/V.
+    best = _time_sdpa(inputs, ctx, scale, iters, sets, row)
+    time_default()
+    ms = statistics.median(default_ms)
+    row.update(
+        ours_us=ms * 1e3, ours_gbs=io_bytes / ms / 1e6, ours_each_us=[t * 1e3 for t in default_ms]
+    )
+    if best is not None:
+        q, k, v, bt, lens = inputs[0]
+        ours_out = cuda_ops.paged_attention_decode(q, k, v, bt, lens, scale, ctx)
+        row.update(
+            sdpa_us=best[0] * 1e3,
+            sdpa_form=best[1],
+            vs_sdpa=ms / best[0],
+            rel_err_vs_sdpa=rel_err(ours_out, best[2]),
+        )
+    row["of_copy_bw"] = row["ours_gbs"] / copy_gbs
+    return row
+
+
+def _sweep(ours, ctx: int, head: int, iters: int, sets: int) -> dict:
+    """Kernel x merge x partition size (None: the automatic choice), ring depths, the other
+    warp softmax and unrolls: each configuration's time in us, or its error."""
+    sweep_us: dict = {}
+
+    def measure(label: str, **kw) -> None:
+        try:
+            sweep_us[label] = gpu_time_ms(ours(**kw), iters) / sets * 1e3
+        except Exception as e:  # keep measuring the rest
+            sweep_us[label] = f"error: {e}"
+
+    for kernel in KERNELS:
+        for fused in (False, True):
+            for p in (None, *cuda_ops.PARTITION_SIZES):
+                if p is not None and p > 2 * ctx:
+                    continue  # one partition already holds the context
+                measure(
+                    f"{kernel} fused {fused} partition {p}",
+                    partition=p,
+                    fused=fused,
+                    kernel=kernel,
+                )
+    measure("cuda_core fused False partition None stages 0", stages=0, kernel="cuda_core")
+    for p in (None, 512):
+        measure(
+            f"tensor_core warp softmax {not cuda_ops.TC_WARP_SOFTMAX} partition {p}",
+            partition=p,
+            kernel="tensor_core",
+            warp_softmax=not cuda_ops.TC_WARP_SOFTMAX,
+        )
+    for unroll in TC_UNROLLS:
+        if unroll != cuda_ops.TC_UNROLL.get(head, 1):
+            measure(
+                f"tensor_core unroll {unroll} partition None",
+                kernel="tensor_core",
+                unroll=unroll,
+            )
+    return sweep_us
+
+
+def _time_sdpa(inputs: list, ctx: int, scale: float, iters: int, sets: int, row: dict):
+    """SDPA on contiguous copies of exactly the same K/V, in each form: each one's time (or why
+    it is unavailable) into ``row``; the fastest as (ms, form, output), None if none ran."""
     contiguous = []
     for q, k, v, bt, _ in inputs:
         nb = bt.shape[1]
@@ -391,22 +419,7 @@ def bench_attention(
         row[f"sdpa_{name}_us"] = sdpa_ms * 1e3
         if best is None or sdpa_ms < best[0]:
             best = (sdpa_ms, name, ref_out)
-    time_default()
-    ms = statistics.median(default_ms)
-    row.update(
-        ours_us=ms * 1e3, ours_gbs=io_bytes / ms / 1e6, ours_each_us=[t * 1e3 for t in default_ms]
-    )
-    if best is not None:
-        q, k, v, bt, lens = inputs[0]
-        ours_out = cuda_ops.paged_attention_decode(q, k, v, bt, lens, scale, ctx)
-        row.update(
-            sdpa_us=best[0] * 1e3,
-            sdpa_form=best[1],
-            vs_sdpa=ms / best[0],
-            rel_err_vs_sdpa=rel_err(ours_out, best[2]),
-        )
-    row["of_copy_bw"] = row["ours_gbs"] / copy_gbs
-    return row
+    return best
 
 
 def bench_reduce_alone(batch: int, ctx: int, partition: int, iters: int) -> dict:
