@@ -158,6 +158,61 @@ def run_mode(llm, prompts: list[list[int]], params: list) -> float:
     return elapsed
 
 
+def _profile_gpu_ms(llm, prompts: list[list[int]], cases: list[tuple], clock, args) -> dict[tuple, float]:
+    """GPU ms per step for each case, every kernel and copy (torch.profiler), over a run of
+    --profile-steps output tokens at the full batch."""
+    gpu_ms: dict[tuple, float] = {}
+    batch = min(args.num_requests, args.max_num_seqs)
+    for case in cases:
+        clock.reset()
+        clock.path = case[1]
+        params = mode_params(case[0], batch, args.profile_steps)
+        total, _ = _gpu_ms(lambda params=params: run_mode(llm, prompts[:batch], params), 1)
+        gpu_ms[case] = total / max(clock.reset()[1], 1)
+    return gpu_ms
+
+
+def _rows(cases: list[tuple], times: dict, sampler_ms: dict, step_ms: dict, overlap: dict,
+          steps: dict, gpu_ms: dict, args) -> list[dict]:
+    """One row per (mode, path) case: medians over the rounds, and the speed against greedy."""
+    out_tokens = args.num_requests * args.output_len
+    rows = []
+    for case in cases:
+        t = statistics.median(times[case])
+        row = {"mode": case[0], "path": case[1], "params": MODES[case[0]], "seconds": t, "output_tok_s": out_tokens / t}
+        if sampler_ms[case]:
+            row["sampler_ms_per_step"] = statistics.median(sampler_ms[case])
+            row["wall_ms_per_step"] = statistics.median(step_ms[case])
+            row["overlapped_fraction"] = statistics.median(overlap[case])
+            row["steps"] = statistics.median(steps[case])
+        if case in gpu_ms:
+            row["gpu_ms_per_step"] = gpu_ms[case]
+        rows.append(row)
+    for r in rows:
+        greedy = next((g["output_tok_s"] for g in rows if g["mode"] == "greedy" and g["path"] == r["path"]), None)
+        r["vs_greedy"] = r["output_tok_s"] / greedy if greedy else None
+    return rows
+
+
+def _print_table(rows: list[dict], name: dict, llm, args) -> None:
+    ex = llm.engine.executor
+    print(f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}), "
+          f"{llm.engine.config.model.executor_backend} executor; {args.num_requests} requests x "
+          f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
+          f"median of {args.rounds}")
+    print(f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
+          f"{'steps':>7}{'overlap':>8}{'GPU ms/step':>12}")
+    for r in rows:
+        ratio = f"{r['vs_greedy']:.3f}" if r["vs_greedy"] is not None else "-"
+
+        def f(key: str, fmt: str = ".2f", r=r) -> str:
+            return format(r[key], fmt) if key in r else "-"
+
+        print(f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}{r['output_tok_s']:>11.1f}{ratio:>10}"
+              f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('steps', '.0f'):>7}{f('overlapped_fraction'):>8}"
+              f"{f('gpu_ms_per_step'):>12}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: the embedded model)")
@@ -247,46 +302,11 @@ def main() -> int:
             print(f"{name[case]}: {times[case][-1]:.2f}s", flush=True)
     gpu_ms: dict[tuple, float] = {}
     if args.profile_steps and clock is not None and not on_cpu:
-        batch = min(args.num_requests, args.max_num_seqs)
-        for case in cases:  # GPU time per step, every kernel and copy (torch.profiler)
-            clock.reset()
-            clock.path = case[1]
-            params = mode_params(case[0], batch, args.profile_steps)
-            total, _ = _gpu_ms(lambda params=params: run_mode(llm, prompts[:batch], params), 1)
-            gpu_ms[case] = total / max(clock.reset()[1], 1)
+        gpu_ms = _profile_gpu_ms(llm, prompts, cases, clock, args)
 
-    out_tokens = args.num_requests * args.output_len
-    rows = []
-    for case in cases:
-        t = statistics.median(times[case])
-        row = {"mode": case[0], "path": case[1], "params": MODES[case[0]], "seconds": t, "output_tok_s": out_tokens / t}
-        if sampler_ms[case]:
-            row["sampler_ms_per_step"] = statistics.median(sampler_ms[case])
-            row["wall_ms_per_step"] = statistics.median(step_ms[case])
-            row["overlapped_fraction"] = statistics.median(overlap[case])
-            row["steps"] = statistics.median(steps[case])
-        if case in gpu_ms:
-            row["gpu_ms_per_step"] = gpu_ms[case]
-        rows.append(row)
-    for r in rows:
-        greedy = next((g["output_tok_s"] for g in rows if g["mode"] == "greedy" and g["path"] == r["path"]), None)
-        r["vs_greedy"] = r["output_tok_s"] / greedy if greedy else None
+    rows = _rows(cases, times, sampler_ms, step_ms, overlap, steps, gpu_ms, args)
     ex = llm.engine.executor
-    print(f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}), "
-          f"{llm.engine.config.model.executor_backend} executor; {args.num_requests} requests x "
-          f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
-          f"median of {args.rounds}")
-    print(f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
-          f"{'steps':>7}{'overlap':>8}{'GPU ms/step':>12}")
-    for r in rows:
-        ratio = f"{r['vs_greedy']:.3f}" if r["vs_greedy"] is not None else "-"
-
-        def f(key: str, fmt: str = ".2f", r=r) -> str:
-            return format(r[key], fmt) if key in r else "-"
-
-        print(f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}{r['output_tok_s']:>11.1f}{ratio:>10}"
-              f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('steps', '.0f'):>7}{f('overlapped_fraction'):>8}"
-              f"{f('gpu_ms_per_step'):>12}")
+    _print_table(rows, name, llm, args)
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"args": vars(args), "device": str(ex.device), "dtype": str(ex.dtype),
