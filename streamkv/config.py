@@ -116,9 +116,6 @@ class SchedulerConfig:
     async_scheduling: bool | None = arg(
         None, "schedule and submit the next step while the device runs this one, and process its outputs "
               "while the next runs (engine/step_pipeline.py; default: on a GPU, off on a CPU)")
-    # The served context length, ModelInfo.max_model_len: the engine's own copy of the config
-    # carries it (set by replace(), never by mutation); ModelConfig.max_model_len is the request.
-    max_model_len: int = field(default=2048, metadata={"cli": False})
 
     def verify(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

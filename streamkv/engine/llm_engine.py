@@ -46,15 +46,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir)
         self.model_info = info = model_info or resolve_model_info(config.model, model_dir, self.tokenizer)
         info.verify_tensor_parallel(config.model.tensor_parallel_size)
-        # The engine's own copy carries the served context length and the scheduler's
-        # device-dependent defaults; the caller's config is never changed after verify().
+        # The engine's own copy carries the scheduler's device-dependent defaults; the
+        # caller's config is never changed after verify().
         from streamkv.worker.worker import resolve_device
 
         self.device_type = resolve_device(config.model.device).type
         sched = config.scheduler.on_device(self.device_type)
-        self.config = config = dataclasses.replace(
-            config, scheduler=dataclasses.replace(sched, max_model_len=info.max_model_len)
-        )
+        self.config = config = dataclasses.replace(config, scheduler=sched)
         owned = executor is None
         self.executor = executor = create_executor(config, info) if owned else executor
         try:

@@ -17,10 +17,10 @@ def make_bm(num_blocks: int = 16, block_size: int = 4, cpu_blocks: int = 0, cach
     return BlockManager(block_size, num_blocks, cpu_blocks, enable_prefix_caching=caching, watermark=0.0)
 
 
-def make_scheduler(bm: BlockManager, budget: int = 64, max_num_seqs: int = 8, mode: str = "auto",
-                   max_model_len: int = 4096) -> Scheduler:
+def make_scheduler(bm: BlockManager, budget: int = 64, max_num_seqs: int = 8,
+                   mode: str = "auto") -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             preemption_mode=mode, max_model_len=max_model_len)
+                             preemption_mode=mode)
     config.verify()
     return Scheduler(config, bm)
 

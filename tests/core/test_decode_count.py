@@ -121,7 +121,7 @@ events = st.lists(
 @given(events=events, mode=st.sampled_from(["swap", "recompute"]), budget=st.sampled_from([8, 16, 64]))
 def test_decode_rows_equal_a_recount_every_step(events, mode, budget):
     bm = make_bm(num_blocks=16, block_size=4, cpu_blocks=8)
-    sim = CheckedSim(make_scheduler(bm, budget=budget, max_num_seqs=6, mode=mode, max_model_len=64))
+    sim = CheckedSim(make_scheduler(bm, budget=budget, max_num_seqs=6, mode=mode))
     live: list[str] = []
     for i, (kind, size, out_len, n) in enumerate(events):
         if kind == "add":
@@ -141,7 +141,7 @@ def test_the_recount_sees_decodes_preemptions_and_forks():
     """A fixed run that exercises every case the random one may miss: decode rows counted with
     parallel samples decoding, a group is preempted, beams fork and drop, a token is held."""
     bm = make_bm(num_blocks=10, block_size=4, cpu_blocks=8)
-    sim = CheckedSim(make_scheduler(bm, budget=16, max_num_seqs=6, mode="swap", max_model_len=64))
+    sim = CheckedSim(make_scheduler(bm, budget=16, max_num_seqs=6, mode="swap"))
     sim.add("a", 6, max_tokens=8, n=3)
     sim.add("b", 9, max_tokens=8)
     # Group a (three samples) runs first in the running list, b last.

@@ -18,7 +18,7 @@ BS = 4
 
 def make(num_blocks: int = 32, cpu_blocks: int = 16, caching: bool = False) -> tuple[BlockManager, Scheduler]:
     bm = BlockManager(BS, num_blocks, cpu_blocks, enable_prefix_caching=caching, watermark=0.0)
-    return bm, Scheduler(SchedulerConfig(max_num_seqs=64, max_model_len=4096), bm)
+    return bm, Scheduler(SchedulerConfig(max_num_seqs=64), bm)
 
 
 _ids = itertools.count()

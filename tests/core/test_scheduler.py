@@ -184,7 +184,7 @@ def test_random_arrivals_aborts_and_finishes_always_drain(events, mode, caching,
     from streamkv.core.admission import EngineLimits, InvalidParameter, check_request
 
     bm = make_bm(num_blocks=12, block_size=4, cpu_blocks=cpu_blocks, caching=caching)
-    sim = Sim(make_scheduler(bm, budget=budget, max_num_seqs=4, mode=mode, max_model_len=64))
+    sim = Sim(make_scheduler(bm, budget=budget, max_num_seqs=4, mode=mode))
     limits = EngineLimits(max_model_len=64, vocab_size=1000, block_size=4, num_kv_blocks=12,
                           num_swap_blocks=cpu_blocks, usable_kv_blocks=12, max_num_seqs=4,
                           prefix_caching=caching)

@@ -47,7 +47,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.executor = SimpleNamespace(hf_config={"vocab_size": 1000}, check_workers=lambda: None)
         self.config = SimpleNamespace(
-            scheduler=SimpleNamespace(max_model_len=max_model_len, max_num_seqs=8),
+            scheduler=SimpleNamespace(max_num_seqs=8),
             cache=SimpleNamespace(enable_prefix_caching=False),
         )
         self.block_manager = SimpleNamespace(

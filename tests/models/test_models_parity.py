@@ -97,7 +97,7 @@ def test_mistral_sliding_window_caps_the_context(tmp_path):
     with pytest.raises(ValueError, match="exceeds the model's context length 40"):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=32, num_swap_blocks=0)
-    assert llm.engine.config.scheduler.max_model_len == 40
+    assert llm.engine.model_info.max_model_len == 40 == llm.engine.info().max_model_len
     # 30 prompt tokens + 10 generated = the whole window.
     assert greedy_compare(hf, llm, prompts(VOCAB, lengths=(30, 12)), max_tokens=10).exact >= 1
 

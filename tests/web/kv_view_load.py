@@ -261,7 +261,7 @@ def micro(num_blocks: int, num_seqs: int, tokens: int, repeat: int = 50) -> None
     from streamkv.sequence import Sequence, SequenceGroup
 
     bm = BlockManager(16, num_blocks, 4096, enable_prefix_caching=True, watermark=0.0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=num_seqs, max_model_len=tokens + 1,
+    sched = Scheduler(SchedulerConfig(max_num_seqs=num_seqs,
                                       max_num_batched_tokens=num_seqs * tokens), bm)
     for i in range(num_seqs):
         sched.add(SequenceGroup(str(i), [Sequence(i, [i] * tokens)], SamplingParams()))
