@@ -31,23 +31,7 @@ def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max
     ``on_all_arrived`` runs once, right after the last request is added (the end of the
     window in which the load is offered; what follows is the queue draining). ``on_step``
     gets each engine.step() call's time on the run's clock (load_tests/steps.py)."""
-    if virtual is None:
-        t0 = time.perf_counter()
-        base = time.monotonic()
-
-        def clock() -> float:
-            return time.perf_counter() - t0
-
-        def sleep(seconds: float) -> None:
-            time.sleep(seconds)
-    else:
-        base = virtual()  # the engine orders requests by arrival on the same clock
-
-        def clock() -> float:
-            return virtual() - base
-
-        sleep = virtual.advance
-
+    base, clock, sleep = _clocks(virtual)
     records: list[RequestRecord] = []
     active: dict[str, RequestRecord] = {}
     todo = [(at, i) for i, at in enumerate(arrivals[: len(requests)]) if at <= max_duration]
@@ -77,20 +61,48 @@ def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max
             t = clock()
             if on_step is not None:
                 on_step(t - t_step)
-            for out in outputs:
-                rec = active.get(out.request_id)
-                if rec is None:
-                    continue
-                ntok = sum(len(c.token_ids) for c in out.outputs)
-                if ntok > rec.output_tokens:
-                    rec.chunk_times.append(t)
-                    rec.output_tokens = ntok
-                if out.finished:
-                    rec.end, rec.error = t, out.error
-                    del active[out.request_id]
-                    on_done(rec)
+            _record_outputs(outputs, t, active, on_done)
         elif nxt < len(todo):
             sleep(min(max(todo[nxt][0] - clock(), 0.0), max(max_duration - clock(), 0.0)) + 1e-4)
         else:
             break
     return records, run_length(records, clock())
+
+
+def _clocks(virtual: VirtualClock | None) -> tuple[float, Callable[[], float], Callable[[float], None]]:
+    """(base, clock, sleep): the engine's time of the run's start, the seconds since then, and
+    a wait; on the wall clock, or on ``virtual``, where waiting advances it."""
+    if virtual is None:
+        t0 = time.perf_counter()
+
+        def clock() -> float:
+            return time.perf_counter() - t0
+
+        def sleep(seconds: float) -> None:
+            time.sleep(seconds)
+
+        return time.monotonic(), clock, sleep
+    base = virtual()  # the engine orders requests by arrival on the same clock
+
+    def virtual_clock() -> float:
+        return virtual() - base
+
+    return base, virtual_clock, virtual.advance
+
+
+def _record_outputs(outputs: list, t: float, active: dict[str, RequestRecord],
+                    on_done: Callable[[RequestRecord], None]) -> None:
+    """One step's outputs into their records, at time ``t``: a chunk where tokens came, the
+    end where a request finished (it leaves ``active``)."""
+    for out in outputs:
+        rec = active.get(out.request_id)
+        if rec is None:
+            continue
+        ntok = sum(len(c.token_ids) for c in out.outputs)
+        if ntok > rec.output_tokens:
+            rec.chunk_times.append(t)
+            rec.output_tokens = ntok
+        if out.finished:
+            rec.end, rec.error = t, out.error
+            del active[out.request_id]
+            on_done(rec)
