@@ -112,10 +112,16 @@ class OutputProcessor:
                 self._append_samples(group, seq, res, structured)
         if structured:
             self._accept_structured(structured)
-        for request_id, group_results in beams.items():
-            beam_step(self.beams, touched[request_id], group_results)
         for group in sched.failed:
             touched[group.request_id] = group
+        self._end_step(touched, beams, now)
+        return list(touched.values())
+
+    def _end_step(self, touched: dict[str, SequenceGroup], beams: dict[str, list], now: float) -> None:
+        """After the samples are appended: the beam groups take their step, finished sequences
+        are freed (a live beam group forgets its dropped beams), finished groups are timed."""
+        for request_id, group_results in beams.items():
+            beam_step(self.beams, touched[request_id], group_results)
         self.free_finished()
         for request_id in beams:
             group = touched[request_id]
@@ -124,7 +130,6 @@ class OutputProcessor:
         for group in touched.values():
             if group.finished and group.finished_time is None:
                 group.finished_time = now
-        return list(touched.values())
 
     def build(self, touched: list[SequenceGroup], finished_only: bool = False,
               unread: Container[str] = ()) -> list[RequestOutput]:
