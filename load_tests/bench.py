@@ -253,30 +253,13 @@ def hardware() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        rates = parse_rates(args.request_rate)
-        parse_slo(args.goodput)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    if not 1 <= args.num_requests <= MAX_REQUESTS:
-        raise SystemExit(f"error: --num-requests must be in [1, {MAX_REQUESTS}]")
-    if not 0 < args.max_duration <= MAX_DURATION:
-        raise SystemExit(f"error: --max-duration must be in (0, {MAX_DURATION:.0f}] seconds")
-    if args.simulate and args.backend != "offline":
-        raise SystemExit("error: --simulate runs the offline engine: add --backend offline")
+    rates = _check_args(args)
     if args.backend != "offline":
         from load_tests.drivers import loopback_only
 
         args.url = loopback_only(args.url)
     tokenizer = load_tokenizer(args.tokenizer) if args.workload_file is None or args.backend == "websocket" else None
-    if args.workload_file is not None:
-        requests = load_requests(args.workload_file)[: args.num_requests]
-        if args.n != 1 or args.beam_width:  # the flags override what the file holds
-            for r in requests:
-                r.n, r.beam_width = (args.beam_width, args.beam_width) if args.beam_width else (args.n, 0)
-    else:
-        requests = build(args.workload, tokenizer, args.num_requests, args.workload_seed, args.n, args.beam_width,
-                         args.length_scale, args.max_len, args.prefix_len)
+    requests = _workload(args, tokenizer)
     if args.save_workload is not None:
         _write(args.save_workload, [asdict(r) for r in requests])
         print(f"wrote {len(requests)} {args.workload} requests to {args.save_workload}")
@@ -298,12 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"label": args.label, "backend": args.backend + (" (simulated model)" if args.simulate else ""), "workload": args.workload,
               "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "hardware": hardware(), "runs": []}
     if args.append and os.path.exists(args.json_out):
-        with open(args.json_out) as f:
-            old = json.load(f)
-        if (old["label"], old["workload"]) != (result["label"], result["workload"]):
-            raise SystemExit(f"error: {args.json_out} holds {old['label']} on {old['workload']}, not "
-                             f"{result['label']} on {result['workload']}")
-        result["runs"] = [r for r in old["runs"] if r["request_rate"] not in rates]
+        result["runs"] = _earlier_runs(args.json_out, result, rates)
     try:
         for rate in rates:
             run = run_point(args, requests, rate, target, recorder)
@@ -319,6 +297,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot_latency([result], args.plot, title=f"{args.workload}: {args.label}")
     return 1 if any(r["summary"]["completed"] == 0 for r in result["runs"]) else 0
+
+
+def _check_args(args) -> list[float]:
+    """The request rates, once every flag is checked (SystemExit names a bad one)."""
+    try:
+        rates = parse_rates(args.request_rate)
+        parse_slo(args.goodput)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not 1 <= args.num_requests <= MAX_REQUESTS:
+        raise SystemExit(f"error: --num-requests must be in [1, {MAX_REQUESTS}]")
+    if not 0 < args.max_duration <= MAX_DURATION:
+        raise SystemExit(f"error: --max-duration must be in (0, {MAX_DURATION:.0f}] seconds")
+    if args.simulate and args.backend != "offline":
+        raise SystemExit("error: --simulate runs the offline engine: add --backend offline")
+    return rates
+
+
+def _workload(args, tokenizer) -> list[BenchRequest]:
+    """The requests: the first --num-requests of --workload-file, or built for --workload."""
+    if args.workload_file is None:
+        return build(args.workload, tokenizer, args.num_requests, args.workload_seed, args.n, args.beam_width,
+                     args.length_scale, args.max_len, args.prefix_len)
+    requests = load_requests(args.workload_file)[: args.num_requests]
+    if args.n != 1 or args.beam_width:  # the flags override what the file holds
+        for r in requests:
+            r.n, r.beam_width = (args.beam_width, args.beam_width) if args.beam_width else (args.n, 0)
+    return requests
+
+
+def _earlier_runs(path: str, result: dict, rates: list[float]) -> list[dict]:
+    """--append: the runs ``path`` holds at rates other than ``rates``; it must hold the same
+    label on the same workload."""
+    with open(path) as f:
+        old = json.load(f)
+    if (old["label"], old["workload"]) != (result["label"], result["workload"]):
+        raise SystemExit(f"error: {path} holds {old['label']} on {old['workload']}, not "
+                         f"{result['label']} on {result['workload']}")
+    return [r for r in old["runs"] if r["request_rate"] not in rates]
 
 
 def _write(path: str, result: dict) -> None:
