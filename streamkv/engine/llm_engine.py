@@ -46,13 +46,16 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir)
         self.model_info = info = model_info or resolve_model_info(config.model, model_dir, self.tokenizer)
         info.verify_tensor_parallel(config.model.tensor_parallel_size)
-        # The engine's own copy carries the scheduler's device-dependent defaults; the
-        # caller's config is never changed after verify().
+        # The engine's own copy carries the resolved device ("auto" decided once, here) and
+        # the scheduler's defaults for it; the caller's config is never changed after verify().
         from streamkv.worker.worker import resolve_device
 
-        self.device_type = resolve_device(config.model.device).type
-        sched = config.scheduler.on_device(self.device_type)
-        self.config = config = dataclasses.replace(config, scheduler=sched)
+        device = resolve_device(config.model.device)
+        self.device_type = device.type
+        self.config = config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, device=str(device)),
+            scheduler=config.scheduler.on_device(device.type),
+        )
         owned = executor is None
         self.executor = executor = create_executor(config, info) if owned else executor
         try:

@@ -91,7 +91,7 @@ class MultiprocExecutor(Executor):
         # Resolved once here (a GGUF is converted before the ranks race) and sent to every rank.
         self.model_info = model_info or resolve_model_info(mc)
         self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
-        self.device = resolve_device(mc.device)
+        self.device = resolve_device(mc.device)  # resolved by the engine, unless built alone
         self.dtype = resolve_dtype(mc.dtype, self.device)
         local = self.tp if self.placement is None else self.placement.local_ranks
         verify_tensor_parallel(self.hf_config, self.tp, self.device, local)

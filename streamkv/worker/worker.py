@@ -30,6 +30,9 @@ _DTYPES = {
 
 
 def resolve_device(name: str) -> torch.device:
+    """The one place a configured device ("auto", "cpu", "cuda[:N]") becomes a device.
+    LLMEngine calls it once and hands on a config that names the result, so the executor
+    and its workers only parse that name (and check CUDA is there in their own process)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -50,7 +53,7 @@ class Worker:
         self.config = config
         self.rank = rank
         mc = config.model
-        self.device = resolve_device(mc.device)
+        self.device = resolve_device(mc.device)  # already resolved, unless built alone (benchmarks)
         if self.device.type == "cuda" and mc.tensor_parallel_size > 1:
             # One GPU per rank, numbered on its own host (ranks on several hosts: LOCAL_RANK,
             # as executor/rank.py sets the device).
