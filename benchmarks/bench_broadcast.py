@@ -41,7 +41,9 @@ def decode_step(batch: int, rng: random.Random) -> StepInput:
     for i in range(batch):
         pos = rng.randint(64, 1500)  # ShareGPT-like contexts
         grows = pos % BLOCK == 0
-        seqs.append(SeqStep(i, [rng.randrange(32000)], pos, True, [rng.randrange(20000)] if grows else []))
+        seqs.append(
+            SeqStep(i, [rng.randrange(32000)], pos, True, [rng.randrange(20000)] if grows else [])
+        )
     return StepInput(seqs=seqs, finished_ids=[batch + 7] if rng.random() < 0.05 else [])
 
 
@@ -61,7 +63,9 @@ def mixed_step(batch: int, budget: int, prompt_len: int, rng: random.Random) -> 
 
 
 def output_for(step: StepInput) -> bytes:
-    out = StepOutput({s.seq_id: SampleResult([s.seq_id % 32000], [-0.5]) for s in step.seqs if s.sample})
+    out = StepOutput(
+        {s.seq_id: SampleResult([s.seq_id % 32000], [-0.5]) for s in step.seqs if s.sample}
+    )
     return ipc.encode(ipc.Out(out, 0.0))
 
 
@@ -94,8 +98,12 @@ def start_ranks(tp: int, transport: str) -> tuple[list[Connection], list[subproc
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         else:
             ours, theirs = socket.socketpair()
-        procs.append(subprocess.Popen([sys.executable, __file__, "--fake-rank", str(theirs.fileno()), str(rank)],
-                                      pass_fds=(theirs.fileno(),)))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--fake-rank", str(theirs.fileno()), str(rank)],
+                pass_fds=(theirs.fileno(),),
+            )
+        )
         theirs.close()
         conns.append(Connection(ours.detach()))
     if listener is not None:
@@ -132,29 +140,47 @@ def measure(conns: list[Connection], steps: list[StepInput]) -> dict:
     def us(xs: list[float]) -> float:
         return round(1e6 * statistics.median(xs), 1)
 
-    return {"bytes": int(statistics.median(sizes)), "bytes_per_seq": round(statistics.median(sizes) / len(steps[0].seqs), 1),
-            "encode_us": us(enc), "send_all_us": us(send), "rank_decode_us": us(rank_decode),
-            "roundtrip_us": us(total), "roundtrip_p90_us": round(1e6 * sorted(total)[int(0.9 * len(total))], 1)}
+    return {
+        "bytes": int(statistics.median(sizes)),
+        "bytes_per_seq": round(statistics.median(sizes) / len(steps[0].seqs), 1),
+        "encode_us": us(enc),
+        "send_all_us": us(send),
+        "rank_decode_us": us(rank_decode),
+        "roundtrip_us": us(total),
+        "roundtrip_p90_us": round(1e6 * sorted(total)[int(0.9 * len(total))], 1),
+    }
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batch", type=int, default=256, help="sequences per step")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8], help="ranks (fake processes)")
     ap.add_argument("--steps", type=int, default=300, help="steps measured per case")
     ap.add_argument("--budget", type=int, default=2048, help="prompt tokens of a mixed step")
-    ap.add_argument("--prompt-len", type=int, default=256, help="tokens per new prompt of a mixed step")
-    ap.add_argument("--transport", nargs="+", choices=["socketpair", "tcp"], default=["socketpair", "tcp"])
+    ap.add_argument(
+        "--prompt-len", type=int, default=256, help="tokens per new prompt of a mixed step"
+    )
+    ap.add_argument(
+        "--transport", nargs="+", choices=["socketpair", "tcp"], default=["socketpair", "tcp"]
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default="bench_results/broadcast.json")
-    ap.add_argument("--fake-rank", nargs=2, type=int, metavar=("FD", "RANK"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--fake-rank", nargs=2, type=int, metavar=("FD", "RANK"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.fake_rank:
         fake_rank(*args.fake_rank)
         return 0
     rng = random.Random(args.seed)
-    cases = {"decode": [decode_step(args.batch, rng) for _ in range(args.steps)],
-             "mixed": [mixed_step(args.batch, args.budget, args.prompt_len, rng) for _ in range(args.steps)]}
+    cases = {
+        "decode": [decode_step(args.batch, rng) for _ in range(args.steps)],
+        "mixed": [
+            mixed_step(args.batch, args.budget, args.prompt_len, rng) for _ in range(args.steps)
+        ],
+    }
     rows = []
     for transport in args.transport:
         for tp in args.tp:
@@ -162,15 +188,32 @@ def main() -> int:
             try:
                 for name, steps in cases.items():
                     measure(conns, steps[:20])  # warm-up
-                    rows.append({"transport": transport, "tp": tp, "step": name, "batch": args.batch,
-                                 **measure(conns, steps)})
+                    rows.append(
+                        {
+                            "transport": transport,
+                            "tp": tp,
+                            "step": name,
+                            "batch": args.batch,
+                            **measure(conns, steps),
+                        }
+                    )
             finally:
                 for conn in conns:
                     conn.close()
                 for proc in procs:
                     proc.wait(10)
-    header = ["transport", "tp", "step", "bytes", "bytes_per_seq", "encode_us", "send_all_us", "rank_decode_us",
-              "roundtrip_us", "roundtrip_p90_us"]
+    header = [
+        "transport",
+        "tp",
+        "step",
+        "bytes",
+        "bytes_per_seq",
+        "encode_us",
+        "send_all_us",
+        "rank_decode_us",
+        "roundtrip_us",
+        "roundtrip_p90_us",
+    ]
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(str(row[h]) for h in header))

@@ -35,7 +35,12 @@ from streamkv.worker.input_batch import SampleRequest, SeqInput  # noqa: E402
 from streamkv.worker.worker import Worker  # noqa: E402
 
 GEMM_MARKS = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas")
-FUSED_MARKS = ("rms_norm_kernel", "add_layer_norm_kernel", "rotary_embedding_kernel", "silu_and_mul_kernel")
+FUSED_MARKS = (
+    "rms_norm_kernel",
+    "add_layer_norm_kernel",
+    "rotary_embedding_kernel",
+    "silu_and_mul_kernel",
+)
 CATEGORIES = ("gemm", "attention", "cache_write", "fused_elementwise", "other")
 
 
@@ -53,11 +58,18 @@ def category(kernel: str) -> str:
 
 
 def build(args) -> Worker:
-    blocks_per_seq = -(-(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size)
+    blocks_per_seq = -(
+        -(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size
+    )
     num_blocks = max(args.batch_sizes) * blocks_per_seq
     config = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device="cuda", load_format="dummy",
-                          max_model_len=args.max_model_len),
+        model=ModelConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device="cuda",
+            load_format="dummy",
+            max_model_len=args.max_model_len,
+        ),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks, num_swap_blocks=0),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes)),
     )
@@ -71,13 +83,20 @@ def decode_seqs(batch: int, context: int, blocks_per_seq: int, vocab: int) -> li
     gen = torch.Generator().manual_seed(batch)
     tokens = torch.randint(0, vocab, (batch,), generator=gen).tolist()
     return [
-        SeqInput(i, [tokens[i]], context, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-                 SampleRequest())
+        SeqInput(
+            i,
+            [tokens[i]],
+            context,
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            SampleRequest(),
+        )
         for i in range(batch)
     ]
 
 
-def run_steps(worker: Worker, seqs: list[SeqInput], first_pos: int, steps: int, use_graphs: bool) -> None:
+def run_steps(
+    worker: Worker, seqs: list[SeqInput], first_pos: int, steps: int, use_graphs: bool
+) -> None:
     runner, kv = worker.runner, worker.cache.device_cache
     for k in range(steps):
         for s in seqs:
@@ -85,8 +104,9 @@ def run_steps(worker: Worker, seqs: list[SeqInput], first_pos: int, steps: int, 
         runner.execute(seqs, kv, use_graphs=use_graphs)  # sampling synchronises each step
 
 
-def time_steps(worker: Worker, seqs: list[SeqInput], context: int, warmup: int, steps: int,
-               use_graphs: bool) -> float:
+def time_steps(
+    worker: Worker, seqs: list[SeqInput], context: int, warmup: int, steps: int, use_graphs: bool
+) -> float:
     """Seconds per decode step (wall clock: the CPU work is what graphs save)."""
     run_steps(worker, seqs, context, warmup, use_graphs)
     torch.cuda.synchronize()
@@ -97,7 +117,12 @@ def time_steps(worker: Worker, seqs: list[SeqInput], context: int, warmup: int, 
 
 
 def _kernel_time_us(avg) -> float:
-    for field in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+    for field in (
+        "self_device_time_total",
+        "self_cuda_time_total",
+        "device_time_total",
+        "cuda_time_total",
+    ):
         value = getattr(avg, field, None)
         if value:
             return float(value)
@@ -144,28 +169,48 @@ def profile_steps(worker: Worker, seqs: list[SeqInput], first_pos: int, steps: i
         c = category(avg.key)
         split[c]["ms_per_step"] += us / 1e3 / steps
         split[c]["kernels_per_step"] += avg.count / steps
-        top.append({"kernel": avg.key[:120], "category": c, "ms_per_step": us / 1e3 / steps,
-                    "calls_per_step": avg.count / steps})
+        top.append(
+            {
+                "kernel": avg.key[:120],
+                "category": c,
+                "ms_per_step": us / 1e3 / steps,
+                "calls_per_step": avg.count / steps,
+            }
+        )
     top.sort(key=lambda r: -r["ms_per_step"])
     total = sum(v["ms_per_step"] for v in split.values())
     return {"total_ms_per_step": total, "split": split, "top": top[:15]}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="llama3-8b", help="a preset or HF directory (dummy weights)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 256])
-    ap.add_argument("--context", type=int, default=512, help="cached tokens per sequence at the start")
-    ap.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size and mode")
+    ap.add_argument(
+        "--context", type=int, default=512, help="cached tokens per sequence at the start"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=50, help="timed decode steps per batch size and mode"
+    )
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="the graphs' largest context bucket (default: the model's context)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the graphs' largest context bucket (default: the model's context)",
+    )
     ap.add_argument("--no-eager", action="store_true", help="time graph replays only")
-    ap.add_argument("--profile", action="store_true", help="split the GPU kernel time of graph steps")
+    ap.add_argument(
+        "--profile", action="store_true", help="split the GPU kernel time of graph steps"
+    )
     ap.add_argument("--profile-steps", type=int, default=10)
-    ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
+    ap.add_argument(
+        "--label", default="", help="a name for this run in the JSON (e.g. before / after)"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -180,7 +225,9 @@ def main() -> int:
     buckets = getattr(graphs, "buckets", [graphs.max_model_len])  # older checkouts: one bound
     graph_count = getattr(graphs, "count", len(graphs.sizes))
     vocab = worker.hf_config["vocab_size"]
-    blocks_per_seq = -(-(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size)
+    blocks_per_seq = -(
+        -(args.context + args.warmup + args.steps + args.profile_steps + 1) // args.block_size
+    )
     copy_gbs = copy_bandwidth_gbs() if args.profile else 0.0
     rows = []
     for batch in args.batch_sizes:
@@ -188,9 +235,15 @@ def main() -> int:
         before = graphs.replays
         graph_s = time_steps(worker, seqs, args.context, args.warmup, args.steps, True)
         if graphs.replays - before != args.warmup + args.steps:  # every graph step, no eager one
-            raise RuntimeError(f"batch {batch}: {graphs.replays - before} replays, "
-                               f"expected {args.warmup + args.steps}")
-        row = {"batch": batch, "graph_ms_per_step": 1e3 * graph_s, "graph_tokens_per_s": batch / graph_s}
+            raise RuntimeError(
+                f"batch {batch}: {graphs.replays - before} replays, "
+                f"expected {args.warmup + args.steps}"
+            )
+        row = {
+            "batch": batch,
+            "graph_ms_per_step": 1e3 * graph_s,
+            "graph_tokens_per_s": batch / graph_s,
+        }
         if args.profile:
             first = args.context + args.warmup + args.steps
             p = profile_steps(worker, seqs, first, args.profile_steps)
@@ -204,31 +257,47 @@ def main() -> int:
             row.update(eager_ms_per_step=1e3 * eager_s, speedup=eager_s / graph_s)
         rows.append(row)
 
-    print(f"{args.label + ': ' if args.label else ''}{args.model} {args.dtype} on {torch.cuda.get_device_name()}: "
-          f"context {args.context}+, {args.steps} steps; {graph_count} graphs (batch {graphs.sizes[0]}.."
-          f"{graphs.max_batch}, context buckets {buckets}) captured in {graphs.capture_seconds:.1f}s, "
-          f"{graphs.memory_bytes / 2**20:.0f} MiB")
+    print(
+        f"{args.label + ': ' if args.label else ''}{args.model} {args.dtype} on {torch.cuda.get_device_name()}: "
+        f"context {args.context}+, {args.steps} steps; {graph_count} graphs (batch {graphs.sizes[0]}.."
+        f"{graphs.max_batch}, context buckets {buckets}) captured in {graphs.capture_seconds:.1f}s, "
+        f"{graphs.memory_bytes / 2**20:.0f} MiB"
+    )
     print(f"{'batch':>6} {'graph ms':>9} {'eager ms':>9} {'speedup':>8} {'tokens/s':>10}")
     for r in rows:
-        eager = f"{r['eager_ms_per_step']:>9.2f} {r['speedup']:>7.2f}x" if "speedup" in r else f"{'-':>9} {'-':>8}"
-        print(f"{r['batch']:>6} {r['graph_ms_per_step']:>9.2f} {eager} {r['graph_tokens_per_s']:>10.0f}")
+        eager = (
+            f"{r['eager_ms_per_step']:>9.2f} {r['speedup']:>7.2f}x"
+            if "speedup" in r
+            else f"{'-':>9} {'-':>8}"
+        )
+        print(
+            f"{r['batch']:>6} {r['graph_ms_per_step']:>9.2f} {eager} {r['graph_tokens_per_s']:>10.0f}"
+        )
     if args.profile:
-        print(f"\nGPU kernel time per graph step (ms, kernels), {args.profile_steps} profiled steps; "
-              f"copy bandwidth {copy_gbs:.0f} GB/s")
+        print(
+            f"\nGPU kernel time per graph step (ms, kernels), {args.profile_steps} profiled steps; "
+            f"copy bandwidth {copy_gbs:.0f} GB/s"
+        )
         print(f"{'batch':>6} {'total':>7} " + " ".join(f"{c:>22}" for c in CATEGORIES))
         for r in rows:
             p = r["profile"]
-            cells = " ".join(f"{p['split'][c]['ms_per_step']:>13.3f} ({p['split'][c]['kernels_per_step']:>5.0f})"
-                             for c in CATEGORIES)
+            cells = " ".join(
+                f"{p['split'][c]['ms_per_step']:>13.3f} ({p['split'][c]['kernels_per_step']:>5.0f})"
+                for c in CATEGORIES
+            )
             print(f"{r['batch']:>6} {p['total_ms_per_step']:>7.3f} {cells}")
         for r in rows:
             p = r["profile"]
-            print(f"batch {r['batch']}: attention {p['split']['attention']['ms_per_step']:.3f} ms for "
-                  f"{p['kv_bytes_per_step'] / 1e9:.2f} GB of K/V = {p['attention_vs_copy']:.2f}x its time at copy bandwidth")
+            print(
+                f"batch {r['batch']}: attention {p['split']['attention']['ms_per_step']:.3f} ms for "
+                f"{p['kv_bytes_per_step'] / 1e9:.2f} GB of K/V = {p['attention_vs_copy']:.2f}x its time at copy bandwidth"
+            )
         for r in rows:
             print(f"\nbatch {r['batch']}: top kernels (ms per step, calls per step)")
             for k in r["profile"]["top"]:
-                print(f"  {k['ms_per_step']:>7.3f} {k['calls_per_step']:>6.0f}  {k['category']:<17} {k['kernel']}")
+                print(
+                    f"  {k['ms_per_step']:>7.3f} {k['calls_per_step']:>6.0f}  {k['category']:<17} {k['kernel']}"
+                )
     if args.out:
         result = {
             "label": args.label,

@@ -87,9 +87,13 @@ class InstantExecutor(Executor):
     def execute(self, step: StepInput) -> StepOutput:
         for s in step.seqs:
             if s.token_ids[0] == PENDING_TOKEN and s.seq_id not in self.last:
-                raise RuntimeError(f"sequence {s.seq_id}'s pending token was not sampled the step before")
+                raise RuntimeError(
+                    f"sequence {s.seq_id}'s pending token was not sampled the step before"
+                )
         draw = self.rng.randrange
-        out = StepOutput({s.seq_id: SampleResult([draw(1000, 20000)], [-1.0]) for s in step.seqs if s.sample})
+        out = StepOutput(
+            {s.seq_id: SampleResult([draw(1000, 20000)], [-1.0]) for s in step.seqs if s.sample}
+        )
         self.last = set(out.results)
         return out
 
@@ -143,13 +147,23 @@ class _GcTimer:
 
 def _engine(args, executor: Executor, async_scheduling: bool) -> LLMEngine:
     blocks = executor.num_blocks
-    cfg = engine_config(args.model, device="cpu", max_num_seqs=args.num_seqs, num_kv_blocks=blocks,
-                        num_swap_blocks=0, enable_prefix_caching=False, async_scheduling=async_scheduling)
+    cfg = engine_config(
+        args.model,
+        device="cpu",
+        max_num_seqs=args.num_seqs,
+        num_kv_blocks=blocks,
+        num_swap_blocks=0,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    )
     engine = LLMEngine(cfg, executor)
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for i in range(args.num_seqs):
-        ids = [rng.randrange(1000, 20000) for _ in range(rng.randrange(args.max_prompt_len // 8, args.max_prompt_len))]
+        ids = [
+            rng.randrange(1000, 20000)
+            for _ in range(rng.randrange(args.max_prompt_len // 8, args.max_prompt_len))
+        ]
         engine.add_request(str(i), None, params, prompt_token_ids=ids)
     return engine
 
@@ -157,8 +171,11 @@ def _engine(args, executor: Executor, async_scheduling: bool) -> LLMEngine:
 def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
     blocks = args.num_seqs * -(-(args.max_prompt_len + args.output_len) // 16) + 16
     gpu_s = args.gpu_ms / 1e3
-    executor = (InstantExecutor(blocks, args.seed, args.model) if mode == "instant"
-                else SlowDeviceExecutor(blocks, args.seed, gpu_s, args.model))
+    executor = (
+        InstantExecutor(blocks, args.seed, args.model)
+        if mode == "instant"
+        else SlowDeviceExecutor(blocks, args.seed, gpu_s, args.model)
+    )
     engine = _engine(args, executor, async_scheduling)
     if args.gc_freeze:  # what `streamkv serve` does once the engine is up (entrypoints/server.py)
         gc.collect()
@@ -186,10 +203,16 @@ def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
     # everything but the waits for the stand-in device.
     host_ms = wall_ms - (executor.waited_s / steps * 1e3 if mode == "gpu" else 0.0)
     result = {
-        "mode": mode, "async_scheduling": engine.async_scheduling, "steps": steps,
-        "overlapped_steps": engine.overlapped_steps, "wall_ms_per_step": wall_ms,
-        "engine_cpu_ms_per_step": cpu / steps * 1e3, "host_ms_per_step": host_ms, "gpu_ms": gpu_ms,
-        "gc_ms_per_step": gc_time.seconds / steps * 1e3, "full_collections": gc_time.full,
+        "mode": mode,
+        "async_scheduling": engine.async_scheduling,
+        "steps": steps,
+        "overlapped_steps": engine.overlapped_steps,
+        "wall_ms_per_step": wall_ms,
+        "engine_cpu_ms_per_step": cpu / steps * 1e3,
+        "host_ms_per_step": host_ms,
+        "gpu_ms": gpu_ms,
+        "gc_ms_per_step": gc_time.seconds / steps * 1e3,
+        "full_collections": gc_time.full,
         "profiled": profile,
     }
     if mode == "gpu":
@@ -200,27 +223,49 @@ def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="a local model directory whose tokenizer and config to use (default: the embedded model)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a local model directory whose tokenizer and config to use (default: the embedded model)",
+    )
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-prompt-len", type=int, default=1000)
-    ap.add_argument("--gpu-ms", type=float, default=10.0, help="the stand-in device's time per step (gpu mode)")
+    ap.add_argument(
+        "--gpu-ms", type=float, default=10.0, help="the stand-in device's time per step (gpu mode)"
+    )
     ap.add_argument("--modes", default="instant,gpu", help="comma-separated: instant, gpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true", help="cProfile one extra instant run (async off)")
-    ap.add_argument("--finished-only", action="store_true",
-                    help="outputs for finished requests only, as offline LLM.generate asks")
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile one extra instant run (async off)"
+    )
+    ap.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="outputs for finished requests only, as offline LLM.generate asks",
+    )
     ap.add_argument("--sort", default="cumulative", help="cProfile sort key (cumulative, tottime)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--gc-freeze", action="store_true",
-                    help="gc.freeze() the heap before the steps, as `streamkv serve` does after start-up")
-    ap.add_argument("--tree", default=None, help="the checkout whose streamkv to run (default: this one)")
-    ap.add_argument("--against", default=None,
-                    help="another checkout: run both alternately, one process per run, and compare")
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() the heap before the steps, as `streamkv serve` does after start-up",
+    )
+    ap.add_argument(
+        "--tree", default=None, help="the checkout whose streamkv to run (default: this one)"
+    )
+    ap.add_argument(
+        "--against",
+        default=None,
+        help="another checkout: run both alternately, one process per run, and compare",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="with --against: runs of each checkout")
-    ap.add_argument("--json-rows", action="store_true", help=argparse.SUPPRESS)  # a child of --against
+    ap.add_argument(
+        "--json-rows", action="store_true", help=argparse.SUPPRESS
+    )  # a child of --against
     args = ap.parse_args()
     if args.against:
         return _compare(args)
@@ -230,16 +275,22 @@ def main() -> int:
         return 0
     if args.profile:
         run(args, "instant", False, profile=True)
-    print(f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
-          f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}")
-    print(f"{'executor':<9} {'async':<6} {'steps':>6} {'overlapped':>10} {'engine CPU ms':>13} {'host ms':>8} "
-          f"{'GPU ms':>7} {'wall ms':>8} {'max(host,GPU)':>13} {'hidden':>7} {'GC ms':>6} {'full GCs':>8}")
+    print(
+        f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
+        f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}"
+    )
+    print(
+        f"{'executor':<9} {'async':<6} {'steps':>6} {'overlapped':>10} {'engine CPU ms':>13} {'host ms':>8} "
+        f"{'GPU ms':>7} {'wall ms':>8} {'max(host,GPU)':>13} {'hidden':>7} {'GC ms':>6} {'full GCs':>8}"
+    )
     for r in rows:
         ideal = f"{r['ideal_ms_per_step']:.2f}" if "ideal_ms_per_step" in r else "-"
         hidden = f"{r['hidden']:.0%}" if "hidden" in r else "-"
-        print(f"{r['mode']:<9} {'on' if r['async_scheduling'] else 'off':<6} {r['steps']:>6} {r['overlapped_steps']:>10} "
-              f"{r['engine_cpu_ms_per_step']:>13.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_ms']:>7.1f} "
-              f"{r['wall_ms_per_step']:>8.2f} {ideal:>13} {hidden:>7} {r['gc_ms_per_step']:>6.2f} {r['full_collections']:>8}")
+        print(
+            f"{r['mode']:<9} {'on' if r['async_scheduling'] else 'off':<6} {r['steps']:>6} {r['overlapped_steps']:>10} "
+            f"{r['engine_cpu_ms_per_step']:>13.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_ms']:>7.1f} "
+            f"{r['wall_ms_per_step']:>8.2f} {ideal:>13} {hidden:>7} {r['gc_ms_per_step']:>6.2f} {r['full_collections']:>8}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "runs": rows}, f, indent=2)
@@ -247,10 +298,25 @@ def main() -> int:
 
 
 def _child_argv(args, tree: str) -> list[str]:
-    argv = [sys.executable, os.path.abspath(__file__), "--tree", tree, "--json-rows",
-            "--num-seqs", str(args.num_seqs), "--output-len", str(args.output_len),
-            "--max-prompt-len", str(args.max_prompt_len), "--gpu-ms", str(args.gpu_ms),
-            "--modes", args.modes, "--seed", str(args.seed)]
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--tree",
+        tree,
+        "--json-rows",
+        "--num-seqs",
+        str(args.num_seqs),
+        "--output-len",
+        str(args.output_len),
+        "--max-prompt-len",
+        str(args.max_prompt_len),
+        "--gpu-ms",
+        str(args.gpu_ms),
+        "--modes",
+        args.modes,
+        "--seed",
+        str(args.seed),
+    ]
     if args.model:
         argv += ["--model", args.model]
     if args.finished_only:
@@ -267,29 +333,45 @@ def _compare(args) -> int:
     runs: dict[str, list[list[dict]]] = {k: [] for k in trees}
     for _ in range(args.repeat):
         for name, tree in trees.items():
-            done = subprocess.run(_child_argv(args, tree), check=True, capture_output=True, text=True)
+            done = subprocess.run(
+                _child_argv(args, tree), check=True, capture_output=True, text=True
+            )
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
-          f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}; "
-          f"{args.repeat} alternating runs each")
+    print(
+        f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
+        f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}; "
+        f"{args.repeat} alternating runs each"
+    )
     print(f"against: {trees['against']}\nthis:    {trees['this']}")
-    print(f"{'executor':<9} {'async':<6} {'figure':<15} {'against min':>11} {'median':>7} "
-          f"{'this min':>9} {'median':>7} {'ratio min':>9} {'median':>7}")
+    print(
+        f"{'executor':<9} {'async':<6} {'figure':<15} {'against min':>11} {'median':>7} "
+        f"{'this min':>9} {'median':>7} {'ratio min':>9} {'median':>7}"
+    )
     table = []
     for i, row in enumerate(runs["this"][0]):
         for key in ("engine_cpu_ms_per_step", "wall_ms_per_step", "gc_ms_per_step"):
             a = [r[i][key] for r in runs["against"]]
             t = [r[i][key] for r in runs["this"]]
-            fig = {"mode": row["mode"], "async_scheduling": row["async_scheduling"], "figure": key,
-                   "against": a, "this": t, "ratio_min": min(t) / min(a),
-                   "ratio_median": statistics.median(t) / statistics.median(a)}
+            fig = {
+                "mode": row["mode"],
+                "async_scheduling": row["async_scheduling"],
+                "figure": key,
+                "against": a,
+                "this": t,
+                "ratio_min": min(t) / min(a),
+                "ratio_median": statistics.median(t) / statistics.median(a),
+            }
             table.append(fig)
-            print(f"{row['mode']:<9} {'on' if row['async_scheduling'] else 'off':<6} {key.split('_ms')[0]:<15} "
-                  f"{min(a):>11.2f} {statistics.median(a):>7.2f} {min(t):>9.2f} {statistics.median(t):>7.2f} "
-                  f"{fig['ratio_min']:>9.2f} {fig['ratio_median']:>7.2f}")
+            print(
+                f"{row['mode']:<9} {'on' if row['async_scheduling'] else 'off':<6} {key.split('_ms')[0]:<15} "
+                f"{min(a):>11.2f} {statistics.median(a):>7.2f} {min(t):>9.2f} {statistics.median(t):>7.2f} "
+                f"{fig['ratio_min']:>9.2f} {fig['ratio_median']:>7.2f}"
+            )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "trees": trees, "comparison": table, "runs": runs}, f, indent=2)
+            json.dump(
+                {"args": vars(args), "trees": trees, "comparison": table, "runs": runs}, f, indent=2
+            )
     return 0
 
 

@@ -18,30 +18,61 @@ import numpy as np
 
 SCHEMAS = {
     "person": (
-        {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-         "required": ["name", "age"]},
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        },
         {"name": "Ada Lovelace", "age": 36},
     ),
     "enum+array": (
-        {"type": "object", "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
-         "required": ["color", "tags"]},
+        {
+            "type": "object",
+            "properties": {
+                "color": {"enum": ["red", "green", "blue"]},
+                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            },
+            "required": ["color", "tags"],
+        },
         {"color": "green", "tags": ["alpha", "beta", "gamma"]},
     ),
     "nested": (
-        {"type": "object", "properties": {
-            "order": {"type": "object", "properties": {
-                "id": {"type": "integer"},
-                "items": {"type": "array", "items": {"type": "object", "properties": {
-                    "sku": {"type": "string"}, "qty": {"type": "integer"}, "price": {"type": "number"}},
-                    "required": ["sku", "qty", "price"]}}},
-                "required": ["id", "items"]},
-            "note": {"type": "string"}},
-         "required": ["order"]},
-        {"order": {"id": 42, "items": [{"sku": "A-1", "qty": 2, "price": 9.5},
-                                       {"sku": "B-22", "qty": 1, "price": 120.25}]},
-         "note": "leave at the door"},
+        {
+            "type": "object",
+            "properties": {
+                "order": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer"},
+                        "items": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "sku": {"type": "string"},
+                                    "qty": {"type": "integer"},
+                                    "price": {"type": "number"},
+                                },
+                                "required": ["sku", "qty", "price"],
+                            },
+                        },
+                    },
+                    "required": ["id", "items"],
+                },
+                "note": {"type": "string"},
+            },
+            "required": ["order"],
+        },
+        {
+            "order": {
+                "id": 42,
+                "items": [
+                    {"sku": "A-1", "qty": 2, "price": 9.5},
+                    {"sku": "B-22", "qty": 1, "price": 120.25},
+                ],
+            },
+            "note": "leave at the door",
+        },
     ),
     "json_object": (None, {"free": [1, 2, {"x": "y"}], "ok": True}),
 }
@@ -55,8 +86,11 @@ def _walk_xgrammar(tok, eos: list[int], vocab: int, reps: int) -> dict:
     out = {}
     for name, (schema, instance) in SCHEMAS.items():
         t0 = time.perf_counter()
-        g = compiler.compile_builtin_json_grammar() if schema is None else compiler.compile_json_schema(
-            json.dumps(schema), any_whitespace=False)
+        g = (
+            compiler.compile_builtin_json_grammar()
+            if schema is None
+            else compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        )
         compile_ms = (time.perf_counter() - t0) * 1e3
         ids = tok.encode(json.dumps(instance), add_special_tokens=False) + eos[:1]
         mask = xgr.allocate_token_bitmask(1, vocab)
@@ -84,7 +118,9 @@ def _walk_llguidance(tok, eos: list[int], vocab: int, reps: int) -> dict:
         t0 = time.perf_counter()
         spec = {"type": "object"} if schema is None else schema
         grammar = llg.LLMatcher.grammar_from_json_schema(
-            spec, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+            spec,
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+        )
         err = llg.LLMatcher.validate_grammar(grammar, lltok)
         if err:
             raise RuntimeError(err)
@@ -114,13 +150,20 @@ def main() -> None:
     tok = load_tokenizer(resolve_model_dir(None))
     vocab = len(tok)
     eos = [tok.eos_token_id]
-    res = {"vocab": vocab, "xgrammar": _walk_xgrammar(tok, eos, vocab, args.reps),
-           "llguidance": _walk_llguidance(tok, eos, vocab, args.reps)}
-    print(f"{'schema':<12} {'engine':<11} {'compile ms':>10} {'mask+accept us/tok':>19} {'tokens':>6}")
+    res = {
+        "vocab": vocab,
+        "xgrammar": _walk_xgrammar(tok, eos, vocab, args.reps),
+        "llguidance": _walk_llguidance(tok, eos, vocab, args.reps),
+    }
+    print(
+        f"{'schema':<12} {'engine':<11} {'compile ms':>10} {'mask+accept us/tok':>19} {'tokens':>6}"
+    )
     for name in SCHEMAS:
         for eng in ("xgrammar", "llguidance"):
             r = res[eng][name]
-            print(f"{name:<12} {eng:<11} {r['compile_ms']:>10.1f} {r['us_per_token']:>19.1f} {r['tokens']:>6}")
+            print(
+                f"{name:<12} {eng:<11} {r['compile_ms']:>10.1f} {r['us_per_token']:>19.1f} {r['tokens']:>6}"
+            )
     for eng in ("xgrammar", "llguidance"):
         res[eng + "_mean_us"] = float(np.mean([r["us_per_token"] for r in res[eng].values()]))
         print(f"mean {eng}: {res[eng + '_mean_us']:.1f} us/token")

@@ -41,13 +41,19 @@ def clock(fn, calls: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", type=int, default=64, help="structured rows a step")
     ap.add_argument("--vocab", type=int, default=49152, help="SmolLM2's vocabulary")
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads: on a loaded 2-core box torch's 2-thread copy of 0.4 MB took ~8 ms")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads: on a loaded 2-core box torch's 2-thread copy of 0.4 MB took ~8 ms",
+    )
     ap.add_argument("--json-out", default="bench_results/mask_step.json")
     args = ap.parse_args()
 
@@ -61,7 +67,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     width = -(-args.vocab // 32)
-    words = np.random.default_rng(0).integers(-(2**31), 2**31 - 1, (args.rows, width), dtype=np.int32)
+    words = np.random.default_rng(0).integers(
+        -(2**31), 2**31 - 1, (args.rows, width), dtype=np.int32
+    )
     rows = list(range(1, 2 * args.rows, 2))  # every other logits row: the row indices are uploaded
     logits = torch.zeros(2 * args.rows, args.vocab, device=device)
     staging = MaskStaging(width, pin=device.type == "cuda")
@@ -81,17 +89,34 @@ def main() -> int:
             torch.cuda.synchronize(device)
 
     on_cuda = device.type == "cuda"
-    with mock.patch.object(tmc, "ban_outside_masks", tmc.ban_outside_masks if on_cuda else lambda *a: None), \
-            mock.patch.object(tmc, "BanLaunch", tmc.BanLaunch if on_cuda else _NoLaunch):
+    with (
+        mock.patch.object(
+            tmc, "ban_outside_masks", tmc.ban_outside_masks if on_cuda else lambda *a: None
+        ),
+        mock.patch.object(tmc, "BanLaunch", tmc.BanLaunch if on_cuda else _NoLaunch),
+    ):
         old_step = clock(lambda: tm._ban_with_kernel(logits, old_masks, rows), args.calls)
         sync()
-        new_step = clock(lambda: staged_step(staging, lambda: tm._ban_staged(logits, staging, new_masks, rows)),
-                         args.calls)
+        new_step = clock(
+            lambda: staged_step(staging, lambda: tm._ban_staged(logits, staging, new_masks, rows)),
+            args.calls,
+        )
         sync()
-    result = {"device": str(device), "rows": args.rows, "vocab": args.vocab, "calls": args.calls,
-              "us": {"fill_old": clock(old_fill, args.calls), "fill_new": clock(new_fill, args.calls),
-                     "mask_step_old": old_step, "mask_step_new": new_step}}
-    print(f"{args.rows} rows x {args.vocab} tokens on {device}, host us a call (mean of {args.calls}):")
+    result = {
+        "device": str(device),
+        "rows": args.rows,
+        "vocab": args.vocab,
+        "calls": args.calls,
+        "us": {
+            "fill_old": clock(old_fill, args.calls),
+            "fill_new": clock(new_fill, args.calls),
+            "mask_step_old": old_step,
+            "mask_step_new": new_step,
+        },
+    }
+    print(
+        f"{args.rows} rows x {args.vocab} tokens on {device}, host us a call (mean of {args.calls}):"
+    )
     for name, us in result["us"].items():
         print(f"  {name:<15}{us:>9.1f}")
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)

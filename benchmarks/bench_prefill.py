@@ -153,7 +153,9 @@ def run_kernels(args) -> list[dict]:
     for text in filter(None, args.tiles.split(",")):
         head, tile = parse_tile(text)
         rows.append(bench_kernel(by_head[head], args.iters, tile))
-    print(f"\nPrefill attention on {torch.cuda.get_device_name()} (bf16; us = median CUDA-graph replay)")
+    print(
+        f"\nPrefill attention on {torch.cuda.get_device_name()} (bf16; us = median CUDA-graph replay)"
+    )
     print_table(
         rows,
         [
@@ -218,7 +220,9 @@ def run_e2e(args) -> list[dict]:
     )
     config = AutoConfig.from_pretrained(str(llm.engine.executor.model_dir))
     with torch.device("cuda"):  # random weights, made in bf16 on the device
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
     hf.eval()
     params = sum(p.numel() for p in hf.parameters())
     rows = []
@@ -271,22 +275,43 @@ def run_e2e(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     part = ap.add_mutually_exclusive_group()
-    part.add_argument("--kernel-only", action="store_true", help="only (a), the kernel against SDPA")
-    part.add_argument("--e2e-only", action="store_true", help="only (b), the engine against transformers")
+    part.add_argument(
+        "--kernel-only", action="store_true", help="only (a), the kernel against SDPA"
+    )
+    part.add_argument(
+        "--e2e-only", action="store_true", help="only (b), the engine against transformers"
+    )
     ap.add_argument("--iters", type=int, default=20, help="(a) timed graph replays per row")
-    ap.add_argument("--tiles", default="128:8x1x64,128:4x2x32,64:4x2x128,256:4x1x64",
-                    help="(a) extra tiles, each timed on the 4k shape of its head size: "
-                         "HEAD:warps x m16 tiles per warp x keys")
+    ap.add_argument(
+        "--tiles",
+        default="128:8x1x64,128:4x2x32,64:4x2x128,256:4x1x64",
+        help="(a) extra tiles, each timed on the 4k shape of its head size: "
+        "HEAD:warps x m16 tiles per warp x keys",
+    )
     ap.add_argument("--model", default="llama3-8b", help="(b) preset or model dir (dummy weights)")
-    ap.add_argument("--workloads", default="64x4000,256x500", help="(b) prompts x tokens, comma list")
+    ap.add_argument(
+        "--workloads", default="64x4000,256x500", help="(b) prompts x tokens, comma list"
+    )
     ap.add_argument("--rounds", type=int, default=2, help="(b) timed runs per system (best kept)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="(b) engine step budget")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.55,
-                    help="(b) the engine's share, leaving room for the transformers model")
-    ap.add_argument("--hf-batch-tokens", type=int, default=64000,
-                    help="(b) prompt tokens per transformers forward")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="(b) engine step budget"
+    )
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.55,
+        help="(b) the engine's share, leaving room for the transformers model",
+    )
+    ap.add_argument(
+        "--hf-batch-tokens",
+        type=int,
+        default=64000,
+        help="(b) prompt tokens per transformers forward",
+    )
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="(b) bf16 matmul roofline")
     ap.add_argument("--out", default="bench_results/prefill.json")
     args = ap.parse_args(argv)

@@ -63,7 +63,9 @@ def synthetic_model_dir(preset: str) -> str:
     out = tempfile.mkdtemp(prefix=f"streamkv-{preset}-synthetic-")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))
+    words = Tokenizer(
+        models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0")
+    )
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(out)
     return out
@@ -88,7 +90,9 @@ def one_fault(url: str, server_pid: int, fault: signal.Signals, expected: str, b
 
     poller = threading.Thread(target=poll, daemon=True)
     chunks, t_fault = [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=600) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=600
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -103,22 +107,35 @@ def one_fault(url: str, server_pid: int, fault: signal.Signals, expected: str, b
     stop.set()
     poller.join()
     text = "".join(c["choices"][0]["text"] for c in chunks)
-    return {"fault": fault.name, "same_text": text == expected,
-            **{k: round(v - t_fault, 2) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}}
+    return {
+        "fault": fault.name,
+        "same_text": text == expected,
+        **{k: round(v - t_fault, 2) for k, v in sorted(marks.items(), key=lambda kv: kv[1])},
+    }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--faults", default="SIGKILL,SIGSTOP,SIGKILL,SIGSTOP")
     p.add_argument("--json-out", default=None)
-    p.add_argument("--model", default=None, help="a model the server takes; a shape preset (e.g. llama3-8b) "
-                                                 "gets dummy weights and a synthetic tokenizer (see above)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model the server takes; a shape preset (e.g. llama3-8b) "
+        "gets dummy weights and a synthetic tokenizer (see above)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-kv-blocks", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="fewer decode graphs to capture on a GPU")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="fewer decode graphs to capture on a GPU"
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (a faster restart on a GPU)")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (a faster restart on a GPU)"
+    )
     args = p.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -132,11 +149,34 @@ def main() -> int:
             body = {**BODY, "prompt": SYNTHETIC_PROMPT}
         else:
             model_args = [args.model]
-    cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", "WARNING", "serve", *model_args,
-           "--port", str(port), "--device", args.device, "--dtype", args.dtype,
-           "--num-kv-blocks", str(args.num_kv_blocks), "--num-swap-blocks", "64", "--max-model-len", "1024",
-           "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--distributed-executor-backend", "mp", "--no-access-log", "--max-worker-restarts", "10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamkv.entrypoints.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        *model_args,
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--num-swap-blocks",
+        "64",
+        "--max-model-len",
+        "1024",
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        "--distributed-executor-backend",
+        "mp",
+        "--no-access-log",
+        "--max-worker-restarts",
+        "10",
+    ]
     if args.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.enforce_eager:
@@ -154,17 +194,29 @@ def main() -> int:
                 raise SystemExit("the server exited")
             time.sleep(0.5)
         started_s = time.monotonic() - start
-        expected = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"][0]["text"]
-        rows = [one_fault(url, proc.pid, signal.Signals[name], expected, body) for name in args.faults.split(",")]
+        expected = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"][0][
+            "text"
+        ]
+        rows = [
+            one_fault(url, proc.pid, signal.Signals[name], expected, body)
+            for name in args.faults.split(",")
+        ]
     finally:
         proc.terminate()
         proc.wait(60)
     print(f"{'fault':8} {'detected s':>11} {'restarted s':>12} {'first token s':>14} same text")
     for r in rows:
-        print(f"{r['fault']:8} {r.get('detected', float('nan')):11.2f} {r.get('restarted', float('nan')):12.2f} "
-              f"{r.get('first_token', float('nan')):14.2f} {r['same_text']}")
+        print(
+            f"{r['fault']:8} {r.get('detected', float('nan')):11.2f} {r.get('restarted', float('nan')):12.2f} "
+            f"{r.get('first_token', float('nan')):14.2f} {r['same_text']}"
+        )
     print(f"server start (model load, cache, graphs): {started_s:.1f} s")
-    result = {"args": vars(args), "server_start_s": round(started_s, 2), "load_average": os.getloadavg(), "rows": rows}
+    result = {
+        "args": vars(args),
+        "server_start_s": round(started_s, 2),
+        "load_average": os.getloadavg(),
+        "rows": rows,
+    }
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)

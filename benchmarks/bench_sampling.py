@@ -40,7 +40,12 @@ MODES = {
     "greedy": {"temperature": 0.0},
     "temp_top_p": {"temperature": 0.8, "top_p": 0.95},
     "seeded_top_k": {"temperature": 0.8, "top_k": 50, "seed": 0},
-    "penalties": {"temperature": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+    "penalties": {
+        "temperature": 0.8,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2,
+    },
 }
 
 
@@ -105,25 +110,46 @@ def sampler_only(args, modes: list[str]) -> list[dict]:
     from streamkv.layers.sampler import Sampler, SampleRequest
     from streamkv.models.loader import load_config, resolve_model_dir
 
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       "cpu" if args.device == "auto" else args.device)
+    dev = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     vocab = args.vocab_size or load_config(resolve_model_dir(args.model))["vocab_size"]
     rows = args.max_num_seqs
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     logits = torch.randn(rows, vocab, generator=gen, device=dev).mul_(3).to(torch.bfloat16)
     counts = TokenCounts(vocab, dev, capacity=rows)
     rng = random.Random(args.seed)
-    count_rows = [counts.allocate([rng.randrange(vocab) for _ in range(110)], [rng.randrange(vocab) for _ in range(128)])
-                  for _ in range(rows)]
+    count_rows = [
+        counts.allocate(
+            [rng.randrange(vocab) for _ in range(110)], [rng.randrange(vocab) for _ in range(128)]
+        )
+        for _ in range(rows)
+    ]
     sampler = Sampler(args.seed, dev)
-    paths = {"kernel": sampler, "torch": sampler._in_torch} if dev.type == "cuda" else {"torch": sampler}
+    paths = (
+        {"kernel": sampler, "torch": sampler._in_torch}
+        if dev.type == "cuda"
+        else {"torch": sampler}
+    )
     out = []
     for path, call in paths.items():
         for mode in modes:
             p = dict(MODES[mode])
             seeded = p.pop("seed", None) is not None
-            reqs = [SampleRequest(**p, seed=i if seeded else None, output_pos=128, counts=counts,
-                                  counts_row=count_rows[i]) for i in range(rows)]
+            reqs = [
+                SampleRequest(
+                    **p,
+                    seed=i if seeded else None,
+                    output_pos=128,
+                    counts=counts,
+                    counts_row=count_rows[i],
+                )
+                for i in range(rows)
+            ]
 
             def step(call=call, reqs=reqs) -> None:
                 call(logits, reqs).results()  # reads the tokens: every call ends in a sync
@@ -135,12 +161,18 @@ def sampler_only(args, modes: list[str]) -> list[dict]:
             start = time.perf_counter()
             for _ in range(args.calls):
                 step()
-            row = {"mode": mode, "path": path, "params": MODES[mode],
-                   "ms_per_call": 1e3 * (time.perf_counter() - start) / args.calls}
+            row = {
+                "mode": mode,
+                "path": path,
+                "params": MODES[mode],
+                "ms_per_call": 1e3 * (time.perf_counter() - start) / args.calls,
+            }
             if dev.type == "cuda":
                 row["gpu_ms_per_call"], row["kernel_ms_per_call"] = _gpu_ms(step, args.calls)
             out.append(row)
-    print(f"\nsampler alone on {dev}: {rows} rows x {vocab} vocabulary (bf16 logits), mean of {args.calls} calls")
+    print(
+        f"\nsampler alone on {dev}: {rows} rows x {vocab} vocabulary (bf16 logits), mean of {args.calls} calls"
+    )
     print(f"{'mode':<14}{'path':<8}{'ms/call':>10}{'GPU ms/call':>13}{'kernel ms':>11}")
     for r in out:
         gpu = f"{r['gpu_ms_per_call']:.3f}" if "gpu_ms_per_call" in r else "-"
@@ -158,7 +190,9 @@ def run_mode(llm, prompts: list[list[int]], params: list) -> float:
     return elapsed
 
 
-def _profile_gpu_ms(llm, prompts: list[list[int]], cases: list[tuple], clock, args) -> dict[tuple, float]:
+def _profile_gpu_ms(
+    llm, prompts: list[list[int]], cases: list[tuple], clock, args
+) -> dict[tuple, float]:
     """GPU ms per step for each case, every kernel and copy (torch.profiler), over a run of
     --profile-steps output tokens at the full batch."""
     gpu_ms: dict[tuple, float] = {}
@@ -172,14 +206,28 @@ def _profile_gpu_ms(llm, prompts: list[list[int]], cases: list[tuple], clock, ar
     return gpu_ms
 
 
-def _rows(cases: list[tuple], times: dict, sampler_ms: dict, step_ms: dict, overlap: dict,
-          steps: dict, gpu_ms: dict, args) -> list[dict]:
+def _rows(
+    cases: list[tuple],
+    times: dict,
+    sampler_ms: dict,
+    step_ms: dict,
+    overlap: dict,
+    steps: dict,
+    gpu_ms: dict,
+    args,
+) -> list[dict]:
     """One row per (mode, path) case: medians over the rounds, and the speed against greedy."""
     out_tokens = args.num_requests * args.output_len
     rows = []
     for case in cases:
         t = statistics.median(times[case])
-        row = {"mode": case[0], "path": case[1], "params": MODES[case[0]], "seconds": t, "output_tok_s": out_tokens / t}
+        row = {
+            "mode": case[0],
+            "path": case[1],
+            "params": MODES[case[0]],
+            "seconds": t,
+            "output_tok_s": out_tokens / t,
+        }
         if sampler_ms[case]:
             row["sampler_ms_per_step"] = statistics.median(sampler_ms[case])
             row["wall_ms_per_step"] = statistics.median(step_ms[case])
@@ -189,54 +237,86 @@ def _rows(cases: list[tuple], times: dict, sampler_ms: dict, step_ms: dict, over
             row["gpu_ms_per_step"] = gpu_ms[case]
         rows.append(row)
     for r in rows:
-        greedy = next((g["output_tok_s"] for g in rows if g["mode"] == "greedy" and g["path"] == r["path"]), None)
+        greedy = next(
+            (g["output_tok_s"] for g in rows if g["mode"] == "greedy" and g["path"] == r["path"]),
+            None,
+        )
         r["vs_greedy"] = r["output_tok_s"] / greedy if greedy else None
     return rows
 
 
 def _print_table(rows: list[dict], name: dict, llm, args) -> None:
     ex = llm.engine.executor
-    print(f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}), "
-          f"{llm.engine.config.model.executor_backend} executor; {args.num_requests} requests x "
-          f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
-          f"median of {args.rounds}")
-    print(f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
-          f"{'steps':>7}{'overlap':>8}{'GPU ms/step':>12}")
+    print(
+        f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}), "
+        f"{llm.engine.config.model.executor_backend} executor; {args.num_requests} requests x "
+        f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
+        f"median of {args.rounds}"
+    )
+    print(
+        f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
+        f"{'steps':>7}{'overlap':>8}{'GPU ms/step':>12}"
+    )
     for r in rows:
         ratio = f"{r['vs_greedy']:.3f}" if r["vs_greedy"] is not None else "-"
 
         def f(key: str, fmt: str = ".2f", r=r) -> str:
             return format(r[key], fmt) if key in r else "-"
 
-        print(f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}{r['output_tok_s']:>11.1f}{ratio:>10}"
-              f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('steps', '.0f'):>7}{f('overlapped_fraction'):>8}"
-              f"{f('gpu_ms_per_step'):>12}")
+        print(
+            f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}{r['output_tok_s']:>11.1f}{ratio:>10}"
+            f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('steps', '.0f'):>7}{f('overlapped_fraction'):>8}"
+            f"{f('gpu_ms_per_step'):>12}"
+        )
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF dir, .gguf or preset (default: the embedded model)")
-    ap.add_argument("--load-format", default="auto", help="'dummy' for random weights of a real shape")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default=None, help="HF dir, .gguf or preset (default: the embedded model)"
+    )
+    ap.add_argument(
+        "--load-format", default="auto", help="'dummy' for random weights of a real shape"
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=400)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=110, help="random token ids per prompt")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for every request on CPU, "
-                    "sized from memory on GPU")
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="default: enough for every request on CPU, sized from memory on GPU",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs per mode (median kept)")
     ap.add_argument("--distributed-executor-backend", default=None, choices=["inprocess", "mp"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    ap.add_argument("--sampler-only", action="store_true", help="time the Sampler alone on random logits")
-    ap.add_argument("--vocab-size", type=int, default=None, help="--sampler-only: default the model's")
+    ap.add_argument(
+        "--sampler-only", action="store_true", help="time the Sampler alone on random logits"
+    )
+    ap.add_argument(
+        "--vocab-size", type=int, default=None, help="--sampler-only: default the model's"
+    )
     ap.add_argument("--calls", type=int, default=20, help="--sampler-only: timed calls per mode")
-    ap.add_argument("--sampler-paths", default="auto", help="comma list: auto (the Sampler's dispatch: the "
-                    "kernel on CUDA), torch (its torch reference path); in-process executor only")
-    ap.add_argument("--profile-steps", type=int, default=0, help="then per case, GPU ms per step over a run of "
-                    "this many output tokens (torch.profiler)")
+    ap.add_argument(
+        "--sampler-paths",
+        default="auto",
+        help="comma list: auto (the Sampler's dispatch: the "
+        "kernel on CUDA), torch (its torch reference path); in-process executor only",
+    )
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then per case, GPU ms per step over a run of "
+        "this many output tokens (torch.profiler)",
+    )
     ap.add_argument("--json-out", default="bench_results/sampling.json")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -259,13 +339,25 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     per_seq = -(-(args.prompt_len + args.output_len) // 16) + 1
-    blocks = args.num_kv_blocks or (min(args.num_requests, args.max_num_seqs) * per_seq + 16 if on_cpu else None)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-              max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks, num_swap_blocks=0,
-              distributed_executor_backend=args.distributed_executor_backend)
+    blocks = args.num_kv_blocks or (
+        min(args.num_requests, args.max_num_seqs) * per_seq + 16 if on_cpu else None
+    )
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=blocks,
+        num_swap_blocks=0,
+        distributed_executor_backend=args.distributed_executor_backend,
+    )
     vocab = load_config(resolve_model_dir(args.model))["vocab_size"]
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    prompts = [
+        [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+        for _ in range(args.num_requests)
+    ]
     worker = getattr(llm.engine.executor, "worker", None)
     clock = SamplerClock(worker.runner.sampler) if worker is not None else None
     if clock is not None:
@@ -292,7 +384,9 @@ def main() -> int:
             if clock is not None:
                 clock.reset()
                 clock.path = path
-            times[case].append(run_mode(llm, prompts, mode_params(mode, args.num_requests, args.output_len)))
+            times[case].append(
+                run_mode(llm, prompts, mode_params(mode, args.num_requests, args.output_len))
+            )
             if clock is not None:
                 seconds, calls = clock.reset()
                 sampler_ms[case].append(1e3 * seconds / max(calls, 1))
@@ -309,8 +403,17 @@ def main() -> int:
     _print_table(rows, name, llm, args)
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
-        json.dump({"args": vars(args), "device": str(ex.device), "dtype": str(ex.dtype),
-                   "times": {name[c]: t for c, t in times.items()}, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "args": vars(args),
+                "device": str(ex.device),
+                "dtype": str(ex.dtype),
+                "times": {name[c]: t for c, t in times.items()},
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     llm.shutdown()
     return 0
 

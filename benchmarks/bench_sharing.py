@@ -32,8 +32,24 @@ _FEW_SHOT = [
     ("Translate to French: water", "eau"),
     ("Translate to French: house", "maison"),
 ]
-_QUESTIONS = ["dog", "cat", "car", "tree", "book", "sun", "moon", "river", "city", "friend",
-              "school", "window", "garden", "music", "train", "flower"]
+_QUESTIONS = [
+    "dog",
+    "cat",
+    "car",
+    "tree",
+    "book",
+    "sun",
+    "moon",
+    "river",
+    "city",
+    "friend",
+    "school",
+    "window",
+    "garden",
+    "music",
+    "train",
+    "flower",
+]
 
 
 def few_shot_prefix(tok, shots: int, target_tokens: int) -> list[int]:
@@ -59,21 +75,35 @@ def run(llm, prompts, params) -> tuple[float, dict, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=16, help="per workload (and per mode with --simulate)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--num-requests", type=int, default=16, help="per workload (and per mode with --simulate)"
+    )
     ap.add_argument("--max-output-len", type=int, default=64)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--num-kv-blocks", type=int, default=None,
-                    help="default 4096; with --simulate 983 (OPT-13B's KV pool on an A100-40GB, docs/paper.md)")
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="default 4096; with --simulate 983 (OPT-13B's KV pool on an A100-40GB, docs/paper.md)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-prefix", action="store_true", help="skip the n / beam sweep")
     ap.add_argument("--json-out", default="bench_results/sharing.json")
     sim = ap.add_argument_group("--simulate (Fig 15)")
-    sim.add_argument("--simulate", action="store_true", help="the step-time model instead of a model")
-    sim.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals, req/s (virtual clock)")
-    sim.add_argument("--sim-model", default="opt-13b", help="the shape whose config the simulated engine reads")
+    sim.add_argument(
+        "--simulate", action="store_true", help="the step-time model instead of a model"
+    )
+    sim.add_argument(
+        "--request-rate", type=float, default=2.0, help="Poisson arrivals, req/s (virtual clock)"
+    )
+    sim.add_argument(
+        "--sim-model", default="opt-13b", help="the shape whose config the simulated engine reads"
+    )
     sim.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
     if args.simulate:
@@ -85,11 +115,18 @@ def main() -> int:
     from streamkv import SamplingParams
     from streamkv.entrypoints.llm import LLM
 
-    common = dict(device=args.device, load_format=args.load_format, num_kv_blocks=args.num_kv_blocks, num_swap_blocks=0)
+    common = dict(
+        device=args.device,
+        load_format=args.load_format,
+        num_kv_blocks=args.num_kv_blocks,
+        num_swap_blocks=0,
+    )
     llm = LLM(args.model, enable_prefix_caching=False, **common)
     tok = llm.get_tokenizer()
     workloads = {
-        "sharegpt": sharegpt_requests(tok, args.num_requests, args.seed, max_prompt=512, max_output=args.max_output_len),
+        "sharegpt": sharegpt_requests(
+            tok, args.num_requests, args.seed, max_prompt=512, max_output=args.max_output_len
+        ),
         "alpaca": alpaca_requests(tok, args.num_requests, args.seed),
     }
     for reqs in workloads.values():
@@ -98,27 +135,56 @@ def main() -> int:
     run(llm, [workloads["alpaca"][0].prompt_ids], SamplingParams(max_tokens=4))  # warm-up
 
     rows = []
-    for name, reqs in ([] if args.only_prefix else workloads.items()):
+    for name, reqs in [] if args.only_prefix else workloads.items():
         prompts = [r.prompt_ids for r in reqs]
-        for kind, width in [("parallel n", w) for w in (1, 2, 4, 6)] + [("beam width", w) for w in (2, 4, 6)]:
+        for kind, width in [("parallel n", w) for w in (1, 2, 4, 6)] + [
+            ("beam width", w) for w in (2, 4, 6)
+        ]:
             if kind == "parallel n":
-                params = [SamplingParams(n=width, temperature=1.0, seed=i, ignore_eos=True, max_tokens=r.output_len)
-                          for i, r in enumerate(reqs)]
+                params = [
+                    SamplingParams(
+                        n=width, temperature=1.0, seed=i, ignore_eos=True, max_tokens=r.output_len
+                    )
+                    for i, r in enumerate(reqs)
+                ]
             else:
-                params = [SamplingParams(n=width, best_of=width, use_beam_search=True, temperature=0,
-                                         ignore_eos=True, max_tokens=r.output_len) for r in reqs]
+                params = [
+                    SamplingParams(
+                        n=width,
+                        best_of=width,
+                        use_beam_search=True,
+                        temperature=0,
+                        ignore_eos=True,
+                        max_tokens=r.output_len,
+                    )
+                    for r in reqs
+                ]
             t, stats, tokens = run(llm, prompts, params)
-            rows.append({"workload": name, "mode": kind, "width": width, "seconds": t,
-                         "output_tok_s": tokens / t, "sharing_savings": stats["sharing_savings"],
-                         "kv_utilization": stats["kv_utilization"], "peak_blocks": stats["peak_kv_blocks_used"]})
-            print(f"{name:<9}{kind:<12}{width:>3}  {t:7.1f}s  {tokens / t:8.1f} tok/s  savings {stats['sharing_savings']:.1%}", flush=True)
+            rows.append(
+                {
+                    "workload": name,
+                    "mode": kind,
+                    "width": width,
+                    "seconds": t,
+                    "output_tok_s": tokens / t,
+                    "sharing_savings": stats["sharing_savings"],
+                    "kv_utilization": stats["kv_utilization"],
+                    "peak_blocks": stats["peak_kv_blocks_used"],
+                }
+            )
+            print(
+                f"{name:<9}{kind:<12}{width:>3}  {t:7.1f}s  {tokens / t:8.1f} tok/s  savings {stats['sharing_savings']:.1%}",
+                flush=True,
+            )
 
     prefix_rows = []
     cached = LLM(args.model, enable_prefix_caching=True, **common)
     for shots, target in ((1, 80), (5, 340)):
         prefix = few_shot_prefix(tok, shots, target)
-        prompts = [prefix + tok.encode(f"\nTranslate to French: {q}\nAnswer:", add_special_tokens=False)
-                   for q in (_QUESTIONS * 4)[: args.num_requests * 2]]
+        prompts = [
+            prefix + tok.encode(f"\nTranslate to French: {q}\nAnswer:", add_special_tokens=False)
+            for q in (_QUESTIONS * 4)[: args.num_requests * 2]
+        ]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         result = {"shots": shots, "prefix_tokens": len(prefix), "requests": len(prompts)}
         for label, engine_llm in (("off", llm), ("on", cached)):
@@ -127,24 +193,36 @@ def main() -> int:
             # The shared prefix has been served once before (a system prompt in steady
             # state): requests arriving in the same step cannot hit blocks that are still
             # being computed.
-            engine_llm.generate(prompt_token_ids=[prefix], sampling_params=SamplingParams(max_tokens=1))
+            engine_llm.generate(
+                prompt_token_ids=[prefix], sampling_params=SamplingParams(max_tokens=1)
+            )
             queries, hits = bm.prefix_cache_queries, bm.prefix_cache_hits
             t, stats, tokens = run(engine_llm, prompts, params)
             result[f"seconds_{label}"] = t
             result[f"req_s_{label}"] = len(prompts) / t
             if label == "on":
-                result["hit_rate"] = (bm.prefix_cache_hits - hits) / max(bm.prefix_cache_queries - queries, 1)
+                result["hit_rate"] = (bm.prefix_cache_hits - hits) / max(
+                    bm.prefix_cache_queries - queries, 1
+                )
         result["speedup"] = result["seconds_off"] / result["seconds_on"]
         prefix_rows.append(result)
 
-    print(f"\n{'workload':<10}{'mode':<12}{'w':>3}{'seconds':>9}{'out tok/s':>11}{'savings':>9}{'kv util':>9}{'peak blk':>9}")
+    print(
+        f"\n{'workload':<10}{'mode':<12}{'w':>3}{'seconds':>9}{'out tok/s':>11}{'savings':>9}{'kv util':>9}{'peak blk':>9}"
+    )
     for r in rows:
-        print(f"{r['workload']:<10}{r['mode']:<12}{r['width']:>3}{r['seconds']:>9.1f}{r['output_tok_s']:>11.1f}"
-              f"{r['sharing_savings']:>9.1%}{r['kv_utilization']:>9.1%}{r['peak_blocks']:>9}")
-    print(f"\n{'prefix':<10}{'tokens':>7}{'reqs':>6}{'off s':>8}{'on s':>8}{'speedup':>9}{'hit rate':>10}")
+        print(
+            f"{r['workload']:<10}{r['mode']:<12}{r['width']:>3}{r['seconds']:>9.1f}{r['output_tok_s']:>11.1f}"
+            f"{r['sharing_savings']:>9.1%}{r['kv_utilization']:>9.1%}{r['peak_blocks']:>9}"
+        )
+    print(
+        f"\n{'prefix':<10}{'tokens':>7}{'reqs':>6}{'off s':>8}{'on s':>8}{'speedup':>9}{'hit rate':>10}"
+    )
     for r in prefix_rows:
-        print(f"{r['shots']}-shot{'':<4}{r['prefix_tokens']:>7}{r['requests']:>6}{r['seconds_off']:>8.1f}"
-              f"{r['seconds_on']:>8.1f}{r['speedup']:>8.2f}x{r['hit_rate']:>10.1%}")
+        print(
+            f"{r['shots']}-shot{'':<4}{r['prefix_tokens']:>7}{r['requests']:>6}{r['seconds_off']:>8.1f}"
+            f"{r['seconds_on']:>8.1f}{r['speedup']:>8.2f}x{r['hit_rate']:>10.1%}"
+        )
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"args": vars(args), "sharing": rows, "prefix": prefix_rows}, f, indent=2)
@@ -164,26 +242,49 @@ def simulate(args) -> int:
     tok = load_tokenizer(resolve_model_dir(None))
     rows = []
     for workload in ("alpaca", "sharegpt"):
-        for kind, width in [("parallel n", w) for w in (2, 4, 6)] + [("beam width", w) for w in (2, 4, 6)]:
+        for kind, width in [("parallel n", w) for w in (2, 4, 6)] + [
+            ("beam width", w) for w in (2, 4, 6)
+        ]:
             n, beam = (width, 0) if kind == "parallel n" else (width, width)
             reqs = build(workload, tok, args.num_requests, args.seed, n, beam)
             clock = VirtualClock()
-            config = engine_config(args.sim_model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                                   num_swap_blocks=0, max_model_len=2048, enable_prefix_caching=False)
-            executor = SimulatedExecutor(args.sim_model, args.num_kv_blocks, 0, StepCost(block_size=args.block_size),
-                                         clock, args.seed)
+            config = engine_config(
+                args.sim_model,
+                block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks,
+                num_swap_blocks=0,
+                max_model_len=2048,
+                enable_prefix_caching=False,
+            )
+            executor = SimulatedExecutor(
+                args.sim_model,
+                args.num_kv_blocks,
+                0,
+                StepCost(block_size=args.block_size),
+                clock,
+                args.seed,
+            )
             engine = LLMEngine(config, executor)
             arrivals = arrival_times(len(reqs), args.request_rate, 1.0, seed=args.seed)
             records, _ = run_offline(engine, reqs, arrivals, 3600.0, lambda rec: None, clock)
             stats = engine.stats()
-            row = {"workload": workload, "mode": kind, "width": width, "requests": len(reqs),
-                   "completed": sum(1 for r in records if not r.incomplete and not r.error),
-                   "sharing_savings": stats["sharing_savings"], "avg_batched_requests": stats["avg_batched_requests"],
-                   "preemptions": stats["num_preemptions"]}
+            row = {
+                "workload": workload,
+                "mode": kind,
+                "width": width,
+                "requests": len(reqs),
+                "completed": sum(1 for r in records if not r.incomplete and not r.error),
+                "sharing_savings": stats["sharing_savings"],
+                "avg_batched_requests": stats["avg_batched_requests"],
+                "preemptions": stats["num_preemptions"],
+            }
             rows.append(row)
             engine.shutdown()
-            print(f"{workload:<9}{kind:<12}{width:>3}  savings {row['sharing_savings']:6.1%}  batched "
-                  f"{row['avg_batched_requests']:6.1f}  completed {row['completed']}/{len(reqs)}", flush=True)
+            print(
+                f"{workload:<9}{kind:<12}{width:>3}  savings {row['sharing_savings']:6.1%}  batched "
+                f"{row['avg_batched_requests']:6.1f}  completed {row['completed']}/{len(reqs)}",
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump({"args": vars(args), "simulated": True, "sharing": rows}, f, indent=2)

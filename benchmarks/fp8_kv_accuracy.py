@@ -93,21 +93,34 @@ def run_engine(args, kv_cache_dtype: str, prompts: list[list[int]], ref: list[li
     from streamkv.sampling_params import SamplingParams
 
     llm = LLM(
-        model=args.model, device=args.device, kv_cache_dtype=kv_cache_dtype,
-        cpu_kv_cache_space=args.cpu_kv_cache_space, num_swap_blocks=0, seed=0,
+        model=args.model,
+        device=args.device,
+        kv_cache_dtype=kv_cache_dtype,
+        cpu_kv_cache_space=args.cpu_kv_cache_space,
+        num_swap_blocks=0,
+        seed=0,
     )
     try:
         blocks = llm.engine.block_manager.device.num_blocks
         start = time.perf_counter()
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=0)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=0
+        )
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         gen = [list(o.outputs[0].token_ids) for o in outs]
-        decoded = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, g)] for o, g in zip(outs, gen)]
+        decoded = [
+            [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, g)] for o, g in zip(outs, gen)
+        ]
         ref = gen if ref is None else ref
         texts = [p + r for p, r in zip(prompts, ref)]
         scored = teacher_forced(llm, texts, [len(p) for p in prompts])
-        return {"blocks": blocks, "generated": gen, "decoded": decoded, "scored": scored,
-                "seconds": time.perf_counter() - start}
+        return {
+            "blocks": blocks,
+            "generated": gen,
+            "decoded": decoded,
+            "scored": scored,
+            "seconds": time.perf_counter() - start,
+        }
     finally:
         llm.shutdown()
 
@@ -117,9 +130,15 @@ def compare(name: str, run: dict, base: dict, ref: list[list[int]]) -> dict:
     total = sum(len(r) for r in ref)
     top1 = sum(top == tok for rows, r in zip(run["scored"], ref) for (_, top), tok in zip(rows, r))
     if run is base:  # prefill pass against the decode steps' logprobs of the same tokens
-        deltas = [abs(a[0] - b) for ra, rb in zip(run["scored"], run["decoded"]) for a, b in zip(ra, rb)]
+        deltas = [
+            abs(a[0] - b) for ra, rb in zip(run["scored"], run["decoded"]) for a, b in zip(ra, rb)
+        ]
     else:
-        deltas = [abs(a[0] - b[0]) for ra, rb in zip(run["scored"], base["scored"]) for a, b in zip(ra, rb)]
+        deltas = [
+            abs(a[0] - b[0])
+            for ra, rb in zip(run["scored"], base["scored"])
+            for a, b in zip(ra, rb)
+        ]
     return {
         "kv_cache_dtype": name,
         "kv_blocks": run["blocks"],
@@ -134,12 +153,20 @@ def compare(name: str, run: dict, base: dict, ref: list[list[int]]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model directory or name (default: the embedded model)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="model directory or name (default: the embedded model)"
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "fp8_e4m3"), help="the cache to measure")
+    p.add_argument(
+        "--kv-cache-dtype", default="fp8", choices=("fp8", "fp8_e4m3"), help="the cache to measure"
+    )
     p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--skip", type=int, default=2000, help="ShareGPT conversations skipped (held out)")
+    p.add_argument(
+        "--skip", type=int, default=2000, help="ShareGPT conversations skipped (held out)"
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--cpu-kv-cache-space", type=float, default=0.25, help="GiB of KV pool on a CPU")
@@ -159,19 +186,38 @@ def main() -> None:
     other = run_engine(args, args.kv_cache_dtype, prompts, ref)
     rows = [compare("auto", base, base, ref), compare(args.kv_cache_dtype, other, base, ref)]
 
-    header = ("kv cache", "KV blocks", "greedy agreement", "identical seqs", "teacher-forced top-1",
-              "mean |dlogprob|", "max |dlogprob|")
-    print(f"{len(prompts)} prompts ({sum(map(len, prompts))} tokens), {args.output_len} greedy tokens each")
+    header = (
+        "kv cache",
+        "KV blocks",
+        "greedy agreement",
+        "identical seqs",
+        "teacher-forced top-1",
+        "mean |dlogprob|",
+        "max |dlogprob|",
+    )
+    print(
+        f"{len(prompts)} prompts ({sum(map(len, prompts))} tokens), {args.output_len} greedy tokens each"
+    )
     print(" | ".join(header))
     for r in rows:
-        print(" | ".join([
-            r["kv_cache_dtype"], str(r["kv_blocks"]), f"{100 * r['greedy_agreement']:.1f}%",
-            f"{r['identical_sequences']}/{r['sequences']}", f"{100 * r['teacher_forced_top1']:.1f}%",
-            f"{r['mean_abs_dlogprob']:.4g}", f"{r['max_abs_dlogprob']:.4g}",
-        ]))
+        print(
+            " | ".join(
+                [
+                    r["kv_cache_dtype"],
+                    str(r["kv_blocks"]),
+                    f"{100 * r['greedy_agreement']:.1f}%",
+                    f"{r['identical_sequences']}/{r['sequences']}",
+                    f"{100 * r['teacher_forced_top1']:.1f}%",
+                    f"{r['mean_abs_dlogprob']:.4g}",
+                    f"{r['max_abs_dlogprob']:.4g}",
+                ]
+            )
+        )
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"args": vars(args), "prompt_tokens": sum(map(len, prompts)), "rows": rows}, f, indent=2)
+        json.dump(
+            {"args": vars(args), "prompt_tokens": sum(map(len, prompts)), "rows": rows}, f, indent=2
+        )
     print(f"wrote {args.output}")
 
 

@@ -30,12 +30,19 @@ def _targets():
     from streamkv.worker.worker import LaunchedStep
 
     return [
-        ("step", le.LLMEngine, "step"), ("schedule", Scheduler, "schedule"), ("build", StepBuilder, "build"),
-        ("submit", InProcessExecutor, "submit"), ("wait", LaunchedStep, "result"),
-        ("process", OutputProcessor, "process"), ("accept", OutputProcessor, "_accept_structured"),
-        ("mask bytes", st.SequenceGrammar, "mask_bytes"), ("batch fill", st.StructuredOutputManager, "fill_masks"),
-        ("send masks", sp, "send_masks"), ("attach", LaunchedStep, "attach_masks"),
-        ("sampler", sm.Sampler, "__call__"), ("mask apply", sm, "apply_token_masks"),
+        ("step", le.LLMEngine, "step"),
+        ("schedule", Scheduler, "schedule"),
+        ("build", StepBuilder, "build"),
+        ("submit", InProcessExecutor, "submit"),
+        ("wait", LaunchedStep, "result"),
+        ("process", OutputProcessor, "process"),
+        ("accept", OutputProcessor, "_accept_structured"),
+        ("mask bytes", st.SequenceGrammar, "mask_bytes"),
+        ("batch fill", st.StructuredOutputManager, "fill_masks"),
+        ("send masks", sp, "send_masks"),
+        ("attach", LaunchedStep, "attach_masks"),
+        ("sampler", sm.Sampler, "__call__"),
+        ("mask apply", sm, "apply_token_masks"),
         ("new grammar", st.StructuredOutputManager, "new_grammar"),
     ]
 
@@ -96,8 +103,16 @@ class PhaseClock:
         return timed
 
     def _record_sync(self, message, category, filename, lineno, file=None, line=None) -> None:
-        frames = [f for f in traceback.extract_stack() if "/streamkv/" in f.filename and "step_phases" not in f.filename]
-        where = f"{frames[-1].filename.rsplit('/streamkv/', 1)[-1]}:{frames[-1].lineno}" if frames else filename
+        frames = [
+            f
+            for f in traceback.extract_stack()
+            if "/streamkv/" in f.filename and "step_phases" not in f.filename
+        ]
+        where = (
+            f"{frames[-1].filename.rsplit('/streamkv/', 1)[-1]}:{frames[-1].lineno}"
+            if frames
+            else filename
+        )
         self.syncs[where] += 1
 
     def grammar_seconds(self) -> float:
@@ -105,8 +120,14 @@ class PhaseClock:
 
     def report(self, steps: int) -> dict:
         """Per phase: total ms, calls, and ms per engine step."""
-        return {phase: {"ms": round(1e3 * s, 3), "calls": self.calls[phase], "ms_per_step": round(1e3 * s / max(steps, 1), 4)}
-                for phase, s in self.seconds.items()}
+        return {
+            phase: {
+                "ms": round(1e3 * s, 3),
+                "calls": self.calls[phase],
+                "ms_per_step": round(1e3 * s / max(steps, 1), 4),
+            }
+            for phase, s in self.seconds.items()
+        }
 
 
 def print_report(title: str, report: dict, steps: int, syncs: Counter | None = None) -> None:
@@ -115,4 +136,6 @@ def print_report(title: str, report: dict, steps: int, syncs: Counter | None = N
     for phase, r in report.items():
         print(f"{phase:<12}{r['ms']:>10.2f}{r['calls']:>8}{r['ms_per_step']:>10.3f}")
     if syncs:
-        print("host-device syncs: " + ", ".join(f"{where} x{n}" for where, n in syncs.most_common(8)))
+        print(
+            "host-device syncs: " + ", ".join(f"{where} x{n}" for where, n in syncs.most_common(8))
+        )

@@ -16,8 +16,14 @@ class Request:
     output_len: int
 
 
-def sharegpt_requests(tokenizer, num: int, seed: int = 0, max_prompt: int = 1024,
-                      max_output: int = 1024, max_total: int = 2048) -> list[Request]:
+def sharegpt_requests(
+    tokenizer,
+    num: int,
+    seed: int = 0,
+    max_prompt: int = 1024,
+    max_output: int = 1024,
+    max_total: int = 2048,
+) -> list[Request]:
     """``num`` requests sampled from ShareGPT: the first human turn is the prompt, the reply's
     token count is the output length (filters as in vLLM's benchmark, plus the caps)."""
     pool: list[tuple[str, str]] = []
@@ -60,6 +66,8 @@ def alpaca_requests(tokenizer, num: int, seed: int = 0) -> list[Request]:
     out = []
     for _ in range(num):
         task = rng.choice(_ALPACA_TASKS)
-        prompt = f"Below is an instruction. Write a response.\n### Instruction:\n{task}\n### Response:\n"
+        prompt = (
+            f"Below is an instruction. Write a response.\n### Instruction:\n{task}\n### Response:\n"
+        )
         out.append(Request(tokenizer.encode(prompt), rng.randint(32, 256)))
     return out

@@ -31,8 +31,14 @@ WORKLOADS = ("alpaca", "sharegpt")
 def real_engine(args):
     from streamkv.entrypoints.llm import LLM
 
-    llm = LLM(args.model, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-              num_swap_blocks=0, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        num_swap_blocks=0,
+        enable_prefix_caching=False,
+    )
     return llm.engine, None
 
 
@@ -42,10 +48,16 @@ def simulated_engine(args):
     from streamkv.entrypoints.llm import engine_config
 
     clock = VirtualClock()
-    config = engine_config(args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                           num_swap_blocks=0, enable_prefix_caching=False)
-    executor = SimulatedExecutor(args.model, args.num_kv_blocks, 0, StepCost(block_size=args.block_size), clock,
-                                 args.seed)
+    config = engine_config(
+        args.model,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        num_swap_blocks=0,
+        enable_prefix_caching=False,
+    )
+    executor = SimulatedExecutor(
+        args.model, args.num_kv_blocks, 0, StepCost(block_size=args.block_size), clock, args.seed
+    )
     return LLMEngine(config, executor), clock
 
 
@@ -56,14 +68,21 @@ def measure(make, args, requests) -> dict:
     seconds = time.perf_counter() - start
     stats = engine.stats()
     engine.shutdown()
-    return {"sharing_savings": stats["sharing_savings"], "completed": sum(r.ok for r in records),
-            "output_tokens": sum(r.output_tokens for r in records), "preemptions": stats["num_preemptions"],
-            "seconds": seconds}
+    return {
+        "sharing_savings": stats["sharing_savings"],
+        "completed": sum(r.ok for r in records),
+        "output_tokens": sum(r.output_tokens for r in records),
+        "preemptions": stats["num_preemptions"],
+        "seconds": seconds,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m load_tests.beam_sharing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.beam_sharing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--num-requests", type=int, default=8, help="per trace and width")
     p.add_argument("--max-output-len", type=int, default=128, help="each output capped at this")
     p.add_argument("--widths", default="2,4,6")
@@ -87,12 +106,22 @@ def main(argv: list[str] | None = None) -> int:
                 r.output_len = min(r.output_len, args.max_output_len)
             real = measure(real_engine, args, requests)
             sim = measure(simulated_engine, args, requests)
-            rows.append({"workload": workload, "beam_width": width, "requests": len(requests),
-                         "mean_prompt": sum(r.prompt_len for r in requests) / len(requests),
-                         "mean_output": sum(r.output_len for r in requests) / len(requests),
-                         "real": real, "random": sim})
-            print(f"{workload:<10}{width:>6}{real['sharing_savings']:>13.1%}{sim['sharing_savings']:>15.1%}"
-                  f"{real['seconds']:>8.1f}", flush=True)
+            rows.append(
+                {
+                    "workload": workload,
+                    "beam_width": width,
+                    "requests": len(requests),
+                    "mean_prompt": sum(r.prompt_len for r in requests) / len(requests),
+                    "mean_output": sum(r.output_len for r in requests) / len(requests),
+                    "real": real,
+                    "random": sim,
+                }
+            )
+            print(
+                f"{workload:<10}{width:>6}{real['sharing_savings']:>13.1%}{sim['sharing_savings']:>15.1%}"
+                f"{real['seconds']:>8.1f}",
+                flush=True,
+            )
             _write(args.json_out, {"args": vars(args), "rows": rows})
     return 0
 

@@ -38,71 +38,164 @@ def build_parser() -> argparse.ArgumentParser:
     from streamkv.config import KV_ALLOCATIONS
     from streamkv.entrypoints.cli import add_engine_args
 
-    p = argparse.ArgumentParser(prog="python -m load_tests.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--backend", choices=["openai", "websocket", "offline"], default="openai")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (loopback only)")
     p.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"))
-    p.add_argument("--ws-per-socket", type=int, default=8, help="generations per WebSocket (the server's --ws-max-active)")
+    p.add_argument(
+        "--ws-per-socket",
+        type=int,
+        default=8,
+        help="generations per WebSocket (the server's --ws-max-active)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
-    w.add_argument("--num-requests", type=int, default=200, help=f"per rate point (<= {MAX_REQUESTS})")
+    w.add_argument(
+        "--num-requests", type=int, default=200, help=f"per rate point (<= {MAX_REQUESTS})"
+    )
     w.add_argument("--n", type=int, default=1, help="parallel samples per request")
     w.add_argument("--beam-width", type=int, default=0, help="beam search of this width (0: off)")
-    w.add_argument("--length-scale", type=float, default=1.0,
-                   help="shrink every prompt and output by this factor (a small-pool CPU run)")
-    w.add_argument("--max-len", type=int, default=2048, help="ShareGPT: prompt + output at most (before scaling)")
+    w.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="shrink every prompt and output by this factor (a small-pool CPU run)",
+    )
+    w.add_argument(
+        "--max-len",
+        type=int,
+        default=2048,
+        help="ShareGPT: prompt + output at most (before scaling)",
+    )
     w.add_argument("--prefix-len", type=int, default=341, help="shared-prefix: the prefix's tokens")
     # --tokenizer (the workload's tokenizer directory, default: the embedded model's) is the
     # engine flag of the same name, added with the engine flags below.
-    w.add_argument("--workload-seed", type=int, default=0, help="seeds the workload sample and the arrivals")
-    w.add_argument("--save-workload", default=None, metavar="PATH",
-                   help="write the built requests (token ids, output lengths) to PATH and exit")
-    w.add_argument("--workload-file", default=None, metavar="PATH",
-                   help="requests from a --save-workload file (no dataset or tokenizer needed)")
+    w.add_argument(
+        "--workload-seed", type=int, default=0, help="seeds the workload sample and the arrivals"
+    )
+    w.add_argument(
+        "--save-workload",
+        default=None,
+        metavar="PATH",
+        help="write the built requests (token ids, output lengths) to PATH and exit",
+    )
+    w.add_argument(
+        "--workload-file",
+        default=None,
+        metavar="PATH",
+        help="requests from a --save-workload file (no dataset or tokenizer needed)",
+    )
     a = p.add_argument_group("arrivals and limits")
-    a.add_argument("--request-rate", default="1", help="req/s, or a comma-separated sweep; 'inf' = all at once")
-    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
-    a.add_argument("--max-duration", type=float, default=600.0, help=f"seconds per rate point (<= {MAX_DURATION:.0f})")
+    a.add_argument(
+        "--request-rate", default="1", help="req/s, or a comma-separated sweep; 'inf' = all at once"
+    )
+    a.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier"
+    )
+    a.add_argument(
+        "--max-duration",
+        type=float,
+        default=600.0,
+        help=f"seconds per rate point (<= {MAX_DURATION:.0f})",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--label", default=None, help="system name in reports and plots (default: the KV allocation)")
-    o.add_argument("--goodput", nargs="*", metavar="KEY:MS", help="SLOs for goodput: ttft, tpot, e2e (ms), norm (ms/token)")
+    o.add_argument(
+        "--label",
+        default=None,
+        help="system name in reports and plots (default: the KV allocation)",
+    )
+    o.add_argument(
+        "--goodput",
+        nargs="*",
+        metavar="KEY:MS",
+        help="SLOs for goodput: ttft, tpot, e2e (ms), norm (ms/token)",
+    )
     o.add_argument("--json-out", default="bench_results/bench.json")
-    o.add_argument("--append", action="store_true",
-                   help="add this sweep's points to --json-out's (same system and workload): extend a sweep")
+    o.add_argument(
+        "--append",
+        action="store_true",
+        help="add this sweep's points to --json-out's (same system and workload): extend a sweep",
+    )
     o.add_argument("--plot", default=None, help="write a latency-vs-rate PNG here")
     o.add_argument("--disable-tqdm", action="store_true")
-    o.add_argument("--point-dir", default=None, metavar="DIR",
-                   help="also one JSON per rate point here, with its capacity figures (load_tests/capacity.py)")
-    o.add_argument("--figure", default="", help="the paper's figure a --point-dir point is for (recorded in it)")
-    o.add_argument("--record-steps", type=int, default=0, metavar="N",
-                   help="offline: keep a uniform sample of N steps' times and work per point, for "
-                        "load_tests/fit_steps.py (0: off)")
+    o.add_argument(
+        "--point-dir",
+        default=None,
+        metavar="DIR",
+        help="also one JSON per rate point here, with its capacity figures (load_tests/capacity.py)",
+    )
+    o.add_argument(
+        "--figure",
+        default="",
+        help="the paper's figure a --point-dir point is for (recorded in it)",
+    )
+    o.add_argument(
+        "--record-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="offline: keep a uniform sample of N steps' times and work per point, for "
+        "load_tests/fit_steps.py (0: off)",
+    )
     e = p.add_argument_group("offline engine (--backend offline)")
     e.add_argument("--model", default=None, help="model for the offline engine (default: embedded)")
-    e.add_argument("--simulate", action="store_true",
-                   help="no model: the real engine with a step-time model on a virtual clock (load_tests/sim.py); "
-                        "needs --num-kv-blocks")
+    e.add_argument(
+        "--simulate",
+        action="store_true",
+        help="no model: the real engine with a step-time model on a virtual clock (load_tests/sim.py); "
+        "needs --num-kv-blocks",
+    )
     e.add_argument("--sim-base-ms", type=float, default=20.0, help="simulated step: fixed ms")
-    e.add_argument("--sim-token-ms", type=float, default=0.08, help="simulated step: ms per computed token")
-    e.add_argument("--sim-kv-us", type=float, default=0.55, help="simulated step: us per context token read")
-    e.add_argument("--sim-swap-block-us", type=float, default=10.0,
-                   help="simulated swap: us per block moved (each way; one transfer per block)")
-    e.add_argument("--sim-swap-token-us", type=float, default=32.8,
-                   help="simulated swap: us per token slot moved (each way; 800 KiB at ~25 GB/s)")
-    e.add_argument("--sim-block-us", type=float, default=0.0,
-                   help="simulated step: us per KV block the contexts span (the kernel's per-block cost)")
-    e.add_argument("--orca-allocator", choices=["first-fit", "buddy"], default="first-fit",
-                   help="where an orca-* baseline's runs go: the engine's first-fit slot space, or the buddy "
-                        "allocator the paper assumes for Orca (load_tests/buddy.py; a what-if)")
-    e.add_argument("--reserve-shared-prefix", action="store_true",
-                   help="register the prefix common to every prompt as a reserved prefix before the run "
-                        "(computed once, pinned; the shared-prefix workload, Fig 16)")
+    e.add_argument(
+        "--sim-token-ms", type=float, default=0.08, help="simulated step: ms per computed token"
+    )
+    e.add_argument(
+        "--sim-kv-us", type=float, default=0.55, help="simulated step: us per context token read"
+    )
+    e.add_argument(
+        "--sim-swap-block-us",
+        type=float,
+        default=10.0,
+        help="simulated swap: us per block moved (each way; one transfer per block)",
+    )
+    e.add_argument(
+        "--sim-swap-token-us",
+        type=float,
+        default=32.8,
+        help="simulated swap: us per token slot moved (each way; 800 KiB at ~25 GB/s)",
+    )
+    e.add_argument(
+        "--sim-block-us",
+        type=float,
+        default=0.0,
+        help="simulated step: us per KV block the contexts span (the kernel's per-block cost)",
+    )
+    e.add_argument(
+        "--orca-allocator",
+        choices=["first-fit", "buddy"],
+        default="first-fit",
+        help="where an orca-* baseline's runs go: the engine's first-fit slot space, or the buddy "
+        "allocator the paper assumes for Orca (load_tests/buddy.py; a what-if)",
+    )
+    e.add_argument(
+        "--reserve-shared-prefix",
+        action="store_true",
+        help="register the prefix common to every prompt as a reserved prefix before the run "
+        "(computed once, pinned; the shared-prefix workload, Fig 16)",
+    )
     add_engine_args(p)
     if not any("--kv-allocation" in act.option_strings for act in p._actions):
-        e.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="paged",
-                       help="benchmark baselines: orca-* reserve contiguous runs "
-                            "(streamkv/baselines/contiguous.py)")
+        e.add_argument(
+            "--kv-allocation",
+            choices=KV_ALLOCATIONS,
+            default="paged",
+            help="benchmark baselines: orca-* reserve contiguous runs "
+            "(streamkv/baselines/contiguous.py)",
+        )
     return p
 
 
@@ -120,8 +213,15 @@ def load_requests(path: str) -> list[BenchRequest]:
     with open(path) as f:
         rows = json.load(f)
     try:
-        return [BenchRequest(list(r["prompt_ids"]), int(r["output_len"]), int(r.get("n", 1)),
-                             int(r.get("beam_width", 0))) for r in rows]
+        return [
+            BenchRequest(
+                list(r["prompt_ids"]),
+                int(r["output_len"]),
+                int(r.get("n", 1)),
+                int(r.get("beam_width", 0)),
+            )
+            for r in rows
+        ]
     except (KeyError, TypeError, ValueError) as e:
         raise SystemExit(f"error: {path} is not a --save-workload file ({e})") from None
 
@@ -133,18 +233,30 @@ def make_engine(args: argparse.Namespace):
     config = engine_config(args.model, **engine_kwargs(args))
     config.cache.kv_allocation = args.kv_allocation
     if args.orca_allocator == "buddy" and args.kv_allocation == "paged":
-        raise SystemExit("error: --orca-allocator buddy places an orca-* baseline's runs; paged has none")
+        raise SystemExit(
+            "error: --orca-allocator buddy places an orca-* baseline's runs; paged has none"
+        )
     if not args.simulate:
         return _with_allocator(build_engine(config), args), None, None
     from load_tests.sim import SimulatedExecutor, StepCost, VirtualClock
 
     if args.num_kv_blocks is None:
-        raise SystemExit("error: --simulate needs --num-kv-blocks (there is no device to size the pool from)")
+        raise SystemExit(
+            "error: --simulate needs --num-kv-blocks (there is no device to size the pool from)"
+        )
     clock = VirtualClock()
-    cost = StepCost(args.sim_base_ms, args.sim_token_ms, args.sim_kv_us, args.sim_swap_block_us,
-                    args.sim_swap_token_us, args.block_size, args.sim_block_us)
-    executor = SimulatedExecutor(args.model, args.num_kv_blocks, args.num_swap_blocks or 0, cost, clock,
-                                 args.workload_seed)
+    cost = StepCost(
+        args.sim_base_ms,
+        args.sim_token_ms,
+        args.sim_kv_us,
+        args.sim_swap_block_us,
+        args.sim_swap_token_us,
+        args.block_size,
+        args.sim_block_us,
+    )
+    executor = SimulatedExecutor(
+        args.model, args.num_kv_blocks, args.num_swap_blocks or 0, cost, clock, args.workload_seed
+    )
     return _with_allocator(build_engine(config, executor), args), clock, executor
 
 
@@ -178,8 +290,13 @@ def run_point(args, requests, rate: float, target, recorder=None) -> dict:
     from tqdm import tqdm
 
     arrivals = arrival_times(len(requests), rate, args.burstiness, seed=args.workload_seed)
-    bar = tqdm(total=len(requests), desc=f"{args.label} @ {rate:g} req/s", disable=args.disable_tqdm,
-               file=sys.stderr, leave=False)
+    bar = tqdm(
+        total=len(requests),
+        desc=f"{args.label} @ {rate:g} req/s",
+        disable=args.disable_tqdm,
+        file=sys.stderr,
+        leave=False,
+    )
     done = lambda rec: bar.update(1)  # noqa: E731
     busy0 = sim = None
     arrived: list[dict] = []
@@ -191,9 +308,16 @@ def run_point(args, requests, rate: float, target, recorder=None) -> dict:
         busy0 = (sim.busy_seconds, sim.seq_seconds) if sim else None
         if recorder is not None:
             recorder.reset()
-        records, duration = run_offline(engine, requests, arrivals, args.max_duration, done, clock,
-                                        lambda: arrived.append(kv.snapshot_from_stats(engine.stats())),
-                                        recorder.stepped if recorder is not None else None)
+        records, duration = run_offline(
+            engine,
+            requests,
+            arrivals,
+            args.max_duration,
+            done,
+            clock,
+            lambda: arrived.append(kv.snapshot_from_stats(engine.stats())),
+            recorder.stepped if recorder is not None else None,
+        )
         after = kv.snapshot_from_stats(engine.stats())
     else:
         before = scrape(args.url)
@@ -210,8 +334,14 @@ def run_point(args, requests, rate: float, target, recorder=None) -> dict:
         busy, weighted = sim.busy_seconds - busy0[0], sim.seq_seconds - busy0[1]
         # Sequences, weighted by step time (the simulated clock); = requests without n / beams.
         window["time_avg_batched_seqs"] = weighted / busy if busy else None
-    run = {"request_rate": rate, "burstiness": args.burstiness, "summary": summary,
-           "capacity": capacity.figures(records), "kv": window, "label": args.label}
+    run = {
+        "request_rate": rate,
+        "burstiness": args.burstiness,
+        "summary": summary,
+        "capacity": capacity.figures(records),
+        "kv": window,
+        "label": args.label,
+    }
     if recorder is not None:
         run["steps"] = recorder.as_dict()
     return run
@@ -240,7 +370,11 @@ def scrape(url: str) -> dict | None:
 
 
 def hardware() -> dict:
-    info = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    info = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     try:
         import torch
 
@@ -258,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         from load_tests.drivers import loopback_only
 
         args.url = loopback_only(args.url)
-    tokenizer = load_tokenizer(args.tokenizer) if args.workload_file is None or args.backend == "websocket" else None
+    tokenizer = (
+        load_tokenizer(args.tokenizer)
+        if args.workload_file is None or args.backend == "websocket"
+        else None
+    )
     requests = _workload(args, tokenizer)
     if args.save_workload is not None:
         _write(args.save_workload, [asdict(r) for r in requests])
@@ -273,13 +411,25 @@ def main(argv: list[str] | None = None) -> int:
         recorder.attach(target[0].executor)
     if args.reserve_shared_prefix:
         if args.backend != "offline":
-            raise SystemExit("error: --reserve-shared-prefix registers on the offline engine: a server takes "
-                             "POST /v1/prefixes")
+            raise SystemExit(
+                "error: --reserve-shared-prefix registers on the offline engine: a server takes "
+                "POST /v1/prefixes"
+            )
         args.reserved_prefix_info = reserve_common_prefix(target[0], requests)
     if args.label is None:
-        args.label = args.kv_allocation if args.backend == "offline" else (scrape(args.url) or {}).get("kv_allocation") or "server"
-    result = {"label": args.label, "backend": args.backend + (" (simulated model)" if args.simulate else ""), "workload": args.workload,
-              "args": {k: v for k, v in vars(args).items() if k != "api_key"}, "hardware": hardware(), "runs": []}
+        args.label = (
+            args.kv_allocation
+            if args.backend == "offline"
+            else (scrape(args.url) or {}).get("kv_allocation") or "server"
+        )
+    result = {
+        "label": args.label,
+        "backend": args.backend + (" (simulated model)" if args.simulate else ""),
+        "workload": args.workload,
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "hardware": hardware(),
+        "runs": [],
+    }
     if args.append and os.path.exists(args.json_out):
         result["runs"] = _earlier_runs(args.json_out, result, rates)
     try:
@@ -287,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             run = run_point(args, requests, rate, target, recorder)
             result["runs"].append(run)
             if args.point_dir:
-                print(f"wrote {capacity.write_point(args.point_dir, capacity.point(result, run, args, args.figure))}")
+                print(
+                    f"wrote {capacity.write_point(args.point_dir, capacity.point(result, run, args, args.figure))}"
+                )
             result["runs"].sort(key=lambda r: r["request_rate"])
             print(format_summary(run), flush=True)
             _write(args.json_out, result)  # after every point: a long sweep keeps what it measured
@@ -318,12 +470,23 @@ def _check_args(args) -> list[float]:
 def _workload(args, tokenizer) -> list[BenchRequest]:
     """The requests: the first --num-requests of --workload-file, or built for --workload."""
     if args.workload_file is None:
-        return build(args.workload, tokenizer, args.num_requests, args.workload_seed, args.n, args.beam_width,
-                     args.length_scale, args.max_len, args.prefix_len)
+        return build(
+            args.workload,
+            tokenizer,
+            args.num_requests,
+            args.workload_seed,
+            args.n,
+            args.beam_width,
+            args.length_scale,
+            args.max_len,
+            args.prefix_len,
+        )
     requests = load_requests(args.workload_file)[: args.num_requests]
     if args.n != 1 or args.beam_width:  # the flags override what the file holds
         for r in requests:
-            r.n, r.beam_width = (args.beam_width, args.beam_width) if args.beam_width else (args.n, 0)
+            r.n, r.beam_width = (
+                (args.beam_width, args.beam_width) if args.beam_width else (args.n, 0)
+            )
     return requests
 
 
@@ -333,8 +496,10 @@ def _earlier_runs(path: str, result: dict, rates: list[float]) -> list[dict]:
     with open(path) as f:
         old = json.load(f)
     if (old["label"], old["workload"]) != (result["label"], result["workload"]):
-        raise SystemExit(f"error: {path} holds {old['label']} on {old['workload']}, not "
-                         f"{result['label']} on {result['workload']}")
+        raise SystemExit(
+            f"error: {path} holds {old['label']} on {old['workload']}, not "
+            f"{result['label']} on {result['workload']}"
+        )
     return [r for r in old["runs"] if r["request_rate"] not in rates]
 
 

@@ -88,8 +88,10 @@ class BuddyAllocator:
         free = {o: sorted(s) for o, s in self._free.items()}
         start = self._take(free, order)
         if start is None:
-            raise NoFreeBlocksError(f"no free buddy block of {1 << order} blocks for {size} "
-                                    f"(largest free: {self.largest_free})")
+            raise NoFreeBlocksError(
+                f"no free buddy block of {1 << order} blocks for {size} "
+                f"(largest free: {self.largest_free})"
+            )
         self._free = {o: set(s) for o, s in free.items() if s}
         self.num_free -= 1 << order
         return Run(start, 1 << order)
@@ -101,11 +103,17 @@ class BuddyAllocator:
     def free(self, run: Run) -> None:
         order = _order(run.num_blocks)
         if run.num_blocks != 1 << order or not 0 <= run.start < self.num_blocks:
-            raise RuntimeError(f"run [{run.start}, {run.start + run.num_blocks}) is not a buddy block")
+            raise RuntimeError(
+                f"run [{run.start}, {run.start + run.num_blocks}) is not a buddy block"
+            )
         root, root_order = self._root_of(run.start)
         if (run.start - root) % (1 << order) or order > root_order:
-            raise RuntimeError(f"run [{run.start}, {run.start + run.num_blocks}) is not a buddy block")
-        if any(self._overlaps(run.start, 1 << order, o, s) for o, ss in self._free.items() for s in ss):
+            raise RuntimeError(
+                f"run [{run.start}, {run.start + run.num_blocks}) is not a buddy block"
+            )
+        if any(
+            self._overlaps(run.start, 1 << order, o, s) for o, ss in self._free.items() for s in ss
+        ):
             raise RuntimeError(f"double free of run [{run.start}, {run.start + run.num_blocks})")
         self.num_free += 1 << order
         start = run.start
@@ -125,4 +133,6 @@ class BuddyAllocator:
         whole = {o: {r} for r, o in self._root_order.items()}  # one root per binary digit
         got = {o: set(s) for o, s in self._free.items() if s}
         if got != whole:
-            raise AssertionError(f"runs still reserved; free buddy blocks: {sorted(got.items())[:8]}")
+            raise AssertionError(
+                f"runs still reserved; free buddy blocks: {sorted(got.items())[:8]}"
+            )

@@ -45,17 +45,26 @@ def offered_req_s(records: list[RequestRecord]) -> float | None:
 
 def figures(records: list[RequestRecord]) -> dict:
     done, offered = completed_req_s(records), offered_req_s(records)
-    return {"completed_req_s": done, "offered_req_s": offered,
-            "overloaded": bool(done and offered and offered > OVERLOAD * done)}
+    return {
+        "completed_req_s": done,
+        "offered_req_s": offered,
+        "overloaded": bool(done and offered and offered > OVERLOAD * done),
+    }
 
 
 def device_name(args, hardware: dict) -> str:
     if args.simulate:
-        return (f"simulated StepCost (base {args.sim_base_ms} ms, token {args.sim_token_ms} ms, "
-                f"kv {args.sim_kv_us} us, block {args.sim_block_us} us)")
+        return (
+            f"simulated StepCost (base {args.sim_base_ms} ms, token {args.sim_token_ms} ms, "
+            f"kv {args.sim_kv_us} us, block {args.sim_block_us} us)"
+        )
     if args.backend != "offline":
         return f"server at {args.url}"
-    return hardware.get("gpu") if str(args.device).startswith("cuda") and hardware.get("gpu") else f"cpu ({args.device})"
+    return (
+        hardware.get("gpu")
+        if str(args.device).startswith("cuda") and hardware.get("gpu")
+        else f"cpu ({args.device})"
+    )
 
 
 def point(result: dict, run: dict, args, figure: str) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 
 METRICS = ("ttft_ms", "itl_ms", "ttft_sent_ms", "ttft_sched_ms", "itl_per_request_ms")
 
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -33,14 +34,27 @@ def guidellm_figures(report: dict) -> dict:
         "errors": len(bench["requests"]["errored"]),
         "ttft_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
         "itl_ms": metrics["inter_token_latency_ms"]["successful"]["median"],
-        "ttft_sent_ms": _median([1e3 * (t["first_token_iteration"] - t["request_start"]) for t in timings]),
-        "ttft_sched_ms": _median([1e3 * (t["first_token_iteration"] - t["targeted_start"]) for t in timings]),
-        "itl_per_request_ms": _median(itl := [r["inter_token_latency_ms"] for r in done
-                                              if r["inter_token_latency_ms"] is not None]),
-        "ttft_sent_values": [1e3 * (t["first_token_iteration"] - t["request_start"]) for t in timings],
+        "ttft_sent_ms": _median(
+            [1e3 * (t["first_token_iteration"] - t["request_start"]) for t in timings]
+        ),
+        "ttft_sched_ms": _median(
+            [1e3 * (t["first_token_iteration"] - t["targeted_start"]) for t in timings]
+        ),
+        "itl_per_request_ms": _median(
+            itl := [
+                r["inter_token_latency_ms"] for r in done if r["inter_token_latency_ms"] is not None
+            ]
+        ),
+        "ttft_sent_values": [
+            1e3 * (t["first_token_iteration"] - t["request_start"]) for t in timings
+        ],
         "itl_per_request_values": itl,
-        "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in done) if done else float("nan"),
-        "output_tokens": statistics.fmean(r["output_tokens"] for r in done) if done else float("nan"),
+        "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in done)
+        if done
+        else float("nan"),
+        "output_tokens": statistics.fmean(r["output_tokens"] for r in done)
+        if done
+        else float("nan"),
         "duration_s": bench["duration"],
     }
 
@@ -52,15 +66,22 @@ def harness_figures(records: list, duration: float) -> dict:
 
     s = summarize(records, duration)
     done = [r for r in records if r.ok and r.chunk_times]
-    per_request = [1e3 * (r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1)
-                   for r in done if r.output_tokens > 1]
+    per_request = [
+        1e3 * (r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1)
+        for r in done
+        if r.output_tokens > 1
+    ]
     return {
-        "completed": s["completed"], "errors": s["errors"],
-        "ttft_ms": s["ttft_ms"]["p50"], "itl_ms": s["itl_ms"]["p50"], "tpot_ms": s["tpot_ms"]["p50"],
+        "completed": s["completed"],
+        "errors": s["errors"],
+        "ttft_ms": s["ttft_ms"]["p50"],
+        "itl_ms": s["itl_ms"]["p50"],
+        "tpot_ms": s["tpot_ms"]["p50"],
         "ttft_sent_ms": _median(sent := [1e3 * (r.chunk_times[0] - r.sent) for r in done]),
         "ttft_sched_ms": _median([1e3 * (r.chunk_times[0] - r.scheduled) for r in done]),
         "itl_per_request_ms": _median(per_request),
-        "ttft_sent_values": sent, "itl_per_request_values": per_request,
+        "ttft_sent_values": sent,
+        "itl_per_request_values": per_request,
         "prompt_tokens": statistics.fmean(r.prompt_len for r in done) if done else float("nan"),
         "output_tokens": statistics.fmean(r.output_tokens for r in done) if done else float("nan"),
         "duration_s": duration,
@@ -77,25 +98,38 @@ def compare(runs: list[dict]) -> dict:
         g = [r[m] for r in runs if r["client"] == "guidellm"]
         h = [r[m] for r in runs if r["client"] == "harness"]
         pairs = [b / a for a, b in zip(g, h) if a]
-        out[m] = {"guidellm": _median(g), "harness": _median(h),
-                  "ratio": _median(h) / _median(g) if g and h and _median(g) else float("nan"),
-                  "pair_ratios": pairs, "pair_ratio_median": _median(pairs)}
+        out[m] = {
+            "guidellm": _median(g),
+            "harness": _median(h),
+            "ratio": _median(h) / _median(g) if g and h and _median(g) else float("nan"),
+            "pair_ratios": pairs,
+            "pair_ratio_median": _median(pairs),
+        }
     return out
 
 
 def format_table(runs: list[dict], summary: dict) -> str:
-    head = ("| run | client | done | TTFT p50 (own) | ITL p50 (own) | TTFT from send | TTFT from schedule "
-            "| ITL per request | client CPU s | server CPU s |")
+    head = (
+        "| run | client | done | TTFT p50 (own) | ITL p50 (own) | TTFT from send | TTFT from schedule "
+        "| ITL per request | client CPU s | server CPU s |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
-        lines.append(f"| {r['pair']} | {r['client']} | {r['completed']} | {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} "
-                     f"| {r['ttft_sent_ms']:.0f} | {r['ttft_sched_ms']:.0f} | {r['itl_per_request_ms']:.0f} "
-                     f"| {r['client_cpu_s']:.1f} | {r['server_cpu_s']:.1f} |")
-    lines += ["", "| metric (ms, median of runs) | GuideLLM | ours | ours ÷ GuideLLM | per pair | median pair |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['pair']} | {r['client']} | {r['completed']} | {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} "
+            f"| {r['ttft_sent_ms']:.0f} | {r['ttft_sched_ms']:.0f} | {r['itl_per_request_ms']:.0f} "
+            f"| {r['client_cpu_s']:.1f} | {r['server_cpu_s']:.1f} |"
+        )
+    lines += [
+        "",
+        "| metric (ms, median of runs) | GuideLLM | ours | ours ÷ GuideLLM | per pair | median pair |",
+        "|---|---|---|---|---|---|",
+    ]
     for m, v in summary.items():
-        lines.append(f"| {m} | {v['guidellm']:.0f} | {v['harness']:.0f} | {v['ratio']:.3f} "
-                     f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} | {v['pair_ratio_median']:.3f} |")
+        lines.append(
+            f"| {m} | {v['guidellm']:.0f} | {v['harness']:.0f} | {v['ratio']:.3f} "
+            f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} | {v['pair_ratio_median']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -103,8 +137,9 @@ def format_table(runs: list[dict], summary: dict) -> str:
 POOLED = ("ttft_sent_values", "itl_per_request_values")
 
 
-def bootstrap_ratio(ours: list[float], theirs: list[float], resamples: int = 2000,
-                    seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ratio(
+    ours: list[float], theirs: list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
     """median(ours) / median(theirs) and its 95% percentile-bootstrap interval (requests
     resampled within each client)."""
     a, b = np.asarray(ours, float), np.asarray(theirs, float)
@@ -122,15 +157,20 @@ def pooled(runs: list[dict]) -> dict:
     with its interval, and each client's run-to-run spread (largest ÷ smallest run median)."""
     out = {}
     for key in POOLED:
-        by = {c: [r for r in runs if r["client"] == c and r.get(key)] for c in ("guidellm", "harness")}
+        by = {
+            c: [r for r in runs if r["client"] == c and r.get(key)] for c in ("guidellm", "harness")
+        }
         if not all(by.values()):
             continue
         values = {c: [v for r in rs for v in r[key]] for c, rs in by.items()}
         medians = {c: [float(np.median(r[key])) for r in rs] for c, rs in by.items()}
         ratio, lo, hi = bootstrap_ratio(values["harness"], values["guidellm"])
         out[key.removesuffix("_values")] = {
-            "guidellm": float(np.median(values["guidellm"])), "harness": float(np.median(values["harness"])),
-            "ratio": ratio, "ci95": [lo, hi], "requests": {c: len(v) for c, v in values.items()},
+            "guidellm": float(np.median(values["guidellm"])),
+            "harness": float(np.median(values["harness"])),
+            "ratio": ratio,
+            "ci95": [lo, hi],
+            "requests": {c: len(v) for c, v in values.items()},
             "run_medians": medians,
             "run_spread": {c: max(m) / min(m) for c, m in medians.items()},
         }
@@ -138,12 +178,17 @@ def pooled(runs: list[dict]) -> dict:
 
 
 def format_pooled(summary: dict) -> str:
-    lines = ["| metric (ms, pooled requests) | GuideLLM | ours | ours ÷ GuideLLM | 95% interval "
-             "| run spread GuideLLM / ours |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| metric (ms, pooled requests) | GuideLLM | ours | ours ÷ GuideLLM | 95% interval "
+        "| run spread GuideLLM / ours |",
+        "|---|---|---|---|---|---|",
+    ]
     for m, v in summary.items():
-        lines.append(f"| {m} | {v['guidellm']:.0f} | {v['harness']:.0f} | {v['ratio']:.3f} "
-                     f"| {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f} "
-                     f"| {v['run_spread']['guidellm']:.2f} / {v['run_spread']['harness']:.2f} |")
+        lines.append(
+            f"| {m} | {v['guidellm']:.0f} | {v['harness']:.0f} | {v['ratio']:.3f} "
+            f"| {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f} "
+            f"| {v['run_spread']['guidellm']:.2f} / {v['run_spread']['harness']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -153,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="python -m load_tests.crosscheck_stats", description=main.__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.crosscheck_stats", description=main.__doc__
+    )
     p.add_argument("files", nargs="+")
     args = p.parse_args(argv)
     all_pairs: dict[str, list[float]] = {m: [] for m in METRICS}
@@ -168,14 +215,20 @@ def main(argv: list[str] | None = None) -> int:
             v = summary[m]
             all_pairs[m] += v["pair_ratios"]
             pr = pool.get(key)
-            pooled_text = f"{pr['ratio']:.3f} ({pr['ci95'][0]:.2f}-{pr['ci95'][1]:.2f})" if pr else "-"
-            print(f"| {path} | {load:.1f} | {m} | {v['pair_ratio_median']:.3f} "
-                  f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} | {pooled_text} |")
+            pooled_text = (
+                f"{pr['ratio']:.3f} ({pr['ci95'][0]:.2f}-{pr['ci95'][1]:.2f})" if pr else "-"
+            )
+            print(
+                f"| {path} | {load:.1f} | {m} | {v['pair_ratio_median']:.3f} "
+                f"| {', '.join(f'{x:.2f}' for x in v['pair_ratios'])} | {pooled_text} |"
+            )
     for m in ("ttft_ms", "itl_ms"):
         pairs = all_pairs[m]
         within = sum(0.9 <= x <= 1.1 for x in pairs)
-        print(f"all {len(pairs)} pairs, {m}: median {_median(pairs):.3f}, range {min(pairs):.2f}-{max(pairs):.2f}, "
-              f"{within} within 10%")
+        print(
+            f"all {len(pairs)} pairs, {m}: median {_median(pairs):.3f}, range {min(pairs):.2f}-{max(pairs):.2f}, "
+            f"{within} within 10%"
+        )
     return 0
 
 

@@ -43,14 +43,24 @@ class OpenAIDriver:
     """POST /v1/completions with the prompt as token ids; streamed (SSE) except beam search,
     which the API only answers whole (no TTFT then)."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0,
-                 max_connections: int = 1024) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        max_connections: int = 1024,
+    ) -> None:
         import httpx
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(base_url=loopback_only(url), headers=headers, timeout=timeout,
-                                        limits=httpx.Limits(max_connections=max_connections,
-                                                            max_keepalive_connections=max_connections))
+        self.client = httpx.AsyncClient(
+            base_url=loopback_only(url),
+            headers=headers,
+            timeout=timeout,
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+        )
 
     async def send(self, req: BenchRequest, rec: RequestRecord, clock: Clock) -> None:
         body = {"prompt": req.prompt_ids, **sampling_fields(req)}
@@ -106,9 +116,11 @@ class WebSocketDriver:
     messages, so the prompt goes as the decoded text of its token ids (the chat template
     adds a few tokens); parallel sampling and beam search are not offered there."""
 
-    def __init__(self, url: str, tokenizer, api_key: str | None = None, per_socket: int = 8) -> None:
+    def __init__(
+        self, url: str, tokenizer, api_key: str | None = None, per_socket: int = 8
+    ) -> None:
         base = loopback_only(url)
-        self.url = "ws" + base[len("http"):] + "/v1/chat/ws"
+        self.url = "ws" + base[len("http") :] + "/v1/chat/ws"
         self.tokenizer, self.per_socket = tokenizer, per_socket
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.sockets: list[_Socket] = []
@@ -121,7 +133,9 @@ class WebSocketDriver:
             if sock is None:
                 from websockets.asyncio.client import connect
 
-                sock = _Socket(await connect(self.url, additional_headers=self.headers, max_size=None))
+                sock = _Socket(
+                    await connect(self.url, additional_headers=self.headers, max_size=None)
+                )
                 self.sockets.append(sock)
             sock.active += 1
             return sock
@@ -136,8 +150,16 @@ class WebSocketDriver:
         text = self.tokenizer.decode(req.prompt_ids)
         params = {k: v for k, v in sampling_fields(req).items() if k != "n"}
         try:
-            await sock.ws.send(json.dumps({"type": "chat", "id": mid, "params": params,
-                                           "messages": [{"role": "user", "content": text}]}))
+            await sock.ws.send(
+                json.dumps(
+                    {
+                        "type": "chat",
+                        "id": mid,
+                        "params": params,
+                        "messages": [{"role": "user", "content": text}],
+                    }
+                )
+            )
             while True:
                 msg = await queue.get()
                 if msg["type"] == "delta":

@@ -47,20 +47,33 @@ class StepFit:
 
     def predict(self, computed: np.ndarray, context: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         return (self.base_ms + self.per_token_ms * computed) / 1e3 + (
-            self.per_kv_token_us * context + self.per_block_us * blocks) / 1e6
+            self.per_kv_token_us * context + self.per_block_us * blocks
+        ) / 1e6
 
     def flags(self) -> list[str]:
-        return ["--sim-base-ms", f"{self.base_ms:.4g}", "--sim-token-ms", f"{self.per_token_ms:.4g}",
-                "--sim-kv-us", f"{self.per_kv_token_us:.4g}", "--sim-block-us", f"{self.per_block_us:.4g}"]
+        return [
+            "--sim-base-ms",
+            f"{self.base_ms:.4g}",
+            "--sim-token-ms",
+            f"{self.per_token_ms:.4g}",
+            "--sim-kv-us",
+            f"{self.per_kv_token_us:.4g}",
+            "--sim-block-us",
+            f"{self.per_block_us:.4g}",
+        ]
 
 
 def _columns(records: list[StepRecord]) -> tuple[np.ndarray, ...]:
-    a = np.array([(r.seconds, r.computed, r.context, r.blocks) for r in records if not r.swapped and r.seqs],
-                 dtype=float).reshape(-1, 4)
+    a = np.array(
+        [(r.seconds, r.computed, r.context, r.blocks) for r in records if not r.swapped and r.seqs],
+        dtype=float,
+    ).reshape(-1, 4)
     return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
 
 
-def fit_step_cost(records: list[StepRecord], block_us: float = 0.0, fit_blocks: bool = False) -> StepFit:
+def fit_step_cost(
+    records: list[StepRecord], block_us: float = 0.0, fit_blocks: bool = False
+) -> StepFit:
     """``block_us``: the per-block cost to hold fixed (ignored with ``fit_blocks``)."""
     y, computed, context, blocks = _columns(records)
     n_terms = 4 if fit_blocks else 3
@@ -77,9 +90,20 @@ def fit_step_cost(records: list[StepRecord], block_us: float = 0.0, fit_blocks: 
     keep = resid <= OUTLIER_FACTOR * max(float(np.median(resid)), 1e-12)
     coef, *_ = np.linalg.lstsq(x[keep] * w[keep, None], target[keep] * w[keep], rcond=None)
     per_block = float(coef[3]) if fit_blocks else block_us
-    fit = StepFit(float(coef[0]), float(coef[1]), float(coef[2]), per_block, int(keep.sum()), int((~keep).sum()),
-                  0.0, 0.0, 0.0)
-    fit.rms_rel_err, fit.median_rel_err, fit.r2 = errors(fit, y[keep], computed[keep], context[keep], blocks[keep])
+    fit = StepFit(
+        float(coef[0]),
+        float(coef[1]),
+        float(coef[2]),
+        per_block,
+        int(keep.sum()),
+        int((~keep).sum()),
+        0.0,
+        0.0,
+        0.0,
+    )
+    fit.rms_rel_err, fit.median_rel_err, fit.r2 = errors(
+        fit, y[keep], computed[keep], context[keep], blocks[keep]
+    )
     return fit
 
 
@@ -96,16 +120,28 @@ def load_records(path: str) -> list[StepRecord]:
     """Step records of a capacity point (``steps`` at the top) or of a sweep (per run)."""
     with open(path) as f:
         d = json.load(f)
-    blocks = [d["steps"]] if "steps" in d else [r["steps"] for r in d.get("runs", []) if r.get("steps")]
+    blocks = (
+        [d["steps"]] if "steps" in d else [r["steps"] for r in d.get("runs", []) if r.get("steps")]
+    )
     return [rec for b in blocks for rec in records_from_dict(b)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m load_tests.fit_steps", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.fit_steps",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("files", nargs="+", help="capacity-point or sweep JSON with step records")
-    p.add_argument("--block-us", type=float, default=0.0, help="per-block cost held fixed (us per block touched)")
-    p.add_argument("--fit-blocks", action="store_true", help="fit the per-block term too (several block sizes)")
+    p.add_argument(
+        "--block-us",
+        type=float,
+        default=0.0,
+        help="per-block cost held fixed (us per block touched)",
+    )
+    p.add_argument(
+        "--fit-blocks", action="store_true", help="fit the per-block term too (several block sizes)"
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     per_file = {path: load_records(path) for path in args.files}
@@ -120,16 +156,24 @@ def main(argv: list[str] | None = None) -> int:
         if len(y):
             rms, med, _ = errors(fit, y, c, x, b)
             print(f"{path[-48:]:<48}{len(y):>7}{y.mean() * 1e3:>9.2f}{rms:>9.1%}{med:>11.1%}")
-    print(f"\npooled: {fit.steps} steps ({fit.dropped} outliers dropped), RMS relative error "
-          f"{fit.rms_rel_err:.1%}, median {fit.median_rel_err:.1%}, R^2 {fit.r2:.3f}")
-    print(f"step = {fit.base_ms:.3f} ms + {fit.per_token_ms:.4f} ms x computed + {fit.per_kv_token_us:.4f} us x context"
-          f" + {fit.per_block_us:.4f} us x blocks{'' if args.fit_blocks else ' (fixed)'}")
+    print(
+        f"\npooled: {fit.steps} steps ({fit.dropped} outliers dropped), RMS relative error "
+        f"{fit.rms_rel_err:.1%}, median {fit.median_rel_err:.1%}, R^2 {fit.r2:.3f}"
+    )
+    print(
+        f"step = {fit.base_ms:.3f} ms + {fit.per_token_ms:.4f} ms x computed + {fit.per_kv_token_us:.4f} us x context"
+        f" + {fit.per_block_us:.4f} us x blocks{'' if args.fit_blocks else ' (fixed)'}"
+    )
     if min(fit.base_ms, fit.per_token_ms, fit.per_kv_token_us, fit.per_block_us) < 0:
         print("warning: a negative constant: these steps do not separate that term (see the error)")
     print("load_tests.bench flags: " + " ".join(fit.flags()))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"fit": asdict(fit), "files": args.files, "block_us_fixed": not args.fit_blocks}, f, indent=1)
+            json.dump(
+                {"fit": asdict(fit), "files": args.files, "block_us_fixed": not args.fit_blocks},
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -28,10 +28,26 @@ from urllib.parse import urlsplit
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MAX_REQUESTS, MAX_CONCURRENCY, MAX_DURATION, MAX_TOKENS = 5000, 256, 900.0, 512
-KINDS = {"completion_stream": 3, "completion": 2, "chat_stream": 3, "websocket": 2, "dropped_stream": 2, "bad": 1}
+KINDS = {
+    "completion_stream": 3,
+    "completion": 2,
+    "chat_stream": 3,
+    "websocket": 2,
+    "dropped_stream": 2,
+    "bad": 1,
+}
 WORDS = "the a cat dog river mountain story light code engine block token cache sea sky".split()
-BAD_BODIES = [b"{", b"\xff\xfe", b'{"prompt": ""}', b'{"prompt": "x", "temperature": -1}', b'{"prompt": "x", "n": 10000}',
-              b'{"messages": []}', b'{"prompt": "x", "frobnicate": 1}', b'[1, 2]', b'{"prompt": [99999999]}']
+BAD_BODIES = [
+    b"{",
+    b"\xff\xfe",
+    b'{"prompt": ""}',
+    b'{"prompt": "x", "temperature": -1}',
+    b'{"prompt": "x", "n": 10000}',
+    b'{"messages": []}',
+    b'{"prompt": "x", "frobnicate": 1}',
+    b"[1, 2]",
+    b'{"prompt": [99999999]}',
+]
 
 
 def loopback_only(url: str) -> str:
@@ -51,9 +67,26 @@ def prompt(rng: random.Random) -> str:
 
 class Report:
     def __init__(self) -> None:
-        self.rows: dict[str, dict] = defaultdict(lambda: {"n": 0, "ok": 0, "status": defaultdict(int), "latency": [], "ttft": [], "tokens": 0})
+        self.rows: dict[str, dict] = defaultdict(
+            lambda: {
+                "n": 0,
+                "ok": 0,
+                "status": defaultdict(int),
+                "latency": [],
+                "ttft": [],
+                "tokens": 0,
+            }
+        )
 
-    def add(self, kind: str, status: int | str, latency: float, ttft: float | None = None, tokens: int = 0, ok: bool = True) -> None:
+    def add(
+        self,
+        kind: str,
+        status: int | str,
+        latency: float,
+        ttft: float | None = None,
+        tokens: int = 0,
+        ok: bool = True,
+    ) -> None:
         r = self.rows[kind]
         r["n"] += 1
         r["ok"] += ok
@@ -67,25 +100,44 @@ class Report:
         def pct(v: list[float], q: float) -> float:
             return sorted(v)[min(len(v) - 1, int(q * len(v)))] * 1e3 if v else 0.0
 
-        return {k: {"n": r["n"], "ok": r["ok"], "status": dict(r["status"]), "tokens": r["tokens"],
-                    "latency_ms": {"p50": pct(r["latency"], 0.5), "p99": pct(r["latency"], 0.99)},
-                    "ttft_ms": {"p50": pct(r["ttft"], 0.5), "p99": pct(r["ttft"], 0.99)}}
-                for k, r in sorted(self.rows.items())}
+        return {
+            k: {
+                "n": r["n"],
+                "ok": r["ok"],
+                "status": dict(r["status"]),
+                "tokens": r["tokens"],
+                "latency_ms": {"p50": pct(r["latency"], 0.5), "p99": pct(r["latency"], 0.99)},
+                "ttft_ms": {"p50": pct(r["ttft"], 0.5), "p99": pct(r["ttft"], 0.99)},
+            }
+            for k, r in sorted(self.rows.items())
+        }
 
 
-async def one(kind: str, client, url: str, headers: dict, rng: random.Random, max_tokens: int, report: Report) -> None:
+async def one(
+    kind: str, client, url: str, headers: dict, rng: random.Random, max_tokens: int, report: Report
+) -> None:
     t0 = time.perf_counter()
     mt = rng.randint(1, max_tokens)
     if kind == "bad":
         r = await client.post("/v1/completions", content=rng.choice(BAD_BODIES), headers=headers)
-        return report.add(kind, r.status_code, time.perf_counter() - t0, ok=400 <= r.status_code < 500)
+        return report.add(
+            kind, r.status_code, time.perf_counter() - t0, ok=400 <= r.status_code < 500
+        )
     if kind == "websocket":
         from websockets.asyncio.client import connect
 
         ws_url = url.replace("http", "ws", 1) + "/v1/chat/ws"
         async with connect(ws_url, additional_headers=headers) as ws:
-            await ws.send(json.dumps({"type": "chat", "id": 1, "messages": [{"role": "user", "content": prompt(rng)}],
-                                      "params": {"max_tokens": mt, "temperature": 0.8}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "chat",
+                        "id": 1,
+                        "messages": [{"role": "user", "content": prompt(rng)}],
+                        "params": {"max_tokens": mt, "temperature": 0.8},
+                    }
+                )
+            )
             ttft = None
             while True:
                 msg = json.loads(await ws.recv())
@@ -98,11 +150,17 @@ async def one(kind: str, client, url: str, headers: dict, rng: random.Random, ma
     chat = kind == "chat_stream"
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"max_tokens": mt, "temperature": 0.8, "stream": kind != "completion"}
-    body.update({"messages": [{"role": "user", "content": prompt(rng)}]} if chat else {"prompt": prompt(rng)})
+    body.update(
+        {"messages": [{"role": "user", "content": prompt(rng)}]}
+        if chat
+        else {"prompt": prompt(rng)}
+    )
     if kind == "completion":
         r = await client.post(path, json=body, headers=headers)
         tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
-        return report.add(kind, r.status_code, time.perf_counter() - t0, None, tokens, r.status_code == 200)
+        return report.add(
+            kind, r.status_code, time.perf_counter() - t0, None, tokens, r.status_code == 200
+        )
     body["stream_options"] = {"include_usage": True}
     ttft, tokens = None, 0
     async with client.stream("POST", path, json=body, headers=headers) as r:
@@ -144,7 +202,9 @@ async def run(args, url: str) -> dict:
                 report.add(kind, type(e).__name__, 0.0, ok=False)
 
     limits = httpx.Limits(max_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=args.request_timeout, limits=limits
+    ) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client, i) for i in range(args.concurrency)))
         elapsed = time.perf_counter() - t0
@@ -158,24 +218,51 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         m = {g: float(v) for g, v in re.findall(r"^vllm:(\w+)\{[^}]*\} (\S+)$", text, re.M)}
-        if all(m.get(k, 1) == 0 for k in ("num_requests_running", "num_requests_waiting",
-                                          "num_requests_swapped", "kv_cache_usage_perc")):
-            return {"idle": True, **{k: m[k] for k in ("kv_cache_usage_perc", "num_requests_running")}}
+        if all(
+            m.get(k, 1) == 0
+            for k in (
+                "num_requests_running",
+                "num_requests_waiting",
+                "num_requests_swapped",
+                "kv_cache_usage_perc",
+            )
+        ):
+            return {
+                "idle": True,
+                **{k: m[k] for k in ("kv_cache_usage_perc", "num_requests_running")},
+            }
         time.sleep(0.2)
-    return {"idle": False, **{k: m.get(k) for k in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")}}
+    return {
+        "idle": False,
+        **{
+            k: m.get(k)
+            for k in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+        },
+    }
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback URL")
-    ap.add_argument("--start-server", action="store_true", help="start `streamkv serve` on a free loopback port")
-    ap.add_argument("--server-args", default="--num-kv-blocks 512 --num-swap-blocks 64",
-                    help="extra flags for --start-server")
+    ap.add_argument(
+        "--start-server", action="store_true", help="start `streamkv serve` on a free loopback port"
+    )
+    ap.add_argument(
+        "--server-args",
+        default="--num-kv-blocks 512 --num-swap-blocks 64",
+        help="extra flags for --start-server",
+    )
     ap.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"))
     ap.add_argument("--requests", type=int, default=200, help=f"total requests (<= {MAX_REQUESTS})")
     ap.add_argument("--concurrency", type=int, default=16, help=f"workers (<= {MAX_CONCURRENCY})")
-    ap.add_argument("--duration", type=float, default=120.0, help=f"seconds (<= {MAX_DURATION:.0f})")
-    ap.add_argument("--max-tokens", type=int, default=48, help=f"per request, drawn from 1..N (<= {MAX_TOKENS})")
+    ap.add_argument(
+        "--duration", type=float, default=120.0, help=f"seconds (<= {MAX_DURATION:.0f})"
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=48, help=f"per request, drawn from 1..N (<= {MAX_TOKENS})"
+    )
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default="bench_results/loadgen.json")
@@ -193,7 +280,9 @@ def main() -> int:
 
         stack = ExitStack()
         extra = args.server_args.split() + (["--api-key", args.api_key] if args.api_key else [])
-        server = stack.enter_context(local_server(["--device", "cpu", "--max-model-len", "1024", *extra]))
+        server = stack.enter_context(
+            local_server(["--device", "cpu", "--max-model-len", "1024", *extra])
+        )
         url = server.url
     else:
         url = loopback_only(args.url)
@@ -204,15 +293,23 @@ def main() -> int:
         if server is not None:
             stack.close()
 
-    print(f"\n{'kind':<18}{'n':>6}{'ok':>6}{'tokens':>8}{'p50 ms':>9}{'p99 ms':>9}{'ttft p50':>10}  statuses")
+    print(
+        f"\n{'kind':<18}{'n':>6}{'ok':>6}{'tokens':>8}{'p50 ms':>9}{'p99 ms':>9}{'ttft p50':>10}  statuses"
+    )
     for kind, r in result["kinds"].items():
-        print(f"{kind:<18}{r['n']:>6}{r['ok']:>6}{r['tokens']:>8}{r['latency_ms']['p50']:>9.0f}"
-              f"{r['latency_ms']['p99']:>9.0f}{r['ttft_ms']['p50']:>10.0f}  {r['status']}")
-    five = sum(n for r in result["kinds"].values() for s, n in r["status"].items() if s.startswith("5"))
+        print(
+            f"{kind:<18}{r['n']:>6}{r['ok']:>6}{r['tokens']:>8}{r['latency_ms']['p50']:>9.0f}"
+            f"{r['latency_ms']['p99']:>9.0f}{r['ttft_ms']['p50']:>10.0f}  {r['status']}"
+        )
+    five = sum(
+        n for r in result["kinds"].values() for s, n in r["status"].items() if s.startswith("5")
+    )
     failed = not result["after"]["idle"] or five > 0 or result["transport_failures"]
-    print(f"{sum(r['n'] for r in result['kinds'].values())} requests in {result['elapsed_s']:.1f}s; "
-          f"5xx: {five}; transport failures: {len(result['transport_failures'])}; "
-          f"idle with all KV blocks free afterwards: {result['after']['idle']}")
+    print(
+        f"{sum(r['n'] for r in result['kinds'].values())} requests in {result['elapsed_s']:.1f}s; "
+        f"5xx: {five}; transport failures: {len(result['transport_failures'])}; "
+        f"idle with all KV blocks free afterwards: {result['after']['idle']}"
+    )
     for f in result["transport_failures"]:
         print("  ", f)
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)

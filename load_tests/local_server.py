@@ -36,8 +36,20 @@ def stop_process(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
 
 def serve_command(port: int, args: Sequence[str], log_level: str = "WARNING") -> list[str]:
     """``streamkv serve`` on 127.0.0.1:``port`` with this interpreter, no access log."""
-    return [sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", log_level, "serve",
-            "--host", "127.0.0.1", "--port", str(port), "--no-access-log", *args]
+    return [
+        sys.executable,
+        "-m",
+        "streamkv.entrypoints.cli",
+        "--log-level",
+        log_level,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-access-log",
+        *args,
+    ]
 
 
 @dataclass(slots=True)
@@ -52,7 +64,9 @@ class LocalServer:
             return f.read()
 
 
-def wait_healthy(server: LocalServer, timeout: float, verify: bool = True, poll: float = 0.2) -> None:
+def wait_healthy(
+    server: LocalServer, timeout: float, verify: bool = True, poll: float = 0.2
+) -> None:
     """Until /health answers 200; RuntimeError (with the server's log) if the process exits
     first or ``timeout`` seconds pass."""
     import httpx
@@ -70,9 +84,17 @@ def wait_healthy(server: LocalServer, timeout: float, verify: bool = True, poll:
 
 
 @contextlib.contextmanager
-def local_server(args: Sequence[str], *, port: int | None = None, log_path: str | None = None,
-                 env: dict[str, str] | None = None, startup_timeout: float = 300.0, scheme: str = "http",
-                 log_level: str = "WARNING", cpus: set[int] | None = None) -> Iterator[LocalServer]:
+def local_server(
+    args: Sequence[str],
+    *,
+    port: int | None = None,
+    log_path: str | None = None,
+    env: dict[str, str] | None = None,
+    startup_timeout: float = 300.0,
+    scheme: str = "http",
+    log_level: str = "WARNING",
+    cpus: set[int] | None = None,
+) -> Iterator[LocalServer]:
     """A healthy server for the block's length, stopped (SIGTERM, then SIGKILL) at its end.
     ``port`` None: a free one. ``log_path`` None: a temporary file, left for the caller to
     read after the block (``LocalServer.log_path``). ``env`` is added to this process's.
@@ -80,13 +102,20 @@ def local_server(args: Sequence[str], *, port: int | None = None, log_path: str 
     ``cpus``: the server process and its threads run on these CPUs only."""
     port = free_port() if port is None else port
     if log_path is None:
-        with tempfile.NamedTemporaryFile("w", prefix="streamkv-serve-", suffix=".log", delete=False) as f:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="streamkv-serve-", suffix=".log", delete=False
+        ) as f:
             log_path = f.name
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log_path, "w") as log:
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        proc = subprocess.Popen(serve_command(port, args, log_level), stdout=log, stderr=subprocess.STDOUT,
-                                env=full_env, preexec_fn=pin)
+        proc = subprocess.Popen(
+            serve_command(port, args, log_level),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            preexec_fn=pin,
+        )
     server = LocalServer(f"{scheme}://127.0.0.1:{port}", port, log_path, proc)
     try:
         wait_healthy(server, startup_timeout, verify=scheme == "http")

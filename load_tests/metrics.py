@@ -52,7 +52,9 @@ def per_request(rec: RequestRecord) -> dict[str, float | None]:
     return {"e2e": e2e, "ttft": ttft, "tpot": tpot, "norm": e2e / per_sample}
 
 
-def summarize(records: list[RequestRecord], duration: float, slo: dict[str, float] | None = None) -> dict:
+def summarize(
+    records: list[RequestRecord], duration: float, slo: dict[str, float] | None = None
+) -> dict:
     done = [r for r in records if r.ok]
     lat = [per_request(r) for r in done]
     itl = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]

@@ -15,16 +15,27 @@ from streamkv.sampling_params import SamplingParams
 
 def sampling_params(req: BenchRequest) -> SamplingParams:
     if req.beam_width:
-        return SamplingParams(n=req.beam_width, best_of=req.beam_width, use_beam_search=True,
-                              temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+        return SamplingParams(
+            n=req.beam_width,
+            best_of=req.beam_width,
+            use_beam_search=True,
+            temperature=0.0,
+            max_tokens=req.output_len,
+            ignore_eos=True,
+        )
     return SamplingParams(n=req.n, temperature=1.0, max_tokens=req.output_len, ignore_eos=True)
 
 
-def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max_duration: float,
-                on_done: Callable[[RequestRecord], None] = lambda r: None,
-                virtual: VirtualClock | None = None,
-                on_all_arrived: Callable[[], None] = lambda: None,
-                on_step: Callable[[float], None] | None = None) -> tuple[list[RequestRecord], float]:
+def run_offline(
+    engine,
+    requests: list[BenchRequest],
+    arrivals: list[float],
+    max_duration: float,
+    on_done: Callable[[RequestRecord], None] = lambda r: None,
+    virtual: VirtualClock | None = None,
+    on_all_arrived: Callable[[], None] = lambda: None,
+    on_step: Callable[[float], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
     """The open loop of runner.run_open_loop with the engine stepped in this thread: a request
     due during a step is added right after it (its latency still counts from its arrival).
     With a ``virtual`` clock (sim.py: the executor advances it) waiting advances it too.
@@ -51,8 +62,13 @@ def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max
             rec.sent = now
             records.append(rec)
             active[str(i)] = rec
-            engine.add_request(str(i), None, sampling_params(req), prompt_token_ids=req.prompt_ids,
-                               arrival_time=base + at)
+            engine.add_request(
+                str(i),
+                None,
+                sampling_params(req),
+                prompt_token_ids=req.prompt_ids,
+                arrival_time=base + at,
+            )
             if nxt == len(todo):
                 on_all_arrived()
         if engine.has_unfinished_requests():
@@ -69,7 +85,9 @@ def run_offline(engine, requests: list[BenchRequest], arrivals: list[float], max
     return records, run_length(records, clock())
 
 
-def _clocks(virtual: VirtualClock | None) -> tuple[float, Callable[[], float], Callable[[float], None]]:
+def _clocks(
+    virtual: VirtualClock | None,
+) -> tuple[float, Callable[[], float], Callable[[float], None]]:
     """(base, clock, sleep): the engine's time of the run's start, the seconds since then, and
     a wait; on the wall clock, or on ``virtual``, where waiting advances it."""
     if virtual is None:
@@ -90,8 +108,12 @@ def _clocks(virtual: VirtualClock | None) -> tuple[float, Callable[[], float], C
     return base, virtual_clock, virtual.advance
 
 
-def _record_outputs(outputs: list, t: float, active: dict[str, RequestRecord],
-                    on_done: Callable[[RequestRecord], None]) -> None:
+def _record_outputs(
+    outputs: list,
+    t: float,
+    active: dict[str, RequestRecord],
+    on_done: Callable[[RequestRecord], None],
+) -> None:
     """One step's outputs into their records, at time ``t``: a chunk where tokens came, the
     end where a request finished (it leaves ``active``)."""
     for out in outputs:

@@ -34,9 +34,23 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def common(block_size: int = 16) -> list[str]:
-    return ["--backend", "offline", "--simulate", "--model", "opt-13b", "--block-size", str(block_size),
-            "--num-kv-blocks", str(POOL_SLOTS // block_size), "--max-model-len", "2048",
-            "--no-enable-prefix-caching", "--max-duration", "3600", "--disable-tqdm"]
+    return [
+        "--backend",
+        "offline",
+        "--simulate",
+        "--model",
+        "opt-13b",
+        "--block-size",
+        str(block_size),
+        "--num-kv-blocks",
+        str(POOL_SLOTS // block_size),
+        "--max-model-len",
+        "2048",
+        "--no-enable-prefix-caching",
+        "--max-duration",
+        "3600",
+        "--disable-tqdm",
+    ]
 
 
 def run(argv: list[str], out: str, log: str) -> None:
@@ -55,10 +69,28 @@ def fig14(args) -> None:
     for flag, width in [("--n", w) for w in (2, 4, 6)] + [("--beam-width", w) for w in (2, 4, 6)]:
         tag = f"{'n' if flag == '--n' else 'beam'}{width}"
         for system in ("paged", "orca-oracle"):
-            argv = [*common(), "--num-swap-blocks", "0", "--kv-allocation", system, "--workload", "alpaca",
-                    flag, str(width), "--num-requests", str(args.num_requests), "--request-rate", rates,
-                    "--label", f"{system} {tag}"]
-            run(argv, f"{args.out}/fig14-{tag}-{system}.json", f"{args.out}/fig14-{tag}-{system}.log")
+            argv = [
+                *common(),
+                "--num-swap-blocks",
+                "0",
+                "--kv-allocation",
+                system,
+                "--workload",
+                "alpaca",
+                flag,
+                str(width),
+                "--num-requests",
+                str(args.num_requests),
+                "--request-rate",
+                rates,
+                "--label",
+                f"{system} {tag}",
+            ]
+            run(
+                argv,
+                f"{args.out}/fig14-{tag}-{system}.json",
+                f"{args.out}/fig14-{tag}-{system}.log",
+            )
 
 
 def fig16(args) -> None:
@@ -66,27 +98,75 @@ def fig16(args) -> None:
     for shots, prefix_len in ((1, 80), (5, 341)):
         for system in ("paged", "orca-oracle"):
             extra = ["--reserve-shared-prefix"] if system == "paged" else []
-            argv = [*common(), "--num-swap-blocks", "0", "--kv-allocation", system, "--workload", "shared-prefix",
-                    "--prefix-len", str(prefix_len), "--num-requests", str(args.num_requests), "--request-rate",
-                    rates, "--label", f"{system} {shots}-shot", *extra]
-            run(argv, f"{args.out}/fig16-{shots}shot-{system}.json", f"{args.out}/fig16-{shots}shot-{system}.log")
+            argv = [
+                *common(),
+                "--num-swap-blocks",
+                "0",
+                "--kv-allocation",
+                system,
+                "--workload",
+                "shared-prefix",
+                "--prefix-len",
+                str(prefix_len),
+                "--num-requests",
+                str(args.num_requests),
+                "--request-rate",
+                rates,
+                "--label",
+                f"{system} {shots}-shot",
+                *extra,
+            ]
+            run(
+                argv,
+                f"{args.out}/fig16-{shots}shot-{system}.json",
+                f"{args.out}/fig16-{shots}shot-{system}.log",
+            )
 
 
 def fig18b(args) -> None:
     for workload, rate in (("sharegpt", args.rates or "5"), ("alpaca", args.rates or "100")):
         for bs in BLOCK_SIZES:
-            argv = [*common(bs), "--num-swap-blocks", "0", "--workload", workload, "--num-requests",
-                    str(args.num_requests), "--request-rate", rate, "--label", f"block {bs}"]
-            run(argv, f"{args.out}/fig18b-{workload}-b{bs}.json", f"{args.out}/fig18b-{workload}-b{bs}.log")
+            argv = [
+                *common(bs),
+                "--num-swap-blocks",
+                "0",
+                "--workload",
+                workload,
+                "--num-requests",
+                str(args.num_requests),
+                "--request-rate",
+                rate,
+                "--label",
+                f"block {bs}",
+            ]
+            run(
+                argv,
+                f"{args.out}/fig18b-{workload}-b{bs}.json",
+                f"{args.out}/fig18b-{workload}-b{bs}.log",
+            )
 
 
 def fig19b(args) -> None:
     rate = args.rates or "6"
     for bs in BLOCK_SIZES:
         for mode in ("swap", "recompute", "auto"):
-            argv = [*common(bs), "--num-swap-blocks", str(SWAP_SLOTS // bs), "--preemption-mode", mode,
-                    "--preemption-cost-profile", "sim-a100", "--workload", "sharegpt", "--num-requests",
-                    str(args.num_requests), "--request-rate", rate, "--label", f"{mode} block {bs}"]
+            argv = [
+                *common(bs),
+                "--num-swap-blocks",
+                str(SWAP_SLOTS // bs),
+                "--preemption-mode",
+                mode,
+                "--preemption-cost-profile",
+                "sim-a100",
+                "--workload",
+                "sharegpt",
+                "--num-requests",
+                str(args.num_requests),
+                "--request-rate",
+                rate,
+                "--label",
+                f"{mode} block {bs}",
+            ]
             run(argv, f"{args.out}/fig19b-{mode}-b{bs}.json", f"{args.out}/fig19b-{mode}-b{bs}.log")
 
 
@@ -94,12 +174,17 @@ FIGURES = {"fig14": fig14, "fig16": fig16, "fig18b": fig18b, "fig19b": fig19b}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m load_tests.paper_sharing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.paper_sharing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("figure", choices=sorted(FIGURES))
     p.add_argument("--out", default="docs/paper/sharing")
     p.add_argument("--num-requests", type=int, default=200, help="per rate point")
-    p.add_argument("--rates", default=None, help="override the figure's rate sweep (comma-separated)")
+    p.add_argument(
+        "--rates", default=None, help="override the figure's rate sweep (comma-separated)"
+    )
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     FIGURES[args.figure](args)

@@ -1,9 +1,9 @@
 """PNG plots from the JSON files of ``load_tests.bench`` runs, one line (or bar) per system.
 
-    python -m load_tests.plot latency paged.json orca-max.json orca-oracle.json --out fig12.png
-    python -m load_tests.plot waste paged.json orca-*.json --out fig2.png
-    python -m load_tests.plot batched paged.json orca-oracle.json --out fig13.png
-    python -m load_tests.plot table paged.json orca-*.json --threshold 0.5 --rate 2   (markdown)
+python -m load_tests.plot latency paged.json orca-max.json orca-oracle.json --out fig12.png
+python -m load_tests.plot waste paged.json orca-*.json --out fig2.png
+python -m load_tests.plot batched paged.json orca-oracle.json --out fig13.png
+python -m load_tests.plot table paged.json orca-*.json --threshold 0.5 --rate 2   (markdown)
 """
 
 from __future__ import annotations
@@ -16,17 +16,29 @@ from load_tests.report import METRICS, markdown_table, plot_batched, plot_latenc
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m load_tests.plot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.plot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("kind", choices=["latency", "waste", "batched", "table"])
     p.add_argument("results", nargs="+", help="JSON files written by load_tests.bench")
     p.add_argument("--out", default=None, help="PNG path (all kinds but table)")
-    p.add_argument("--threshold", type=float, default=0.5, help="table: normalized latency bound (s/token)")
-    p.add_argument("--metric", choices=sorted(METRICS), default="normalized_latency", help="latency plots: y axis")
+    p.add_argument(
+        "--threshold", type=float, default=0.5, help="table: normalized latency bound (s/token)"
+    )
+    p.add_argument(
+        "--metric",
+        choices=sorted(METRICS),
+        default="normalized_latency",
+        help="latency plots: y axis",
+    )
     p.add_argument("--title", default="")
     p.add_argument("--ylim", type=float, default=None, help="latency plots: clip the y axis here")
     p.add_argument("--logy", action="store_true", help="latency plots: a log y axis")
-    p.add_argument("--rate", type=float, default=None, help="waste plots: only the runs at this request rate")
+    p.add_argument(
+        "--rate", type=float, default=None, help="waste plots: only the runs at this request rate"
+    )
     args = p.parse_args(argv)
     results = []
     for path in args.results:

@@ -48,7 +48,9 @@ def rate_figure(args, tags: list[tuple[str, str]], title: str) -> None:
     """Figs 14 / 16: per tag, paged and orca-oracle curves side by side, and the ratio table."""
     plt = _pyplot()
     groups = sorted({g for g, _ in tags}, key=[g for g, _ in tags].index)
-    fig, axes = plt.subplots(1, len(groups), figsize=(max(5.4, 4.2 * len(groups)), 3.6), dpi=100, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(groups), figsize=(max(5.4, 4.2 * len(groups)), 3.6), dpi=100, squeeze=False
+    )
     print(f"| {title} | paged ÷ orca-oracle at {args.threshold} s/token |\n|---|---|")
     for ax, group in zip(axes[0], groups):
         for i, (_, tag) in enumerate(t for t in tags if t[0] == group):
@@ -77,8 +79,17 @@ def fig15(args) -> None:
     print("| trace | mode | width | memory saving |\n|---|---|---|---|")
     for ax, mode in zip(axes, ("parallel n", "beam width")):
         for k, workload in enumerate(("alpaca", "sharegpt")):
-            pts = [(r["width"], 100 * r["sharing_savings"]) for r in rows if r["mode"] == mode and r["workload"] == workload]
-            ax.bar([i + 0.38 * k for i in range(len(pts))], [p[1] for p in pts], width=0.36, label=workload)
+            pts = [
+                (r["width"], 100 * r["sharing_savings"])
+                for r in rows
+                if r["mode"] == mode and r["workload"] == workload
+            ]
+            ax.bar(
+                [i + 0.38 * k for i in range(len(pts))],
+                [p[1] for p in pts],
+                width=0.36,
+                label=workload,
+            )
             ax.set_xticks([i + 0.19 for i in range(len(pts))], [str(p[0]) for p in pts])
             for w, s in pts:
                 print(f"| {workload} | {mode} | {w} | {s:.1f}% |")
@@ -122,29 +133,55 @@ def by_block_size(args, series: list[tuple[str, str]], title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m load_tests.plot_sharing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m load_tests.plot_sharing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("figure", choices=["fig14", "fig15", "fig16", "fig18b", "fig19b"])
     p.add_argument("--dir", default="docs/paper/sharing")
-    p.add_argument("--file", default="docs/paper/sharing/fig15.json", help="fig15: bench_sharing.py's JSON")
-    p.add_argument("--threshold", type=float, default=0.2, help="figs 14/16: normalized latency bound (s/token)")
+    p.add_argument(
+        "--file", default="docs/paper/sharing/fig15.json", help="fig15: bench_sharing.py's JSON"
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.2,
+        help="figs 14/16: normalized latency bound (s/token)",
+    )
     p.add_argument("--ylim", type=float, default=1.0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.figure == "fig14":
-        rate_figure(args, [("parallel sampling", f"n{w}") for w in (2, 4, 6)]
-                    + [("beam search", f"beam{w}") for w in (2, 4, 6)], "Fig 14: Alpaca-shaped")
+        rate_figure(
+            args,
+            [("parallel sampling", f"n{w}") for w in (2, 4, 6)]
+            + [("beam search", f"beam{w}") for w in (2, 4, 6)],
+            "Fig 14: Alpaca-shaped",
+        )
     elif args.figure == "fig16":
-        rate_figure(args, [("shared prefix", "1shot"), ("shared prefix", "5shot")], "Fig 16: translation-style")
+        rate_figure(
+            args,
+            [("shared prefix", "1shot"), ("shared prefix", "5shot")],
+            "Fig 16: translation-style",
+        )
     elif args.figure == "fig15":
         fig15(args)
     elif args.figure == "fig18b":
-        by_block_size(args, [("ShareGPT @ 5 req/s", "fig18b-sharegpt-b{bs}.json"),
-                             ("Alpaca @ 100 req/s", "fig18b-alpaca-b{bs}.json")],
-                      "Fig 18b: paged, same KV memory (15,728 slots)\nCPU run, simulated OPT-13B step")
+        by_block_size(
+            args,
+            [
+                ("ShareGPT @ 5 req/s", "fig18b-sharegpt-b{bs}.json"),
+                ("Alpaca @ 100 req/s", "fig18b-alpaca-b{bs}.json"),
+            ],
+            "Fig 18b: paged, same KV memory (15,728 slots)\nCPU run, simulated OPT-13B step",
+        )
     else:
-        by_block_size(args, [(m, f"fig19b-{m}-b{{bs}}.json") for m in ("swap", "recompute", "auto")],
-                      "Fig 19b: ShareGPT @ 6 req/s, 4 GiB swap pool\nCPU run, simulated OPT-13B step and swaps")
+        by_block_size(
+            args,
+            [(m, f"fig19b-{m}-b{{bs}}.json") for m in ("swap", "recompute", "auto")],
+            "Fig 19b: ShareGPT @ 6 req/s, 4 GiB swap pool\nCPU run, simulated OPT-13B step and swaps",
+        )
     return 0
 
 

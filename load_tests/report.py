@@ -17,7 +17,11 @@ def format_summary(run: dict) -> str:
     s, lines = run["summary"], []
 
     def row(name: str, value, fmt: str = "{:<10.2f}") -> None:
-        text = fmt.format(value) if isinstance(value, (int, float)) and value is not None else str(value)
+        text = (
+            fmt.format(value)
+            if isinstance(value, (int, float)) and value is not None
+            else str(value)
+        )
         lines.append(f"{name:<46}{text}")
 
     lines.append(_rule(" Serving Benchmark Result ", "="))
@@ -35,8 +39,12 @@ def format_summary(run: dict) -> str:
     row("Total token throughput (tok/s):", s["total_token_throughput"])
     if s["goodput"] is not None:
         row("Request goodput (req/s):", s["goodput"])
-    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
-                       ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+    for key, title in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+        ("itl_ms", "Inter-token Latency"),
+        ("e2e_ms", "End-to-end Latency"),
+    ):
         lines.append(_rule(title))
         short = key.split("_")[0].upper()
         row(f"Mean {short} (ms):", s[key]["mean"])
@@ -48,12 +56,18 @@ def format_summary(run: dict) -> str:
     kv = run.get("kv")
     if kv and kv["shares"]["token"] is not None:
         row("KV allocation:", kv["kv_allocation"], "{}")
-        for kind, name in (("token", "token states"), ("reserved", "reserved"),
-                           ("internal", "internal fragmentation"), ("external", "external fragmentation")):
+        for kind, name in (
+            ("token", "token states"),
+            ("reserved", "reserved"),
+            ("internal", "internal fragmentation"),
+            ("external", "external fragmentation"),
+        ):
             row(f"KV memory held: {name} (%):", 100 * kv["shares"][kind])
         row("Avg batched requests:", kv["avg_batched_requests"])
         if (kv.get("while_arriving") or {}).get("avg_batched_requests") is not None:
-            row("Avg batched requests while arriving:", kv["while_arriving"]["avg_batched_requests"])
+            row(
+                "Avg batched requests while arriving:", kv["while_arriving"]["avg_batched_requests"]
+            )
         if kv.get("time_avg_batched_seqs") is not None:
             row("Time-avg batched sequences (sim clock):", kv["time_avg_batched_seqs"])
         row("Preemptions:", kv["preemptions"], "{:<10.0f}")
@@ -84,14 +98,24 @@ def _pyplot():
     return plt
 
 
-def plot_latency(results: list[dict], out: str, metric: str = "normalized_latency", title: str = "",
-                 ylim: float | None = None, logy: bool = False) -> None:
+def plot_latency(
+    results: list[dict],
+    out: str,
+    metric: str = "normalized_latency",
+    title: str = "",
+    ylim: float | None = None,
+    logy: bool = False,
+) -> None:
     """One line per system: ``metric`` against the configured request rate."""
     plt = _pyplot()
     name, get = METRICS[metric]
     fig, ax = plt.subplots(figsize=(4.8, 3.4), dpi=110)
     for res in results:
-        pts = sorted((r["request_rate"], get(r["summary"])) for r in res["runs"] if not math.isinf(r["request_rate"]))
+        pts = sorted(
+            (r["request_rate"], get(r["summary"]))
+            for r in res["runs"]
+            if not math.isinf(r["request_rate"])
+        )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=res["label"])
     ax.set_xlabel("Request rate (req/s)")
     ax.set_ylabel(name)
@@ -111,17 +135,26 @@ def plot_waste(results: list[dict], out: str, title: str = "", rate: float | Non
     """Stacked bars per system: the held KV memory by kind, averaged over the system's runs
     (only those at ``rate`` when given) weighted by samples (Fig 2)."""
     plt = _pyplot()
-    kinds = (("token", "token states"), ("reserved", "reserved"), ("internal", "internal frag."),
-             ("external", "external frag."))
+    kinds = (
+        ("token", "token states"),
+        ("reserved", "reserved"),
+        ("internal", "internal frag."),
+        ("external", "external frag."),
+    )
     labels, rows = [], []
     for res in results:
-        kvs = [r["kv"] for r in res["runs"] if r.get("kv") and r["kv"]["samples"]
-               and (rate is None or r["request_rate"] == rate)]
+        kvs = [
+            r["kv"]
+            for r in res["runs"]
+            if r.get("kv") and r["kv"]["samples"] and (rate is None or r["request_rate"] == rate)
+        ]
         total = sum(k["samples"] for k in kvs)
         if not total:
             continue
         labels.append(res["label"])
-        rows.append([100 * sum(k["shares"][kind] * k["samples"] for k in kvs) / total for kind, _ in kinds])
+        rows.append(
+            [100 * sum(k["shares"][kind] * k["samples"] for k in kvs) / total for kind, _ in kinds]
+        )
     fig, ax = plt.subplots(figsize=(4.8, 3.6), dpi=110)
     bottom = [0.0] * len(labels)
     for j, (_, name) in enumerate(kinds):
@@ -146,8 +179,13 @@ def plot_batched(results: list[dict], out: str, title: str = "") -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(4.8, 3.4), dpi=110)
     for res in results:
-        pts = sorted((r["request_rate"], r["kv"]["avg_batched_requests"]) for r in res["runs"]
-                     if r.get("kv") and r["kv"]["avg_batched_requests"] is not None and not math.isinf(r["request_rate"]))
+        pts = sorted(
+            (r["request_rate"], r["kv"]["avg_batched_requests"])
+            for r in res["runs"]
+            if r.get("kv")
+            and r["kv"]["avg_batched_requests"] is not None
+            and not math.isinf(r["request_rate"])
+        )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=res["label"])
     ax.set_xlabel("Request rate (req/s)")
     ax.set_ylabel("Avg batched requests")
@@ -159,11 +197,17 @@ def plot_batched(results: list[dict], out: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def sustained_rate(result: dict, threshold: float, metric: str = "normalized_latency") -> float | None:
+def sustained_rate(
+    result: dict, threshold: float, metric: str = "normalized_latency"
+) -> float | None:
     """The highest request rate at which ``metric`` stays at or below ``threshold``,
     interpolated linearly between the last sweep point under it and the first one over."""
     get = METRICS[metric][1]
-    pts = sorted((r["request_rate"], get(r["summary"])) for r in result["runs"] if not math.isinf(r["request_rate"]))
+    pts = sorted(
+        (r["request_rate"], get(r["summary"]))
+        for r in result["runs"]
+        if not math.isinf(r["request_rate"])
+    )
     best = None
     for (r0, y0), (r1, y1) in zip(pts, pts[1:]):
         if y0 > threshold:
@@ -180,13 +224,17 @@ def markdown_table(results: list[dict], threshold: float, rate: float | None) ->
     head = [f"| system | rate at {threshold} s/token | {results[0]['label']} ÷ this |"]
     sep = "|---|---|---|"
     if rate is not None:
-        head[0] += f" batched @ {rate:g} req/s | token / reserved / internal / external % @ {rate:g} |"
+        head[0] += (
+            f" batched @ {rate:g} req/s | token / reserved / internal / external % @ {rate:g} |"
+        )
         sep += "---|---|"
     rows, base = [*head, sep], sustained_rate(results[0], threshold)
     for res in results:
         r = sustained_rate(res, threshold)
         ratio = f"{base / r:.2f}x" if r and base else "-"
-        line = f"| {res['label']} | {r:.2f} |" if r is not None else f"| {res['label']} | < lowest |"
+        line = (
+            f"| {res['label']} | {r:.2f} |" if r is not None else f"| {res['label']} | < lowest |"
+        )
         line += f" {ratio} |"
         if rate is not None:
             run = next((x for x in res["runs"] if x["request_rate"] == rate and x.get("kv")), None)
@@ -194,7 +242,12 @@ def markdown_table(results: list[dict], threshold: float, rate: float | None) ->
                 line += " - | - |"
             else:
                 sh = run["kv"]["shares"]
-                line += (f" {run['kv']['avg_batched_requests']:.1f} | "
-                         + " / ".join(f"{100 * sh[k]:.1f}" for k in ("token", "reserved", "internal", "external")) + " |")
+                line += (
+                    f" {run['kv']['avg_batched_requests']:.1f} | "
+                    + " / ".join(
+                        f"{100 * sh[k]:.1f}" for k in ("token", "reserved", "internal", "external")
+                    )
+                    + " |"
+                )
         rows.append(line)
     return "\n".join(rows)

@@ -50,9 +50,13 @@ def new_record(i: int, req: BenchRequest, at: float) -> RequestRecord:
     return RequestRecord(i, req.prompt_len, req.output_len, max(req.n, req.beam_width, 1), at)
 
 
-async def run_open_loop(driver: Driver, requests: list[BenchRequest], arrivals: list[float],
-                        max_duration: float, on_done: Callable[[RequestRecord], None] = lambda r: None,
-                        ) -> tuple[list[RequestRecord], float]:
+async def run_open_loop(
+    driver: Driver,
+    requests: list[BenchRequest],
+    arrivals: list[float],
+    max_duration: float,
+    on_done: Callable[[RequestRecord], None] = lambda r: None,
+) -> tuple[list[RequestRecord], float]:
     """Send each request at its arrival time (never after ``max_duration``); requests still
     running at ``max_duration`` are cancelled and marked incomplete. Returns the records and
     the run's length (first arrival to last completion)."""

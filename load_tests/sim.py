@@ -72,8 +72,15 @@ class SimulatedExecutor(Executor):
     """No model: each sample is a random token (every request runs with ignore_eos), and
     each step advances ``clock`` by ``cost``."""
 
-    def __init__(self, model: str | None, num_blocks: int, num_cpu_blocks: int, cost: StepCost,
-                 clock: VirtualClock, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        cost: StepCost,
+        clock: VirtualClock,
+        seed: int = 0,
+    ) -> None:
         from streamkv.models.loader import load_config, resolve_model_dir
 
         self.model_dir = resolve_model_dir(model)
@@ -119,6 +126,7 @@ class SimulatedExecutor(Executor):
                 cands = [(draw(1000, hi), lp) for lp in lps]
                 results[s.seq_id] = SampleResult([cands[0][0]], [cands[0][1]], candidates=cands)
             else:
-                results[s.seq_id] = SampleResult([draw(1000, hi) for _ in range(s.num_samples)],
-                                                 [-1.0] * s.num_samples)
+                results[s.seq_id] = SampleResult(
+                    [draw(1000, hi) for _ in range(s.num_samples)], [-1.0] * s.num_samples
+                )
         return StepOutput(results)

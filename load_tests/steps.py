@@ -42,7 +42,9 @@ def summarize_step(step: StepInput, block_size: int) -> StepRecord:
         computed += len(s.token_ids)
         context += n
         blocks += -(-n // block_size)
-    return StepRecord(0.0, len(step.seqs), computed, context, blocks, len(step.swap_in) + len(step.swap_out))
+    return StepRecord(
+        0.0, len(step.seqs), computed, context, blocks, len(step.swap_in) + len(step.swap_out)
+    )
 
 
 class StepRecorder:
@@ -76,8 +78,14 @@ class StepRecorder:
             return
         rec = self._pending[0]
         for p in self._pending[1:]:
-            rec = StepRecord(0.0, rec.seqs + p.seqs, rec.computed + p.computed, rec.context + p.context,
-                             rec.blocks + p.blocks, rec.swapped + p.swapped)
+            rec = StepRecord(
+                0.0,
+                rec.seqs + p.seqs,
+                rec.computed + p.computed,
+                rec.context + p.context,
+                rec.blocks + p.blocks,
+                rec.swapped + p.swapped,
+            )
         self._pending.clear()
         rec.seconds = seconds
         self.seen += 1
@@ -90,9 +98,14 @@ class StepRecorder:
                 self.kept[j] = rec
 
     def as_dict(self) -> dict:
-        return {"fields": list(FIELDS), "rows": [list(astuple(r)) for r in self.kept], "steps": self.seen,
-                "total_seconds": self.total_seconds, "block_size": self.block_size,
-                "sample": f"uniform reservoir of at most {self.capacity} steps"}
+        return {
+            "fields": list(FIELDS),
+            "rows": [list(astuple(r)) for r in self.kept],
+            "steps": self.seen,
+            "total_seconds": self.total_seconds,
+            "block_size": self.block_size,
+            "sample": f"uniform reservoir of at most {self.capacity} steps",
+        }
 
 
 def records_from_dict(d: dict) -> list[StepRecord]:

@@ -62,8 +62,11 @@ def _conversations(num: int):
 
 
 def _first_turn_pairs(num_convs: int) -> list[tuple[str, str]]:
-    return [(t[0]["value"], t[1]["value"]) for t in _conversations(num_convs)
-            if t[0].get("from") == "human" and t[1].get("from") == "gpt"]
+    return [
+        (t[0]["value"], t[1]["value"])
+        for t in _conversations(num_convs)
+        if t[0].get("from") == "human" and t[1].get("from") == "gpt"
+    ]
 
 
 def sharegpt(tokenizer, num: int, rng: random.Random, max_len: int = 2048) -> list[BenchRequest]:
@@ -89,11 +92,19 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -
 
 def alpaca(tokenizer, num: int, rng: random.Random) -> list[BenchRequest]:
     nrng = np.random.default_rng(rng.randrange(2**32))
-    ins = np.clip(np.rint(_lognormal(nrng, ALPACA_MEAN_INPUT, ALPACA_SIGMA_INPUT, num)),
-                  ALPACA_MIN_LEN, ALPACA_MAX_INPUT).astype(int)
-    outs = np.clip(np.rint(_lognormal(nrng, ALPACA_MEAN_OUTPUT, ALPACA_SIGMA_OUTPUT, num)),
-                   ALPACA_MIN_LEN, ALPACA_MAX_OUTPUT).astype(int)
-    text = [tokenizer.encode(p, add_special_tokens=False) for p, _ in _first_turn_pairs(4 * num + 200)]
+    ins = np.clip(
+        np.rint(_lognormal(nrng, ALPACA_MEAN_INPUT, ALPACA_SIGMA_INPUT, num)),
+        ALPACA_MIN_LEN,
+        ALPACA_MAX_INPUT,
+    ).astype(int)
+    outs = np.clip(
+        np.rint(_lognormal(nrng, ALPACA_MEAN_OUTPUT, ALPACA_SIGMA_OUTPUT, num)),
+        ALPACA_MIN_LEN,
+        ALPACA_MAX_OUTPUT,
+    ).astype(int)
+    text = [
+        tokenizer.encode(p, add_special_tokens=False) for p, _ in _first_turn_pairs(4 * num + 200)
+    ]
     text = [t for t in text if len(t) >= 8]
     rng.shuffle(text)
     pool = [tok for t in text for tok in t]
@@ -113,9 +124,13 @@ def chat(tokenizer, num: int, rng: random.Random) -> list[BenchRequest]:
         history: list[int] = []
         candidates = []
         for turn in turns:
-            ids = tokenizer.encode(f"{turn.get('from', 'human')}: {turn['value']}\n", add_special_tokens=False)
+            ids = tokenizer.encode(
+                f"{turn.get('from', 'human')}: {turn['value']}\n", add_special_tokens=False
+            )
             if turn.get("from") == "gpt" and history:
-                candidates.append((history[-CHAT_HISTORY_TOKENS:], min(len(ids), CHAT_HISTORY_TOKENS)))
+                candidates.append(
+                    (history[-CHAT_HISTORY_TOKENS:], min(len(ids), CHAT_HISTORY_TOKENS))
+                )
             history = history + ids
         if candidates:
             prompt, reply = rng.choice(candidates)
@@ -126,10 +141,14 @@ def chat(tokenizer, num: int, rng: random.Random) -> list[BenchRequest]:
     return out
 
 
-def shared_prefix(tokenizer, num: int, rng: random.Random, prefix_len: int = 341) -> list[BenchRequest]:
+def shared_prefix(
+    tokenizer, num: int, rng: random.Random, prefix_len: int = 341
+) -> list[BenchRequest]:
     """Fig 16: a fixed prefix (the paper's 5-shot prefix is 341 tokens, 1-shot 80) + a short
     sentence; outputs as long as the sentence."""
-    text = [tokenizer.encode(p, add_special_tokens=False) for p, _ in _first_turn_pairs(4 * num + 200)]
+    text = [
+        tokenizer.encode(p, add_special_tokens=False) for p, _ in _first_turn_pairs(4 * num + 200)
+    ]
     pool = [tok for t in text for tok in t]
     prefix = pool[:prefix_len]
     out = []
@@ -140,8 +159,17 @@ def shared_prefix(tokenizer, num: int, rng: random.Random, prefix_len: int = 341
     return out
 
 
-def build(name: str, tokenizer, num: int, seed: int = 0, n: int = 1, beam_width: int = 0,
-          length_scale: float = 1.0, max_len: int = 2048, prefix_len: int = 341) -> list[BenchRequest]:
+def build(
+    name: str,
+    tokenizer,
+    num: int,
+    seed: int = 0,
+    n: int = 1,
+    beam_width: int = 0,
+    length_scale: float = 1.0,
+    max_len: int = 2048,
+    prefix_len: int = 341,
+) -> list[BenchRequest]:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
     if not 0 < length_scale <= 1:

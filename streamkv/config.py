@@ -35,41 +35,73 @@ def arg(default: Any, help: str, **meta: Any) -> Any:
 @dataclass
 class CacheConfig:
     block_size: int = arg(16, "tokens per KV block", choices=BLOCK_SIZES)
-    kv_cache_dtype: str = arg("auto", "KV cache element type: 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' "
-                                      "(float8 e4m3, per-layer scales of 1.0, twice the blocks)",
-                              choices=KV_CACHE_DTYPES)
-    num_kv_blocks: int | None = arg(None, "KV pool size in blocks (default: sized from memory, "
-                                          "gpu_memory_utilization on a GPU, cpu_kv_cache_space on a CPU)")
+    kv_cache_dtype: str = arg(
+        "auto",
+        "KV cache element type: 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' "
+        "(float8 e4m3, per-layer scales of 1.0, twice the blocks)",
+        choices=KV_CACHE_DTYPES,
+    )
+    num_kv_blocks: int | None = arg(
+        None,
+        "KV pool size in blocks (default: sized from memory, "
+        "gpu_memory_utilization on a GPU, cpu_kv_cache_space on a CPU)",
+    )
     # None: 4 GiB on a GPU, none on a CPU, where a CPU "swap" pool would only duplicate the
     # KV pool in the same RAM (swapping exists to leave the GPU's memory).
-    swap_space: float | None = arg(None, "GiB of CPU swap space (default: 4 on a GPU, 0 when the model runs "
-                                         "on the CPU)")
-    num_swap_blocks: int | None = arg(None, "CPU swap pool size in blocks (default: from swap_space)")
+    swap_space: float | None = arg(
+        None, "GiB of CPU swap space (default: 4 on a GPU, 0 when the model runs on the CPU)"
+    )
+    num_swap_blocks: int | None = arg(
+        None, "CPU swap pool size in blocks (default: from swap_space)"
+    )
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of prompt prefixes seen before")
     gpu_memory_utilization: float = arg(0.9, "fraction of GPU memory the engine may use")
     cpu_kv_cache_space: float = arg(2.0, "GiB of KV pool when the model runs on the CPU")
-    kv_allocation: str = arg("paged", "how the KV pool is handed out: 'paged' (the engine) or a "
-                                      "contiguous baseline of the paper (benchmarks only)", choices=KV_ALLOCATIONS)
+    kv_allocation: str = arg(
+        "paged",
+        "how the KV pool is handed out: 'paged' (the engine) or a "
+        "contiguous baseline of the paper (benchmarks only)",
+        choices=KV_ALLOCATIONS,
+    )
     # Files of text computed once at start and pinned (core/reserved_prefix.py, paper §4.4).
-    reserved_prefix: tuple[str, ...] = arg((), "a file whose text is a reserved shared prefix: computed once, "
-                                               "pinned, mapped into every prompt that starts with it "
-                                               "(repeatable)", repeatable=True, metavar="FILE")
+    reserved_prefix: tuple[str, ...] = arg(
+        (),
+        "a file whose text is a reserved shared prefix: computed once, "
+        "pinned, mapped into every prompt that starts with it "
+        "(repeatable)",
+        repeatable=True,
+        metavar="FILE",
+    )
 
     def verify(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}."
+            )
         if self.kv_allocation not in KV_ALLOCATIONS:
-            raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}.")
-        if not isinstance(self.reserved_prefix, (tuple, list)) or not all(isinstance(p, str) for p in self.reserved_prefix):
-            raise ValueError(f"reserved_prefix must be a list of file paths, got {self.reserved_prefix!r}.")
+            raise ValueError(
+                f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}."
+            )
+        if not isinstance(self.reserved_prefix, (tuple, list)) or not all(
+            isinstance(p, str) for p in self.reserved_prefix
+        ):
+            raise ValueError(
+                f"reserved_prefix must be a list of file paths, got {self.reserved_prefix!r}."
+            )
         if self.kv_allocation != "paged" and self.reserved_prefix:
-            raise ValueError(f"kv_allocation {self.kv_allocation!r} cannot share a reserved prefix: use 'paged'.")
+            raise ValueError(
+                f"kv_allocation {self.kv_allocation!r} cannot share a reserved prefix: use 'paged'."
+            )
         if self.kv_allocation != "paged" and self.enable_prefix_caching:
-            raise ValueError(f"kv_allocation {self.kv_allocation!r} has no prefix cache: turn prefix "
-                             "caching off (enable_prefix_caching=False, --no-enable-prefix-caching).")
+            raise ValueError(
+                f"kv_allocation {self.kv_allocation!r} has no prefix cache: turn prefix "
+                "caching off (enable_prefix_caching=False, --no-enable-prefix-caching)."
+            )
         if type(self.block_size) is not int or self.block_size not in BLOCK_SIZES:  # not True, 16.0
-            raise ValueError(f"block_size must be a power of two from 1 to 256 {BLOCK_SIZES}, "
-                             f"got {self.block_size!r}.")
+            raise ValueError(
+                f"block_size must be a power of two from 1 to 256 {BLOCK_SIZES}, "
+                f"got {self.block_size!r}."
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
@@ -99,23 +131,36 @@ DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS = 8192
 class SchedulerConfig:
     max_num_seqs: int = arg(256, "most sequences in one step")
     max_num_batched_tokens: int | None = arg(
-        None, "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
-              f"default max({DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a "
-              "CPU, max_num_seqs)")
-    preemption_mode: str = arg("auto", "how a preempted request gives its blocks back ('auto': the cheaper "
-                                       "of swap and recompute by a measured cost model)", choices=PREEMPTION_MODES)
-    preemption_cost_profile: str | None = arg(None, "the measured swap/recompute costs 'auto' uses: a profile of "
-                                                    "streamkv/core/preemption_costs.json (default: its default)")
+        None,
+        "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
+        f"default max({DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a "
+        "CPU, max_num_seqs)",
+    )
+    preemption_mode: str = arg(
+        "auto",
+        "how a preempted request gives its blocks back ('auto': the cheaper "
+        "of swap and recompute by a measured cost model)",
+        choices=PREEMPTION_MODES,
+    )
+    preemption_cost_profile: str | None = arg(
+        None,
+        "the measured swap/recompute costs 'auto' uses: a profile of "
+        "streamkv/core/preemption_costs.json (default: its default)",
+    )
     # On a GPU by default: with one fill thread and the one-kernel mask step the H200 ran
     # json_schema at 0.72x of unconstrained overlapped against 0.57x in turn (batch 64, same
     # call; docs/benchmarks.md "Structured outputs"). Off on a CPU, where async scheduling is off too.
     overlap_structured: bool | None = arg(
-        None, "with async scheduling, let a step that samples structured-output rows overlap the next one "
-              "(the next step's token masks follow its forward; in-process executor only; default: on a GPU, "
-              "off on a CPU)")
+        None,
+        "with async scheduling, let a step that samples structured-output rows overlap the next one "
+        "(the next step's token masks follow its forward; in-process executor only; default: on a GPU, "
+        "off on a CPU)",
+    )
     async_scheduling: bool | None = arg(
-        None, "schedule and submit the next step while the device runs this one, and process its outputs "
-              "while the next runs (engine/step_pipeline.py; default: on a GPU, off on a CPU)")
+        None,
+        "schedule and submit the next step while the device runs this one, and process its outputs "
+        "while the next runs (engine/step_pipeline.py; default: on a GPU, off on a CPU)",
+    )
 
     def verify(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -124,7 +169,10 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+        if (
+            self.max_num_batched_tokens is not None
+            and self.max_num_batched_tokens < self.max_num_seqs
+        ):
             # Every running sequence must be able to decode in one step: a group's sequences
             # are scheduled together, and a group may hold max_num_seqs of them.
             raise ValueError(
@@ -166,18 +214,26 @@ class ModelConfig:
     load_format: str = arg("auto", "where weights come from", choices=LOAD_FORMATS)
     seed: int = arg(0, "random seed of the weights of load_format=dummy and of unseeded sampling")
     max_model_len: int | None = arg(None, "context length to serve (default: the model's own)")
-    tensor_parallel_size: int = arg(1, "shard the model over this many worker processes (GPUs on CUDA)",
-                                    flag=["-tp"])
+    tensor_parallel_size: int = arg(
+        1, "shard the model over this many worker processes (GPUs on CUDA)", flag=["-tp"]
+    )
     # None: "inprocess" for tensor_parallel_size 1, "mp" (one process per rank) above it.
     distributed_executor_backend: str | None = arg(
-        None, "where the model runs: 'inprocess' (a thread of this process) or 'mp' (one process "
-              "per rank); default inprocess at TP 1 (mp for `serve` on a GPU), mp above",
-        choices=EXECUTOR_BACKENDS)
+        None,
+        "where the model runs: 'inprocess' (a thread of this process) or 'mp' (one process "
+        "per rank); default inprocess at TP 1 (mp for `serve` on a GPU), mp above",
+        choices=EXECUTOR_BACKENDS,
+    )
     # False: on CUDA, decode-only steps replay CUDA graphs captured at start-up
     # (worker/cuda_graphs.py); True: every step runs eagerly. CPU runs always run eagerly.
-    enforce_eager: bool = arg(False, "never replay CUDA graphs for decode steps (on a GPU they are "
-                                     "captured at start-up by default; CPU runs are always eager)")
-    max_logprobs: int = arg(20, "most logprobs and prompt_logprobs a request may ask for (-1: no cap)")
+    enforce_eager: bool = arg(
+        False,
+        "never replay CUDA graphs for decode steps (on a GPU they are "
+        "captured at start-up by default; CPU runs are always eager)",
+    )
+    max_logprobs: int = arg(
+        20, "most logprobs and prompt_logprobs a request may ask for (-1: no cap)"
+    )
 
     @property
     def executor_backend(self) -> str:
@@ -186,24 +242,42 @@ class ModelConfig:
         return "inprocess" if self.tensor_parallel_size == 1 else "mp"
 
     def verify(self) -> None:
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
+        if self.dtype not in (
+            "auto",
+            "float32",
+            "float16",
+            "bfloat16",
+            "half",
+            "float",
+            "bf16",
+            "fp16",
+            "fp32",
+        ):
             raise ValueError(f"dtype {self.dtype!r} is not supported.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
-            raise ValueError(f"tokenizer must be a local directory, got {self.tokenizer!r} (streamkv never downloads).")
+            raise ValueError(
+                f"tokenizer must be a local directory, got {self.tokenizer!r} (streamkv never downloads)."
+            )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")
-        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+        if (
+            not isinstance(self.max_logprobs, int)
+            or isinstance(self.max_logprobs, bool)
+            or self.max_logprobs < -1
+        ):
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}.")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}.")
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}."
+            )
         if tp > 1 and self.executor_backend != "mp":
             raise ValueError(
                 f"tensor_parallel_size {tp} needs one process per rank: use "

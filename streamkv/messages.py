@@ -54,7 +54,9 @@ class SeqParams(msgspec.Struct, omit_defaults=True, frozen=True):
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
 
 class NewSeq(msgspec.Struct, array_like=True):

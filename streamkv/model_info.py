@@ -17,7 +17,9 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     model_dir: Path
-    hf_config: dict[str, Any]  # config.json as loaded (context capped at a sliding window); read-only
+    hf_config: dict[
+        str, Any
+    ]  # config.json as loaded (context capped at a sliding window); read-only
     vocab_size: int
     eos_token_ids: frozenset[int]  # config, generation_config.json and tokenizer, together
     max_model_len: int  # the served context length
@@ -26,8 +28,13 @@ class ModelInfo:
     num_kv_heads: int
 
     @classmethod
-    def from_config(cls, model_dir: Path, hf_config: dict[str, Any], max_model_len: int,
-                    eos_token_ids: frozenset[int]) -> ModelInfo:
+    def from_config(
+        cls,
+        model_dir: Path,
+        hf_config: dict[str, Any],
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> ModelInfo:
         heads = hf_config.get("num_attention_heads") or 0
         return cls(
             model_dir=Path(model_dir),
@@ -43,14 +50,20 @@ class ModelInfo:
     # -- the wire to worker processes (plain data) ----------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model_dir": str(self.model_dir), "hf_config": self.hf_config, "max_model_len": self.max_model_len,
+            "model_dir": str(self.model_dir),
+            "hf_config": self.hf_config,
+            "max_model_len": self.max_model_len,
             "eos_token_ids": sorted(self.eos_token_ids),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
-        return cls.from_config(Path(data["model_dir"]), data["hf_config"], data["max_model_len"],
-                               frozenset(data["eos_token_ids"]))
+        return cls.from_config(
+            Path(data["model_dir"]),
+            data["hf_config"],
+            data["max_model_len"],
+            frozenset(data["eos_token_ids"]),
+        )
 
     def verify_tensor_parallel(self, tp: int) -> None:
         check_tensor_parallel(self.hf_config, tp)
@@ -73,11 +86,15 @@ def check_tensor_parallel(hf_config: dict[str, Any], tp: int) -> None:
         )
     mlp = c.get("intermediate_size") or c.get("ffn_dim") or 4 * (c.get("hidden_size") or 0)
     if mlp % tp:
-        raise ValueError(f"tensor_parallel_size {tp} does not fit this model: its MLP width {mlp} "
-                         f"does not divide by {tp}")
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not fit this model: its MLP width {mlp} "
+            f"does not divide by {tp}"
+        )
     # Llama-style configs default to an untied lm_head, OPT to a tied one (models/*.py).
     tied = c.get("tie_word_embeddings", c.get("model_type") == "opt")
     vocab = c.get("vocab_size") or 0
     if not tied and vocab % tp:
-        raise ValueError(f"tensor_parallel_size {tp} does not fit this model: its untied output "
-                         f"projection's {vocab} rows do not divide by {tp}")
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not fit this model: its untied output "
+            f"projection's {vocab} rows do not divide by {tp}"
+        )

@@ -32,8 +32,12 @@ def _real(x: object) -> bool:
     """A finite int or float that float32 holds without underflow: 0 or at least float32's
     smallest normal in magnitude (a denormal is flushed to 0 by the CUDA kernel). A bool is
     not a number here."""
-    return (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-            and (x == 0 or abs(x) >= _F32_TINY))
+    return (
+        isinstance(x, int | float)
+        and not isinstance(x, bool)
+        and math.isfinite(x)
+        and (x == 0 or abs(x) >= _F32_TINY)
+    )
 
 
 class InvalidParameter(ValueError):
@@ -76,7 +80,9 @@ class StructuredOutputs:
 
         set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
-            raise bad(f"must set exactly one of {', '.join(STRUCTURED_KINDS)}, got {set_ or 'none'}")
+            raise bad(
+                f"must set exactly one of {', '.join(STRUCTURED_KINDS)}, got {set_ or 'none'}"
+            )
         if isinstance(self.json, str):
             try:
                 schema = _json.loads(self.json)
@@ -85,7 +91,9 @@ class StructuredOutputs:
             if not isinstance(schema, dict | bool):
                 raise bad("json must be a JSON schema (an object)")
         elif self.json is not None and not isinstance(self.json, dict):
-            raise bad(f"json must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}")
+            raise bad(
+                f"json must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}"
+            )
         if not isinstance(self.json_object, bool):
             raise bad("json_object must be true or false")
         for name in ("regex", "grammar"):
@@ -191,7 +199,9 @@ class SamplingParams:
     def verify(self) -> None:
         def bad(name: str, why: str) -> InvalidParameter:
             got = repr(getattr(self, name))  # a hostile value may be megabytes long
-            return InvalidParameter(name, f"{name} {why}, got {got if len(got) <= 80 else got[:77] + '...'}.")
+            return InvalidParameter(
+                name, f"{name} {why}, got {got if len(got) <= 80 else got[:77] + '...'}."
+            )
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -206,7 +216,9 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         self._check_sizes(bad)
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or self.prompt_logprobs < 0
         ):
             raise bad("prompt_logprobs", "must be a non-negative integer")
         so = self.structured_outputs
@@ -221,7 +233,9 @@ class SamplingParams:
         """top_k, max_tokens and min_tokens: integers in range, and min_tokens <= max_tokens."""
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be 0 or -1 (disable) or at least 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
@@ -234,7 +248,10 @@ class SamplingParams:
             # The grammar decides where a structured output ends (engine/structured.py): a
             # finished grammar allows only a stop token, which min_tokens would ban. Refused
             # rather than dropped.
-            raise bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output ends)")
+            raise bad(
+                "min_tokens",
+                "cannot be combined with structured outputs (the grammar decides where the output ends)",
+            )
         if self.allowed_token_ids is not None and self.structured_outputs is not None:
             # The grammar's mask and the allowed set could leave no token at all.
             raise bad("allowed_token_ids", "cannot be combined with structured outputs")
@@ -262,28 +279,43 @@ class SamplingParams:
         if not _real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}]")
         if not _real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1.0:
-            raise bad("top_p", f"must be a number in [{MIN_TOP_P:g}, 1] (any top_p below 1/vocabulary already "
-                               "keeps only the most likely token)")
+            raise bad(
+                "top_p",
+                f"must be a number in [{MIN_TOP_P:g}, 1] (any top_p below 1/vocabulary already "
+                "keeps only the most likely token)",
+            )
         if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be a number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be a number in [-2, 2]")
-        if not _real(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+        if (
+            not _real(self.repetition_penalty)
+            or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0
+        ):
             raise bad("repetition_penalty", f"must be a number in [{MIN_REPETITION_PENALTY:g}, 2]")
         if not _real(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
-            raise bad("length_penalty", f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
+            raise bad(
+                "length_penalty",
+                f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
+            )
 
     def _check_sizes(self, bad) -> None:
         """Stop strings, stop token ids and logit bias: their kinds and counts (every one of
         them is looked at per step, on the engine thread)."""
-        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+            not isinstance(s, str) or not s for s in self.stop
+        ):
             raise bad("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters long")
         ids = self.stop_token_ids
-        if len(ids) > MAX_STOP_TOKEN_IDS or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
-            raise bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+        if len(ids) > MAX_STOP_TOKEN_IDS or any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids
+        ):
+            raise bad(
+                "stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative integers"
+            )
         if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens")
         for t, b in (self.logit_bias or {}).items():
@@ -293,10 +325,15 @@ class SamplingParams:
                 raise bad("logit_bias", "values must be numbers in [-100, 100]")
         allowed = self.allowed_token_ids
         if allowed is not None and (
-            not isinstance(allowed, list) or not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS
+            not isinstance(allowed, list)
+            or not allowed
+            or len(allowed) > MAX_ALLOWED_TOKEN_IDS
             or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)
         ):
-            raise bad("allowed_token_ids", f"must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integer token ids")
+            raise bad(
+                "allowed_token_ids",
+                f"must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integer token ids",
+            )
         for name in ("resumed_output_tokens", "resumed_sample_index"):
             r = getattr(self, name)
             if not isinstance(r, int) or isinstance(r, bool) or r < 0:
@@ -313,7 +350,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and v > max_logprobs:
                 raise InvalidParameter(
-                    name, f"{name} must be at most the engine's max_logprobs ({max_logprobs}), got {v}."
+                    name,
+                    f"{name} must be at most the engine's max_logprobs ({max_logprobs}), got {v}.",
                 )
 
     @property

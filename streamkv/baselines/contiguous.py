@@ -91,13 +91,21 @@ class ContiguousBlockManager:
     enable_prefix_caching = False
     watermark_blocks = 0  # runs never grow, so no headroom is kept for growth
 
-    def __init__(self, policy: str, block_size: int, num_device_blocks: int, num_cpu_blocks: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        policy: str,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        max_model_len: int,
+    ) -> None:
         reservation_slots(policy, 1, max_model_len)  # validates the policy name
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
         self.request_batching = policy == "ft-max"
         self._batch_closed = False
-        self._retired: list[Run] = []  # request batching: runs of ended requests, until the batch ends
+        self._retired: list[
+            Run
+        ] = []  # request batching: runs of ended requests, until the batch ends
         self.device = FirstFitAllocator(num_device_blocks)
         self.cpu = BlockPool(num_cpu_blocks)  # stays empty: see can_swap_out
         self.tables: dict[int, list[int]] = {}
@@ -112,7 +120,9 @@ class ContiguousBlockManager:
 
     # -- admission ----------------------------------------------------------------------
     def run_blocks_for(self, group: SequenceGroup) -> int:
-        final = final_len(len(group.seqs[0].prompt_token_ids), group.sampling_params, self.max_model_len)
+        final = final_len(
+            len(group.seqs[0].prompt_token_ids), group.sampling_params, self.max_model_len
+        )
         return _cdiv(reservation_slots(self.policy, final, self.max_model_len), self.block_size)
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
@@ -133,7 +143,9 @@ class ContiguousBlockManager:
     def allocate(self, seq: Sequence) -> int:
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
-        family_id, k, spares = self._plan.pop(seq.seq_id, (seq.seq_id, _cdiv(len(seq), self.block_size), 0))
+        family_id, k, spares = self._plan.pop(
+            seq.seq_id, (seq.seq_id, _cdiv(len(seq), self.block_size), 0)
+        )
         if not self.device.can_fit([k] * (1 + spares)):
             raise NoFreeBlocksError(f"no room for {1 + spares} run(s) of {k} blocks")
         family = self._families.setdefault(family_id, _Family(k, spares=[]))
@@ -194,7 +206,9 @@ class ContiguousBlockManager:
         run, table = self.runs[seq.seq_id], self.tables[seq.seq_id]
         need = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         if need > run.num_blocks:
-            raise RuntimeError(f"sequence {seq.seq_id} outgrew its reservation ({need} > {run.num_blocks} blocks)")
+            raise RuntimeError(
+                f"sequence {seq.seq_id} outgrew its reservation ({need} > {run.num_blocks} blocks)"
+            )
         table.extend(range(run.start + len(table), run.start + need))
         return copies
 
@@ -268,6 +282,8 @@ class ContiguousBlockManager:
 
     def check_no_leaks(self) -> None:
         if self.tables or self._families or self.runs or self._retired:
-            raise AssertionError(f"tables left: {list(self.tables)}, families: {list(self._families)}")
+            raise AssertionError(
+                f"tables left: {list(self.tables)}, families: {list(self._families)}"
+            )
         self.device.check_whole()
         self.cpu.check_whole()

@@ -39,7 +39,9 @@ def parse_rates(text: str) -> list[float]:
         try:
             rate = float(part)
         except ValueError:
-            raise ValueError(f"not a request rate: {part!r} (numbers or 'inf', comma-separated)") from None
+            raise ValueError(
+                f"not a request rate: {part!r} (numbers or 'inf', comma-separated)"
+            ) from None
         if not rate > 0:
             raise ValueError(f"request rates must be > 0, got {part}")
         rates.append(rate)

@@ -40,7 +40,9 @@ def raise_fd_limit() -> None:
     """One socket per stream: thousands of them need more than the usual 1,024 descriptors."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard)
+        )
 
 
 def save_dataset(args) -> int:
@@ -67,8 +69,10 @@ def save_dataset(args) -> int:
                 break
     with open(args.save_dataset, "w") as f:
         json.dump(out, f)
-    print(f"saved {len(out)} requests ({sum(r[1] for r in out) / len(out):.0f} prompt tokens, "
-          f"{sum(r[2] for r in out) / len(out):.0f} output tokens on average) to {args.save_dataset}")
+    print(
+        f"saved {len(out)} requests ({sum(r[1] for r in out) / len(out):.0f} prompt tokens, "
+        f"{sum(r[2] for r in out) / len(out):.0f} output tokens on average) to {args.save_dataset}"
+    )
     return 0
 
 
@@ -79,24 +83,41 @@ def offline_worker(args, requests) -> int:
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    kwargs = {k: v for k, v in engine_kwargs(p.parse_args(shlex.split(args.engine_args))).items() if v is not None}
+    kwargs = {
+        k: v
+        for k, v in engine_kwargs(p.parse_args(shlex.split(args.engine_args))).items()
+        if v is not None
+    }
     llm = LLM(args.model, **kwargs)
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for _, _, o in requests]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for _, _, o in requests
+    ]
     llm.generate([r[0] for r in requests[:4]], params[:4], use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate([r[0] for r in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("OFFLINE " + json.dumps({"seconds": seconds, "output_tokens": tokens, "output_throughput": tokens / seconds,
-                                   "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens}),
-          flush=True)
+    print(
+        "OFFLINE "
+        + json.dumps(
+            {
+                "seconds": seconds,
+                "output_tokens": tokens,
+                "output_throughput": tokens / seconds,
+                "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
+            }
+        ),
+        flush=True,
+    )
     llm.shutdown()
     return 0
 
 
 def run_offline(args, argv: list[str]) -> dict:
     cmd = [sys.executable, "-m", "streamkv.bench.serve", *argv, "--offline-worker"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.startup_timeout + 3600)
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, text=True, timeout=args.startup_timeout + 3600
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("OFFLINE "):
             return json.loads(line[8:])
@@ -107,9 +128,20 @@ def start_server(args, log) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "streamkv.entrypoints.cli", "serve", *([args.model] if args.model else []),
-           "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
-           *shlex.split(args.engine_args), *shlex.split(args.server_args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamkv.entrypoints.cli",
+        "serve",
+        *([args.model] if args.model else []),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-access-log",
+        *shlex.split(args.engine_args),
+        *shlex.split(args.server_args),
+    ]
     env, cwd = None, None
     if args.server_tree:  # another checkout's server (a before/after pair in one call)
         # Run from that tree with it first on the path, for the worker processes it spawns
@@ -134,7 +166,9 @@ def start_server(args, log) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"the server did not become healthy in {args.startup_timeout} s; see {log.name}")
+    raise RuntimeError(
+        f"the server did not become healthy in {args.startup_timeout} s; see {log.name}"
+    )
 
 
 def model_name(url: str) -> str:
@@ -192,11 +226,28 @@ def profile_later(args, pid: int) -> threading.Thread | None:
         # loop and the engine thread take of the one interpreter they share.
         # --nonblocking: a blocking py-spy stops the server for every sample (the H200 burst
         # fell from 11.6k to 9.2k tok/s under it).
-        cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--threads", "--gil", "--nonblocking",
-               "--rate", "200",
-               "--duration", str(int(args.py_spy_seconds)), "--format", "raw", "-o", f"{args.py_spy}.txt"]
+        cmd = [
+            "py-spy",
+            "record",
+            "--pid",
+            str(pid),
+            "--subprocesses",
+            "--threads",
+            "--gil",
+            "--nonblocking",
+            "--rate",
+            "200",
+            "--duration",
+            str(int(args.py_spy_seconds)),
+            "--format",
+            "raw",
+            "-o",
+            f"{args.py_spy}.txt",
+        ]
         with open(f"{args.py_spy}.err", "w") as err:
-            subprocess.run(cmd, stdout=err, stderr=subprocess.STDOUT, timeout=args.py_spy_seconds + 120)
+            subprocess.run(
+                cmd, stdout=err, stderr=subprocess.STDOUT, timeout=args.py_spy_seconds + 120
+            )
 
     t = threading.Thread(target=record, daemon=True)
     t.start()
@@ -205,26 +256,67 @@ def profile_later(args, pid: int) -> threading.Thread | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(prog="streamkv bench serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="as for `streamkv serve` (default: the embedded model)")
-    ap.add_argument("--engine-args", default="", help="engine flags, given to the server and the offline engine alike")
-    ap.add_argument("--server-args", default="", help="flags for the server only (e.g. --max-queue-len 100)")
-    ap.add_argument("--server-tree", default=None, help="run the server from this checkout (e.g. the tree "
-                    "before a change, unpacked with `git archive`)")
-    ap.add_argument("--base-url", default=None, help="drive a server already running there (no --offline)")
-    ap.add_argument("--dataset-file", default=None, help="JSON [[prompt text, prompt tokens, output tokens], ...]")
+    ap = argparse.ArgumentParser(
+        prog="streamkv bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--model", default=None, help="as for `streamkv serve` (default: the embedded model)"
+    )
+    ap.add_argument(
+        "--engine-args",
+        default="",
+        help="engine flags, given to the server and the offline engine alike",
+    )
+    ap.add_argument(
+        "--server-args", default="", help="flags for the server only (e.g. --max-queue-len 100)"
+    )
+    ap.add_argument(
+        "--server-tree",
+        default=None,
+        help="run the server from this checkout (e.g. the tree "
+        "before a change, unpacked with `git archive`)",
+    )
+    ap.add_argument(
+        "--base-url", default=None, help="drive a server already running there (no --offline)"
+    )
+    ap.add_argument(
+        "--dataset-file",
+        default=None,
+        help="JSON [[prompt text, prompt tokens, output tokens], ...]",
+    )
     ap.add_argument("--save-dataset", default=None, help="sample ShareGPT into this file and exit")
     ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--request-rate", default="inf", help="comma list of req/s; inf = every request at once")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
-    ap.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
-    ap.add_argument("--goodput", nargs="*", default=["ttft:1000", "tpot:50"], help="SLOs: ttft:MS tpot:MS e2el:MS")
-    ap.add_argument("--offline", action="store_true", help="the offline engine on the same requests, same call")
+    ap.add_argument(
+        "--request-rate", default="inf", help="comma list of req/s; inf = every request at once"
+    )
+    ap.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)"
+    )
+    ap.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight (default: no limit)",
+    )
+    ap.add_argument(
+        "--goodput",
+        nargs="*",
+        default=["ttft:1000", "tpot:50"],
+        help="SLOs: ttft:MS tpot:MS e2el:MS",
+    )
+    ap.add_argument(
+        "--offline", action="store_true", help="the offline engine on the same requests, same call"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=900)
-    ap.add_argument("--server-log", default=None, help="the server's log (default: a temporary file)")
-    ap.add_argument("--py-spy", default=None, metavar="PREFIX", help="py-spy the server during the first rate")
+    ap.add_argument(
+        "--server-log", default=None, help="the server's log (default: a temporary file)"
+    )
+    ap.add_argument(
+        "--py-spy", default=None, metavar="PREFIX", help="py-spy the server during the first rate"
+    )
     ap.add_argument("--py-spy-delay", type=float, default=15.0)
     ap.add_argument("--py-spy-seconds", type=float, default=15.0)
     ap.add_argument("--json-out", default="bench_results/serve.json")
@@ -243,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"args": vars(args), "num_prompts": len(requests), "rates": []}
     if args.offline:
         off = result["offline"] = run_offline(args, argv)
-        print(f"offline engine: {off['output_throughput']:.1f} output tok/s ({off['seconds']:.1f} s)", flush=True)
+        print(
+            f"offline engine: {off['output_throughput']:.1f} output tok/s ({off['seconds']:.1f} s)",
+            flush=True,
+        )
     log = open(args.server_log or f"/tmp/bench-serve-{os.getpid()}.log", "w")  # noqa: SIM115
     proc = None
     if args.base_url:
@@ -256,8 +351,15 @@ def main(argv: list[str] | None = None) -> int:
         for i, rate in enumerate(rates):
             spy = profile_later(args, proc.pid) if proc and i == 0 else None
             cpu0 = thread_cpu(proc.pid) if proc else {}
-            duration, results = asyncio.run(run_load(url, name, requests, arrival_times(len(requests), rate,
-                                                     args.burstiness, args.seed), max_concurrency=args.max_concurrency))
+            duration, results = asyncio.run(
+                run_load(
+                    url,
+                    name,
+                    requests,
+                    arrival_times(len(requests), rate, args.burstiness, args.seed),
+                    max_concurrency=args.max_concurrency,
+                )
+            )
             s = summarize(duration, results, slo)
             s["request_rate"] = rate if math.isfinite(rate) else "inf"
             if proc:
@@ -267,16 +369,23 @@ def main(argv: list[str] | None = None) -> int:
                 s["server_loop_cpu_s"] = cpu1.get(proc.pid, 0.0) - cpu0.get(proc.pid, 0.0)
                 s["server_busiest_threads_cpu_s"] = busy[:3]
             if "offline" in result:
-                s["served_over_offline"] = s["output_throughput"] / result["offline"]["output_throughput"]
+                s["served_over_offline"] = (
+                    s["output_throughput"] / result["offline"]["output_throughput"]
+                )
             print_summary(rate, s)
             if "served_over_offline" in s:
                 print(f"{'Served / offline output tok/s:':<42}{s['served_over_offline']:>12.3f}")
             if proc:
-                print(f"server RSS {s['server_rss_mib']:.0f} MiB; event-loop thread {s['server_loop_cpu_s']:.1f} CPU s, "
-                      f"busiest threads {[round(x, 1) for x in s['server_busiest_threads_cpu_s']]} CPU s", flush=True)
+                print(
+                    f"server RSS {s['server_rss_mib']:.0f} MiB; event-loop thread {s['server_loop_cpu_s']:.1f} CPU s, "
+                    f"busiest threads {[round(x, 1) for x in s['server_busiest_threads_cpu_s']]} CPU s",
+                    flush=True,
+                )
             time.sleep(1.0)  # the last aborts and frees reach the engine thread
             s["kv_cache_usage_after"] = kv_blocks_in_use(url)
-            print(f"{'KV cache usage after the run:':<42}{s['kv_cache_usage_after']:>12}", flush=True)
+            print(
+                f"{'KV cache usage after the run:':<42}{s['kv_cache_usage_after']:>12}", flush=True
+            )
             result["rates"].append(s)
             if spy is not None:
                 spy.join()
@@ -290,13 +399,17 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
     with open(log.name) as f:  # the server's periodic stats lines: running / waiting over the run
         result["server_stats"] = [line.strip() for line in f if "streamkv.stats" in line][-400:]
-    print(f"\n{'rate':>6}{'ok':>6}{'fail':>6}{'out tok/s':>11}{'ratio':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'goodput':>9}")
+    print(
+        f"\n{'rate':>6}{'ok':>6}{'fail':>6}{'out tok/s':>11}{'ratio':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'goodput':>9}"
+    )
     for s in result["rates"]:
-        print(f"{s['request_rate']!s:>6}{s['completed']:>6}{s['failed']:>6}{s['output_throughput']:>11.1f}"
-              f"{s.get('served_over_offline', math.nan):>7.3f}{s['median_ttft_ms']:>10.1f}{s['p99_ttft_ms']:>10.1f}"
-              f"{s['median_tpot_ms']:>10.2f}{s['p99_tpot_ms']:>10.2f}{s['p99_itl_ms']:>9.1f}"
-              f"{s['goodput_req_s'] if s['goodput_req_s'] is not None else math.nan:>9.2f}")
+        print(
+            f"{s['request_rate']!s:>6}{s['completed']:>6}{s['failed']:>6}{s['output_throughput']:>11.1f}"
+            f"{s.get('served_over_offline', math.nan):>7.3f}{s['median_ttft_ms']:>10.1f}{s['p99_ttft_ms']:>10.1f}"
+            f"{s['median_tpot_ms']:>10.2f}{s['p99_tpot_ms']:>10.2f}{s['p99_itl_ms']:>9.1f}"
+            f"{s['goodput_req_s'] if s['goodput_req_s'] is not None else math.nan:>9.2f}"
+        )
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=2)

@@ -26,10 +26,19 @@ class Result:
     status: int = 0
 
 
-async def one_request(session, url: str, model: str, prompt: str, prompt_len: int, output_len: int,
-                      extra: dict) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+async def one_request(
+    session, url: str, model: str, prompt: str, prompt_len: int, output_len: int, extra: dict
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     res = Result(prompt_len=prompt_len)
     start = time.perf_counter()
     last = start
@@ -66,8 +75,14 @@ async def one_request(session, url: str, model: str, prompt: str, prompt_len: in
     return res
 
 
-async def run_load(url: str, model: str, requests: list[tuple[str, int, int]], arrivals: list[float],
-                   extra: dict | None = None, max_concurrency: int | None = None) -> tuple[float, list[Result]]:
+async def run_load(
+    url: str,
+    model: str,
+    requests: list[tuple[str, int, int]],
+    arrivals: list[float],
+    extra: dict | None = None,
+    max_concurrency: int | None = None,
+) -> tuple[float, list[Result]]:
     """Send ``requests`` [(prompt, prompt_len, output_len)] at ``arrivals`` (seconds from the
     start); returns (duration, results) where duration runs from the first send to the last
     answer."""
@@ -88,7 +103,9 @@ async def run_load(url: str, model: str, requests: list[tuple[str, int, int]], a
             async with gate:
                 return await one_request(session, url, model, *req, extra or {})
 
-        results = await asyncio.gather(*(send(r, a) for r, a in zip(requests, arrivals, strict=True)))
+        results = await asyncio.gather(
+            *(send(r, a) for r, a in zip(requests, arrivals, strict=True))
+        )
         return time.perf_counter() - t0, list(results)
 
 
@@ -114,14 +131,20 @@ def summarize(duration: float, results: list[Result], slo: dict[str, float]) -> 
 
     def stats(name: str, xs: list[float]) -> dict:
         a = np.asarray(xs or [math.nan]) * 1e3
-        return {f"mean_{name}_ms": float(a.mean()), f"median_{name}_ms": float(np.median(a)),
-                f"p99_{name}_ms": float(np.percentile(a, 99))}
+        return {
+            f"mean_{name}_ms": float(a.mean()),
+            f"median_{name}_ms": float(np.median(a)),
+            f"p99_{name}_ms": float(np.percentile(a, 99)),
+        }
 
     good = 0
     for r in done:
         r_tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
-        if (r.ttft <= slo.get("ttft", math.inf) and r_tpot <= slo.get("tpot", math.inf)
-                and r.latency <= slo.get("e2el", math.inf)):
+        if (
+            r.ttft <= slo.get("ttft", math.inf)
+            and r_tpot <= slo.get("tpot", math.inf)
+            and r.latency <= slo.get("e2el", math.inf)
+        ):
             good += 1
     errors = sorted({r.error for r in results if not r.ok})
     statuses: dict[str, int] = {}
@@ -129,30 +152,48 @@ def summarize(duration: float, results: list[Result], slo: dict[str, float]) -> 
         key = str(r.status) if r.status else (r.error.split(":")[0] or "none")
         statuses[key] = statuses.get(key, 0) + 1
     return {
-        "completed": len(done), "failed": len(results) - len(done), "errors": errors[:5], "statuses": statuses,
-        "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": errors[:5],
+        "statuses": statuses,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "goodput_req_s": good / duration if slo else None,
-        **stats("ttft", ttft), **stats("tpot", tpot), **stats("itl", itl),
+        **stats("ttft", ttft),
+        **stats("tpot", tpot),
+        **stats("itl", itl),
     }
 
 
 def print_summary(rate: float, s: dict) -> None:
     print(f"============ Serving Benchmark Result (rate {rate}) ============")
-    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
-            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
-            ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
-            ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    rows = [
+        ("Successful requests:", s["completed"]),
+        ("Failed requests:", s["failed"]),
+        ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+        ("Total input tokens:", s["total_input_tokens"]),
+        ("Total generated tokens:", s["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+    ]
     if s["goodput_req_s"] is not None:
         rows.append(("Request goodput (req/s):", f"{s['goodput_req_s']:.2f}"))
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency")):
-        rows += [(f"---{title}---", ""), (f"Mean {name.upper()} (ms):", f"{s[f'mean_{name}_ms']:.2f}"),
-                 (f"Median {name.upper()} (ms):", f"{s[f'median_{name}_ms']:.2f}"),
-                 (f"P99 {name.upper()} (ms):", f"{s[f'p99_{name}_ms']:.2f}")]
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+    ):
+        rows += [
+            (f"---{title}---", ""),
+            (f"Mean {name.upper()} (ms):", f"{s[f'mean_{name}_ms']:.2f}"),
+            (f"Median {name.upper()} (ms):", f"{s[f'median_{name}_ms']:.2f}"),
+            (f"P99 {name.upper()} (ms):", f"{s[f'p99_{name}_ms']:.2f}"),
+        ]
     for k, v in rows:
         print(f"{k:<42}{v:>12}")
     print(f"{'Answers by status:':<42}{s['statuses']}")

@@ -56,12 +56,19 @@ def _width_param(params: SamplingParams) -> str:
 
 
 def _check_ids(name: str, ids: Iterable[int], vocab: int) -> None:
-    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+    bad = next(
+        (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
+        None,
+    )
     if bad is not None:
-        raise InvalidParameter(name, f"{name} holds token id {bad!r}, outside the vocabulary [0, {vocab})")
+        raise InvalidParameter(
+            name, f"{name} holds token id {bad!r}, outside the vocabulary [0, {vocab})"
+        )
 
 
-def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: EngineLimits) -> None:
+def check_request(
+    prompt_token_ids: list[int], params: SamplingParams, limits: EngineLimits
+) -> None:
     """Raise InvalidParameter unless the request could run to its end on an idle engine."""
     n = len(prompt_token_ids)
     if n == 0:
@@ -105,8 +112,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: E
     bs, pool = limits.block_size, limits.usable_kv_blocks
     if peak_blocks(n, 1, 1, bs) > pool:
         raise InvalidParameter(
-            "prompt", f"the prompt needs {_cdiv(n, bs)} KV-cache blocks, more than the whole pool "
-            f"has ({pool} usable blocks of {bs} tokens)", "context_length_exceeded",
+            "prompt",
+            f"the prompt needs {_cdiv(n, bs)} KV-cache blocks, more than the whole pool "
+            f"has ({pool} usable blocks of {bs} tokens)",
+            "context_length_exceeded",
         )
     for seqs, param in ((1, "max_tokens"), (width, _width_param(params))):
         need = peak_blocks(n, num_out, seqs, bs)

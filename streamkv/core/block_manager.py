@@ -84,7 +84,9 @@ class BlockManager:
             return [], None
         tokens = seq.all_token_ids
         limit = (len(tokens) - 1) // self.block_size
-        hits = self.reserved.match(seq.seq_id, tokens, limit, claim) if self.reserved.prefixes else []
+        hits = (
+            self.reserved.match(seq.seq_id, tokens, limit, claim) if self.reserved.prefixes else []
+        )
         if not self.enable_prefix_caching:
             return hits, None
         key = seq.cache_root
@@ -135,7 +137,7 @@ class BlockManager:
         self.tables[seq.seq_id] = table
         if self.enable_prefix_caching:
             keys = self._chain_keys(seq, len(seq) // self.block_size)
-            self._keys[seq.seq_id], pending = keys[: len(hits)], keys[len(hits):]
+            self._keys[seq.seq_id], pending = keys[: len(hits)], keys[len(hits) :]
             if pending:
                 self._pending[seq.seq_id] = pending
                 for key in pending:
@@ -183,7 +185,9 @@ class BlockManager:
             for _ in range(_cdiv(len(seq), self.block_size) - shared):
                 table.append(self.device.allocate())
             self.tables[seq.seq_id] = table
-            self._keys[seq.seq_id] = self._chain_keys(seq, shared) if self.enable_prefix_caching else []
+            self._keys[seq.seq_id] = (
+                self._chain_keys(seq, shared) if self.enable_prefix_caching else []
+            )
             seq.num_computed_tokens = shared * self.block_size
         return shared * self.block_size
 
@@ -235,7 +239,11 @@ class BlockManager:
         copies: list[tuple[int, int]] = []
         first = seq.num_computed_tokens // self.block_size
         # The ref-count test first: it rules out a copy for most rows without the call.
-        if first < len(table) and self.device.ref_counts[table[first]] > 1 and self._needs_cow(seq, table, first):
+        if (
+            first < len(table)
+            and self.device.ref_counts[table[first]] > 1
+            and self._needs_cow(seq, table, first)
+        ):
             src = table[first]
             dst = self.device.allocate()
             self.device.decref(src)
@@ -259,7 +267,9 @@ class BlockManager:
         pending = self._pending.get(seq.seq_id)
         while len(keys) < full:
             i = len(keys)
-            chunk = tuple(seq.token_at(j) for j in range(i * self.block_size, (i + 1) * self.block_size))
+            chunk = tuple(
+                seq.token_at(j) for j in range(i * self.block_size, (i + 1) * self.block_size)
+            )
             if pending:  # keyed at allocation, in order
                 key = pending.pop(0)
                 if self._computing.get(key) == seq.seq_id:
@@ -306,8 +316,13 @@ class BlockManager:
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move every running sequence of ``group`` to the CPU pool; returns (device, cpu)."""
-        return self._move(group, SequenceStatus.RUNNING, SequenceStatus.SWAPPED,
-                          (self.device, self.tables), (self.cpu, self.cpu_tables))
+        return self._move(
+            group,
+            SequenceStatus.RUNNING,
+            SequenceStatus.SWAPPED,
+            (self.device, self.tables),
+            (self.cpu, self.cpu_tables),
+        )
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
         seqs = group.live_seqs(SequenceStatus.SWAPPED)
@@ -316,8 +331,13 @@ class BlockManager:
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Bring a swapped group back to the device pool; returns (cpu, device)."""
-        return self._move(group, SequenceStatus.SWAPPED, SequenceStatus.RUNNING,
-                          (self.cpu, self.cpu_tables), (self.device, self.tables))
+        return self._move(
+            group,
+            SequenceStatus.SWAPPED,
+            SequenceStatus.RUNNING,
+            (self.cpu, self.cpu_tables),
+            (self.device, self.tables),
+        )
 
     def _move(self, group, from_status, to_status, src, dst) -> list[tuple[int, int]]:
         """Re-home a group's tables from one pool to the other. A block shared inside the
@@ -357,14 +377,18 @@ class BlockManager:
         self.cpu.check_whole()
 
 
-def create_block_manager(cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int,
-                         max_model_len: int) -> BlockManager | ContiguousBlockManager:
+def create_block_manager(
+    cache: CacheConfig, num_device_blocks: int, num_cpu_blocks: int, max_model_len: int
+) -> BlockManager | ContiguousBlockManager:
     """The engine's block manager for ``cache.kv_allocation``: this one for "paged", else one
     of the paper's baselines, imported here only when a run asks for one (benchmark use) so
     that core never loads the laboratory."""
     if cache.kv_allocation == "paged":
-        return BlockManager(cache.block_size, num_device_blocks, num_cpu_blocks, cache.enable_prefix_caching)
+        return BlockManager(
+            cache.block_size, num_device_blocks, num_cpu_blocks, cache.enable_prefix_caching
+        )
     from streamkv.baselines.contiguous import ContiguousBlockManager
 
-    return ContiguousBlockManager(cache.kv_allocation, cache.block_size, num_device_blocks,
-                                  num_cpu_blocks, max_model_len)
+    return ContiguousBlockManager(
+        cache.kv_allocation, cache.block_size, num_device_blocks, num_cpu_blocks, max_model_len
+    )

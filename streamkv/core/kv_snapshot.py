@@ -70,8 +70,13 @@ class KVSnapshot:
 
     def as_dict(self) -> dict:
         """JSON-ready, built by hand: ``dataclasses.asdict`` deep-copies, several times slower."""
+
         def pool(p: PoolPicture) -> dict:
-            return {"num_blocks": p.num_blocks, "blocks_per_cell": p.blocks_per_cell, "cells": p.cells}
+            return {
+                "num_blocks": p.num_blocks,
+                "blocks_per_cell": p.blocks_per_cell,
+                "cells": p.cells,
+            }
 
         return {
             "block_size": self.block_size,
@@ -79,10 +84,20 @@ class KVSnapshot:
             "cpu": pool(self.cpu),
             "ref_counts": {str(b): rc for b, rc in self.ref_counts.items()},
             "requests": [
-                {"request_id": r.request_id, "seqs": [
-                    {"seq_id": s.seq_id, "status": s.status, "num_tokens": s.num_tokens,
-                     "num_computed_tokens": s.num_computed_tokens, "table": s.table, "num_blocks": s.num_blocks}
-                    for s in r.seqs]}
+                {
+                    "request_id": r.request_id,
+                    "seqs": [
+                        {
+                            "seq_id": s.seq_id,
+                            "status": s.status,
+                            "num_tokens": s.num_tokens,
+                            "num_computed_tokens": s.num_computed_tokens,
+                            "table": s.table,
+                            "num_blocks": s.num_blocks,
+                        }
+                        for s in r.seqs
+                    ],
+                }
                 for r in self.requests
             ],
             "num_requests_left_out": self.num_requests_left_out,
@@ -179,8 +194,16 @@ def _request_rows(bm: BlockManager, groups: list, max_table: int) -> list[Reques
             table = bm.cpu_tables.get(seq.seq_id) if swapped else bm.tables.get(seq.seq_id)
             if table is None:
                 continue  # finished, or waiting to be recomputed: it holds no blocks
-            seqs.append(SeqRow(seq.seq_id, "swapped" if swapped else "running", len(seq),
-                               seq.num_computed_tokens, list(table[:max_table]), len(table)))
+            seqs.append(
+                SeqRow(
+                    seq.seq_id,
+                    "swapped" if swapped else "running",
+                    len(seq),
+                    seq.num_computed_tokens,
+                    list(table[:max_table]),
+                    len(table),
+                )
+            )
         if seqs:
             rows.append(RequestRow(group.request_id, seqs))
     return rows

@@ -39,10 +39,16 @@ class PreemptionCosts:
     source: str = ""  # what was measured, where
 
     def swap_ms(self, num_blocks: int, block_size: int) -> float:
-        return 2.0 * (self.call_ms + num_blocks * (self.block_us + block_size * self.token_us) / 1000.0)
+        return 2.0 * (
+            self.call_ms + num_blocks * (self.block_us + block_size * self.token_us) / 1000.0
+        )
 
     def recompute_ms(self, num_tokens: int) -> float:
-        return self.fixed_ms + num_tokens * self.token_ms + num_tokens * num_tokens * self.quad_ns / 1e6
+        return (
+            self.fixed_ms
+            + num_tokens * self.token_ms
+            + num_tokens * num_tokens * self.quad_ns / 1e6
+        )
 
 
 def device_profile(device_type: str, path: Path = COSTS_FILE) -> str | None:
@@ -59,13 +65,20 @@ def load_costs(profile: str | None = None, path: Path = COSTS_FILE) -> Preemptio
     name = profile or data["default"]
     profiles = data["profiles"]
     if name not in profiles:
-        raise ValueError(f"no preemption cost profile {name!r} in {path.name}; known: {sorted(profiles)}")
+        raise ValueError(
+            f"no preemption cost profile {name!r} in {path.name}; known: {sorted(profiles)}"
+        )
     fields = PreemptionCosts.__dataclass_fields__
     return PreemptionCosts(**{k: v for k, v in profiles[name].items() if k in fields})
 
 
-def choose(costs: PreemptionCosts, num_blocks: int, block_size: int, recompute_tokens: int,
-           cpu_free_blocks: int) -> str:
+def choose(
+    costs: PreemptionCosts,
+    num_blocks: int,
+    block_size: int,
+    recompute_tokens: int,
+    cpu_free_blocks: int,
+) -> str:
     """'swap' or 'recompute' for a group holding ``num_blocks`` unique device blocks that
     would recompute ``recompute_tokens`` tokens."""
     if num_blocks > cpu_free_blocks:

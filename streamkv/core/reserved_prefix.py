@@ -51,7 +51,9 @@ class ReservedPrefixes:
         self._ids = itertools.count(1)
 
     # -- registration -------------------------------------------------------------------
-    def add(self, token_ids: list[int] | tuple[int, ...], prefix_id: str | None = None) -> ReservedPrefix:
+    def add(
+        self, token_ids: list[int] | tuple[int, ...], prefix_id: str | None = None
+    ) -> ReservedPrefix:
         """Register ``token_ids`` (the same tokens twice are one prefix); ``prefix_id`` keeps a
         prefix's id across a restart (engine/reserved_prefixes.carry_prefixes)."""
         tokens = tuple(int(t) for t in token_ids)
@@ -59,7 +61,8 @@ class ReservedPrefixes:
         if num_blocks == 0:
             raise ReservedPrefixError(
                 f"a reserved prefix must hold at least one whole KV block ({self.block_size} tokens); "
-                f"this one has {len(tokens)}")
+                f"this one has {len(tokens)}"
+            )
         for p in self.prefixes.values():
             if p.token_ids == tokens:
                 return p  # the same text twice is one prefix
@@ -92,7 +95,9 @@ class ReservedPrefixes:
         if n == 0 or tokens[:bs] != list(prefix.token_ids[:bs]):
             return 0
         i = 1
-        while i < n and tokens[i * bs : (i + 1) * bs] == list(prefix.token_ids[i * bs : (i + 1) * bs]):
+        while i < n and tokens[i * bs : (i + 1) * bs] == list(
+            prefix.token_ids[i * bs : (i + 1) * bs]
+        ):
             i += 1
         return i
 
@@ -105,7 +110,12 @@ class ReservedPrefixes:
             n = self._common_blocks(prefix, tokens, limit if prefix.ready else prefix.num_blocks)
             if n and prefix.ready and n > best_n:
                 best, best_n = prefix, n
-            elif claim and n == prefix.num_blocks and not prefix.ready and prefix not in self.computing.values():
+            elif (
+                claim
+                and n == prefix.num_blocks
+                and not prefix.ready
+                and prefix not in self.computing.values()
+            ):
                 self.computing[seq_id] = prefix
         if best is None:
             return []
@@ -141,6 +151,12 @@ class ReservedPrefixes:
         return len(self.pins())
 
     def describe(self, prefix: ReservedPrefix) -> dict:
-        return {"id": prefix.prefix_id, "object": "reserved_prefix", "num_tokens": len(prefix.token_ids),
-                "num_shared_tokens": prefix.num_blocks * self.block_size, "num_blocks": prefix.num_blocks,
-                "status": "ready" if prefix.ready else "pending", "num_uses": prefix.num_uses}
+        return {
+            "id": prefix.prefix_id,
+            "object": "reserved_prefix",
+            "num_tokens": len(prefix.token_ids),
+            "num_shared_tokens": prefix.num_blocks * self.block_size,
+            "num_blocks": prefix.num_blocks,
+            "status": "ready" if prefix.ready else "pending",
+            "num_uses": prefix.num_uses,
+        }

@@ -76,7 +76,9 @@ class Scheduler:
                     return group
         return None
 
-    def finish_group(self, group: SequenceGroup, status: SequenceStatus, error: str | None = None) -> None:
+    def finish_group(
+        self, group: SequenceGroup, status: SequenceStatus, error: str | None = None
+    ) -> None:
         for seq in group.seqs:
             if not seq.status.finished:
                 seq.status = status
@@ -120,7 +122,10 @@ class Scheduler:
         if out.num_preempted == 0 and not self.swapped:
             self._admit_waiting(out, budget, num_seqs)
         self.running.sort(key=lambda g: g.arrival_time)
-        if not (out.scheduled or out.swap_in or out.failed or out.num_preempted) and self.has_unfinished():
+        if (
+            not (out.scheduled or out.swap_in or out.failed or out.num_preempted)
+            and self.has_unfinished()
+        ):
             if not self._awaiting_step():
                 self._no_progress(out)
         return out
@@ -131,7 +136,9 @@ class Scheduler:
         outputs will change what can run: an empty step now is no stall."""
         return any(
             s.num_uncomputed_tokens == 0 or s.has_pending
-            for g in self.running for s in g.seqs if s.status is SequenceStatus.RUNNING
+            for g in self.running
+            for s in g.seqs
+            if s.status is SequenceStatus.RUNNING
         )
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
@@ -227,7 +234,9 @@ class Scheduler:
             status = self.bm.can_allocate(group)
             if status == AllocStatus.NEVER:
                 self.waiting.popleft()
-                self._fail(group, out, "the request needs more KV-cache blocks than the whole pool has")
+                self._fail(
+                    group, out, "the request needs more KV-cache blocks than the whole pool has"
+                )
                 continue
             if status == AllocStatus.SHARE_LATER:
                 deferred.append(self.waiting.popleft())
@@ -262,15 +271,23 @@ class Scheduler:
         with an error rather than repeat the same empty step forever."""
         if self.waiting and not self.running and not self.swapped:
             group = self.waiting.popleft()
-            self._fail(group, out, "the request can never be admitted: it does not fit the empty KV-cache "
-                                   "pool within max_num_seqs and the token budget")
+            self._fail(
+                group,
+                out,
+                "the request can never be admitted: it does not fit the empty KV-cache "
+                "pool within max_num_seqs and the token budget",
+            )
             return
         for queue in (self.swapped, self.running):
             if queue:
                 group = queue[0]
                 queue.remove(group)
-                self._fail(group, out, "the scheduler could not make progress with this request "
-                                       "(its blocks cannot be brought back within the pool)")
+                self._fail(
+                    group,
+                    out,
+                    "the scheduler could not make progress with this request "
+                    "(its blocks cannot be brought back within the pool)",
+                )
                 return
 
     # -- preemption ---------------------------------------------------------------------

@@ -43,7 +43,9 @@ class SchedulerOutput:
         return not (self.scheduled or self.swap_in or self.swap_out or self.copies)
 
 
-def demands(group: SequenceGroup, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]] | None:
+def demands(
+    group: SequenceGroup, seqs: list[Sequence], budget: int
+) -> list[tuple[Sequence, int]] | None:
     """Tokens each of ``seqs`` computes this step within ``budget``, or None if none can.
 
     A group of several splits the budget evenly: its sequences have equal lengths (they
@@ -78,8 +80,12 @@ def decode_rows(group: SequenceGroup) -> int | None:
     if len(seqs) == 1:
         seq = seqs[0]
         # len(seq) - computed, inline (per group per step)
-        left = (len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
-                - seq.num_computed_tokens)
+        left = (
+            len(seq.prompt_token_ids)
+            + len(seq.output_token_ids)
+            + seq.num_pending
+            - seq.num_computed_tokens
+        )
         if left > 1:
             return None
         return 1 if left and seq.status is SequenceStatus.RUNNING else 0

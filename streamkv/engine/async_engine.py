@@ -41,34 +41,61 @@ T = TypeVar("T")
 
 
 # Re-exported: the front end imports the stream and its errors from here.
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineLimits", "EngineNotReadyError",
-           "EngineRecoveringError", "EngineStoppingError", "Observer", "QueueFullError",
-           "RequestAbortedError", "RequestStream"]
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineLimits",
+    "EngineNotReadyError",
+    "EngineRecoveringError",
+    "EngineStoppingError",
+    "Observer",
+    "QueueFullError",
+    "RequestAbortedError",
+    "RequestStream",
+]
 
 
 class AsyncEngine:
     """``build``: a function that builds the engine, called on the engine thread."""
 
-    def __init__(self, build: Callable[[], LLMEngine], stats_interval: float = 0.25,
-                 restarts: RestartBudget | None = None, log_stats_interval: float | None = None,
-                 log_requests: bool = False, step_timeout_s: float = STEP_TIMEOUT_S,
-                 stop_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        build: Callable[[], LLMEngine],
+        stats_interval: float = 0.25,
+        restarts: RestartBudget | None = None,
+        log_stats_interval: float | None = None,
+        log_requests: bool = False,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
         self._log_requests = log_requests  # one line per request (engine/serving_logs.py)
         self.observers: list[Observer] = []
         self._commands = EngineCommands()
         self._book = RequestBook(self._commands, self.observers)
         # Tokenization and chat templates run there, never on the event loop.
         self._tokenizer_lanes = TokenizerLanes()
-        side = LoopSide(ready=self._on_ready, dead=self._on_dead, recovering=self._on_recovering,
-                        restarted=self._on_restarted, outputs=self._book.dispatch, verdicts=self._book.resolve,
-                        stalled=self._on_stalled)
+        side = LoopSide(
+            ready=self._on_ready,
+            dead=self._on_dead,
+            recovering=self._on_recovering,
+            restarted=self._on_restarted,
+            outputs=self._book.dispatch,
+            verdicts=self._book.resolve,
+            stalled=self._on_stalled,
+        )
         # Worker processes that die are restarted (a new engine from ``build``) and the
         # running requests resume by recompute (engine/recovery.py), within the restart
         # budget. The operator's log: a stats line every log_stats_interval seconds (None: none).
-        self._thread = EngineThread(build, self._commands, side, self._tokenizer_lanes,
-                                    restarts or RestartBudget(), stats_interval,
-                                    StatsLogger(log_stats_interval) if log_stats_interval is not None else None,
-                                    step_timeout_s)
+        self._thread = EngineThread(
+            build,
+            self._commands,
+            side,
+            self._tokenizer_lanes,
+            restarts or RestartBudget(),
+            stats_interval,
+            StatsLogger(log_stats_interval) if log_stats_interval is not None else None,
+            step_timeout_s,
+        )
         self._stop_timeout_s = stop_timeout_s  # stop() waits no longer for a stuck engine thread
         self._stalled: str | None = None  # why, while the watchdog sees a step past its limit
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,7 +141,12 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._dead is None and self._recovering is None and self._stalled is None
+        return (
+            self._ready.is_set()
+            and self._dead is None
+            and self._recovering is None
+            and self._stalled is None
+        )
 
     @property
     def stalled(self) -> str | None:
@@ -134,7 +166,10 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         self._tokenizer_lanes.shutdown()
         if self._thread.started and not self._thread.join(0):
-            logger.error("the engine thread is still in a step after %g s; stopping without it", self._stop_timeout_s)
+            logger.error(
+                "the engine thread is still in a step after %g s; stopping without it",
+                self._stop_timeout_s,
+            )
             return  # its workers end with this process (they watch their parent)
         if self.engine is not None:
             self.engine.shutdown()
@@ -147,7 +182,9 @@ class AsyncEngine:
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
         if self._recovering is not None:
-            raise EngineRecoveringError(f"the workers are being restarted after a failure ({self._recovering})")
+            raise EngineRecoveringError(
+                f"the workers are being restarted after a failure ({self._recovering})"
+            )
         if self._stalled is not None:
             raise EngineRecoveringError(f"the engine is stuck: {self._stalled}")
 
@@ -176,7 +213,9 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises the
         engine's ValueError for bad input, EngineDeadError / EngineNotReadyError."""
-        stream, accepted = self.submit(request_id, prompt_token_ids, params, prompt, notify, arrival)
+        stream, accepted = self.submit(
+            request_id, prompt_token_ids, params, prompt, notify, arrival
+        )
         return await self.wait_accepted(stream, accepted)
 
     def reserve(self, count: int, max_queued: int | None) -> None:
@@ -185,7 +224,9 @@ class AsyncEngine:
         under a burst (checked, then counted after an await, ``--max-queue-len 4`` let 6 wait)."""
         self.check_alive()
         if max_queued is not None and self.num_queued + count > max_queued:
-            raise QueueFullError(f"{self.num_queued} requests are waiting already (the limit is {max_queued})")
+            raise QueueFullError(
+                f"{self.num_queued} requests are waiting already (the limit is {max_queued})"
+            )
 
     def submit(
         self,
@@ -200,7 +241,9 @@ class AsyncEngine:
         ``wait_accepted(stream, future)`` for the engine's verdict."""
         self.check_alive()
         arrival = time.monotonic() if arrival is None else arrival
-        sub = Submission(request_id, prompt, params, prompt_token_ids, arrival, self._loop.create_future())
+        sub = Submission(
+            request_id, prompt, params, prompt_token_ids, arrival, self._loop.create_future()
+        )
         stream = self._book.open(sub, notify or asyncio.Event())
         if self._log_requests:
             log_request(request_id, prompt_token_ids, params, prompt)
@@ -268,10 +311,16 @@ class AsyncEngine:
     def _on_restarted(self, handed: threading.Event, stalled: str | None = None) -> None:
         if stalled is not None:
             self._stalled = None
-            ended = self._book.end_suspects(EngineRestartedError(
-                f"{stalled}; the engine was restarted and this request, suspected of causing it, was ended"))
-            logger.error("watchdog: ended %d request(s) suspected of stalling the engine: %s", len(ended),
-                         ", ".join(ended))
+            ended = self._book.end_suspects(
+                EngineRestartedError(
+                    f"{stalled}; the engine was restarted and this request, suspected of causing it, was ended"
+                )
+            )
+            logger.error(
+                "watchdog: ended %d request(s) suspected of stalling the engine: %s",
+                len(ended),
+                ", ".join(ended),
+            )
         resumed = self._book.resume_all(self._loop, self.tokenizer)
         self._recovering = None
         logger.info("the workers are back; %d request(s) resume by recompute", resumed)

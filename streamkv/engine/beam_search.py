@@ -52,7 +52,9 @@ def ending_tokens(params: SamplingParams, eos_token_ids: frozenset[int]) -> set[
     return (set() if params.ignore_eos else set(eos_token_ids)) | set(params.stop_token_ids)
 
 
-def beam_step(ctx: BeamContext, group: SequenceGroup, results: list[tuple[Sequence, SampleResult]]) -> None:
+def beam_step(
+    ctx: BeamContext, group: SequenceGroup, results: list[tuple[Sequence, SampleResult]]
+) -> None:
     params = group.sampling_params
     width = params.best_of
     state = group.beam_state
@@ -81,7 +83,11 @@ def beam_step(ctx: BeamContext, group: SequenceGroup, results: list[tuple[Sequen
             if ends(seq, token):
                 hyp = seq.fork(-1, seq.sample_index)
                 ctx.add_token(group, hyp, token, lp, tops[seq.seq_id])
-                hyp.status = SequenceStatus.FINISHED_STOPPED if token in eos else SequenceStatus.FINISHED_LENGTH
+                hyp.status = (
+                    SequenceStatus.FINISHED_STOPPED
+                    if token in eos
+                    else SequenceStatus.FINISHED_LENGTH
+                )
                 if token in params.stop_token_ids:
                     hyp.stop_reason = token
                 hyp.beam_score = score / (gen_len**params.length_penalty)
@@ -108,7 +114,9 @@ def beam_step(ctx: BeamContext, group: SequenceGroup, results: list[tuple[Sequen
         state.done = True
 
 
-def _advance_beams(ctx: BeamContext, group: SequenceGroup, parents: list[Sequence], running, tops) -> None:
+def _advance_beams(
+    ctx: BeamContext, group: SequenceGroup, parents: list[Sequence], running, tops
+) -> None:
     children: dict[int, list[tuple[int, float]]] = {}
     for _, _, seq, token, lp in running:
         children.setdefault(seq.seq_id, []).append((token, lp))

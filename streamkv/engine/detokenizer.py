@@ -34,8 +34,11 @@ class Detokenizer:
         self.uses_backend = fast
         # ids -> text, the backend's or transformers' (one C call per window on the fast path).
         self._decode = (
-            partial(backend.decode, skip_special_tokens=False) if fast
-            else partial(tokenizer.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            partial(backend.decode, skip_special_tokens=False)
+            if fast
+            else partial(
+                tokenizer.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
         )
         # The length of one token's text decoded alone, by token id. Once a sequence's text
         # flows, each update's prefix window is the one token emitted the update before, so

@@ -94,7 +94,13 @@ class EngineCommands:
                 if engine.defer_until_compiled(cmd.params, lambda c=cmd: self.submit(c)):
                     continue
                 try:
-                    engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.prompt_token_ids, cmd.arrival_time)
+                    engine.add_request(
+                        cmd.request_id,
+                        cmd.prompt,
+                        cmd.params,
+                        cmd.prompt_token_ids,
+                        cmd.arrival_time,
+                    )
                     verdicts.append((cmd, None))
                 except ValueError as e:
                     verdicts.append((cmd, e))

@@ -60,9 +60,17 @@ class EngineThread:
     """Owns the engine on its thread. ``engine``, ``info``, ``tokenizer`` and ``stats`` are
     written there and only read elsewhere."""
 
-    def __init__(self, build: Callable[[], LLMEngine], commands: EngineCommands, side: LoopSide,
-                 lanes: TokenizerLanes, restarts: RestartBudget, stats_interval: float,
-                 stats_logger: StatsLogger | None, step_timeout_s: float = STEP_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        build: Callable[[], LLMEngine],
+        commands: EngineCommands,
+        side: LoopSide,
+        lanes: TokenizerLanes,
+        restarts: RestartBudget,
+        stats_interval: float,
+        stats_logger: StatsLogger | None,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+    ) -> None:
         self._build = build
         self._commands = commands
         self._side = side
@@ -78,8 +86,12 @@ class EngineThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._clock = StepClock()
-        self._watchdog = StepWatchdog(self._clock, step_timeout_s, lambda why: self._post(side.stalled, why),
-                                      lambda: self._post(side.stalled, None))
+        self._watchdog = StepWatchdog(
+            self._clock,
+            step_timeout_s,
+            lambda why: self._post(side.stalled, why),
+            lambda: self._post(side.stalled, None),
+        )
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -129,7 +141,9 @@ class EngineThread:
             except StepTimeout as e:
                 if self._stopping:
                     return
-                engine = self._restart(engine, e, self._watchdog.stalled or "an engine step ran past its limit")
+                engine = self._restart(
+                    engine, e, self._watchdog.stalled or "an engine step ran past its limit"
+                )
             except BaseException as e:
                 if self._stopping or not _workers_failed(e):
                     logger.exception("the engine died in a step")
@@ -171,7 +185,9 @@ class EngineThread:
         if self._stats_logger is not None:
             self._stats_logger.maybe_log(self.stats, now)
 
-    def _restart(self, old: LLMEngine, error: BaseException, stalled: str | None = None) -> LLMEngine | None:
+    def _restart(
+        self, old: LLMEngine, error: BaseException, stalled: str | None = None
+    ) -> LLMEngine | None:
         """A new engine (new worker processes, KV pools built again) in place of ``old``;
         None once the restart budget is spent (then the engine is dead). ``stalled``: the
         watchdog interrupted a step (why); ``old`` may be mid-step, so it is rebuilt too."""
@@ -189,7 +205,9 @@ class EngineThread:
         while not self._stopping:
             if not self._restarts.take():
                 b = self._restarts
-                why = RuntimeError(f"the workers failed {b.limit} times within {b.window:g} s; last: {error}")
+                why = RuntimeError(
+                    f"the workers failed {b.limit} times within {b.window:g} s; last: {error}"
+                )
                 logger.error("giving up: %s", why)
                 self._post(self._side.dead, why)
                 return None
@@ -205,7 +223,9 @@ class EngineThread:
         try:  # before the resumed requests: they may start with a reserved prefix
             carried = carry_prefixes(old, engine)
             if carried:
-                logger.info("reserved prefixes registered again after the restart: %s", ", ".join(carried))
+                logger.info(
+                    "reserved prefixes registered again after the restart: %s", ", ".join(carried)
+                )
         except Exception:  # noqa: BLE001 - the engine serves on without them
             logger.exception("reserved prefixes could not be carried over the restart")
         self.engine, self.stats = engine, engine.stats()

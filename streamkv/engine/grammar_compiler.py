@@ -34,13 +34,17 @@ COMPILE_THREADS = 2
 
 
 def spec_digest(kind: str, text: str) -> str:
-    return hashlib.blake2b(f"{kind}\0{text}".encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return hashlib.blake2b(
+        f"{kind}\0{text}".encode("utf-8", "surrogatepass"), digest_size=16
+    ).hexdigest()
 
 
 class CompileCache:
     """Compiled grammars (or refusals) by spec digest, LRU, and the compiles in flight."""
 
-    def __init__(self, compile_fn: Callable[[str, str], Any], size: int, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(
+        self, compile_fn: Callable[[str, str], Any], size: int, timeout_s: float = COMPILE_TIMEOUT_S
+    ) -> None:
         self._compile = compile_fn  # (kind, text) -> compiled; raises InvalidParameter
         self._size = size
         self.timeout_s = timeout_s
@@ -71,9 +75,13 @@ class CompileCache:
                 return True
             self._waiting[key] = [on_done]
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="streamkv-grammar")
+                self._pool = ThreadPoolExecutor(
+                    COMPILE_THREADS, thread_name_prefix="streamkv-grammar"
+                )
         # The budget counts from the request, queueing behind other compiles included.
-        timer = threading.Timer(self.timeout_s, self._settle, (key, _too_slow(kind, self.timeout_s)))
+        timer = threading.Timer(
+            self.timeout_s, self._settle, (key, _too_slow(kind, self.timeout_s))
+        )
         timer.daemon = True
         timer.start()
         self._pool.submit(self._run, key, kind, text, timer)
@@ -99,7 +107,9 @@ class CompileCache:
             result = e
         except Exception as e:  # noqa: BLE001 - the grammar engine's own failure is this request's
             logger.exception("compiling a %s grammar failed", kind)
-            result = InvalidParameter("structured_outputs", f"structured_outputs: the {kind} cannot be compiled: {e}")
+            result = InvalidParameter(
+                "structured_outputs", f"structured_outputs: the {kind} cannot be compiled: {e}"
+            )
         timer.cancel()
         self._settle(key, result)
 
@@ -124,6 +134,7 @@ class CompileCache:
 
 def _too_slow(kind: str, budget: float) -> InvalidParameter:
     return InvalidParameter(
-        "structured_outputs", f"structured_outputs: the {kind} took longer than {budget:g} s to compile; "
-        "simplify it (docs/api.md, \"Limits a request must respect\")."
+        "structured_outputs",
+        f"structured_outputs: the {kind} took longer than {budget:g} s to compile; "
+        'simplify it (docs/api.md, "Limits a request must respect").',
     )

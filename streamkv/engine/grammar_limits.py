@@ -27,8 +27,16 @@ MAX_SCHEMA_NODES = 10_000  # sub-schemas, all levels together
 MAX_DEPTH = 64  # schema nesting
 MAX_REPEAT = 10_000  # {m,n} counts, minLength / maxLength / minItems / maxItems, ...
 
-_COUNT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
-               "minContains", "maxContains")
+_COUNT_KEYS = (
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "minContains",
+    "maxContains",
+)
 _BRANCH_KEYS = ("enum", "anyOf", "oneOf", "allOf", "prefixItems")
 _VALUES = ("enum", "const", "default", "examples", "required")
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -36,8 +44,10 @@ _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def _refuse(why: str) -> InvalidParameter:
-    return InvalidParameter("structured_outputs", f"structured_outputs: {why} (docs/api.md, "
-                                                  "\"Limits a request must respect\").")
+    return InvalidParameter(
+        "structured_outputs",
+        f'structured_outputs: {why} (docs/api.md, "Limits a request must respect").',
+    )
 
 
 def check_spec(kind: str, text: str) -> None:
@@ -63,7 +73,9 @@ def _check_repeats(kind: str, text: str) -> None:
     for m in _REPEAT.finditer(text):
         for count in m.groups():
             if count and int(count) > MAX_REPEAT:
-                raise _refuse(f"the {kind} repeats {int(count)} times ({m.group(0)}); the limit is {MAX_REPEAT}")
+                raise _refuse(
+                    f"the {kind} repeats {int(count)} times ({m.group(0)}); the limit is {MAX_REPEAT}"
+                )
 
 
 def _check_schema(schema: Any) -> None:
@@ -96,8 +108,10 @@ def _check_node(node: dict) -> None:
     for key in ("$ref", "$dynamicRef", "$recursiveRef"):
         ref = node.get(key)
         if ref is not None and (not isinstance(ref, str) or not ref.startswith("#")):
-            raise _refuse(f"{key} {str(ref)[:80]!r} points outside the document; only local references "
-                          "(\"#/...\") are resolved")
+            raise _refuse(
+                f"{key} {str(ref)[:80]!r} points outside the document; only local references "
+                '("#/...") are resolved'
+            )
     for key in _COUNT_KEYS:
         v = node.get(key)
         if isinstance(v, int | float) and not isinstance(v, bool) and v > MAX_REPEAT:
@@ -106,12 +120,21 @@ def _check_node(node: dict) -> None:
         v = node.get(key)
         if isinstance(v, list) and len(v) > MAX_BRANCHES:
             raise _refuse(f"{key} holds {len(v)} entries; the limit is {MAX_BRANCHES}")
-    for key in ("properties", "required", "patternProperties", "dependentRequired", "$defs", "definitions"):
+    for key in (
+        "properties",
+        "required",
+        "patternProperties",
+        "dependentRequired",
+        "$defs",
+        "definitions",
+    ):
         v = node.get(key)
         if isinstance(v, dict | list) and len(v) > MAX_PROPERTIES:
             raise _refuse(f"{key} holds {len(v)} entries; the limit is {MAX_PROPERTIES}")
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         if len(pattern) > MAX_REGEX_CHARS:
-            raise _refuse(f"a pattern is {len(pattern)} characters long; the limit is {MAX_REGEX_CHARS}")
+            raise _refuse(
+                f"a pattern is {len(pattern)} characters long; the limit is {MAX_REGEX_CHARS}"
+            )
         _check_repeats("pattern", pattern)

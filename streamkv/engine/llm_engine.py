@@ -36,15 +36,27 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None,
-                 model_info: ModelInfo | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        model_info: ModelInfo | None = None,
+    ) -> None:
         config.verify()
         # The model's facts, once: the executor and its workers get this record, not a path
         # to re-read. Tensor-parallel sizes are checked here from config numbers, before any
         # worker process starts.
-        model_dir = model_info.model_dir if model_info is not None else resolve_model_dir(config.model.model)
-        self.tokenizer = load_tokenizer(Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir)
-        self.model_info = info = model_info or resolve_model_info(config.model, model_dir, self.tokenizer)
+        model_dir = (
+            model_info.model_dir
+            if model_info is not None
+            else resolve_model_dir(config.model.model)
+        )
+        self.tokenizer = load_tokenizer(
+            Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir
+        )
+        self.model_info = info = model_info or resolve_model_info(
+            config.model, model_dir, self.tokenizer
+        )
         info.verify_tensor_parallel(config.model.tensor_parallel_size)
         # The engine's own copy carries the resolved device ("auto" decided once, here) and
         # the scheduler's defaults for it; the caller's config is never changed after verify().
@@ -53,7 +65,8 @@ class LLMEngine:
         device = resolve_device(config.model.device)
         self.device_type = device.type
         self.config = config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, device=str(device)),
+            config,
+            model=dataclasses.replace(config.model, device=str(device)),
             scheduler=config.scheduler.on_device(device.type),
         )
         owned = executor is None
@@ -69,36 +82,68 @@ class LLMEngine:
         info = self.model_info
         num_device, num_cpu = executor.num_available_blocks()
         if num_device < 1:
-            raise ValueError("no memory left for the KV cache; lower the model size or raise the memory budget")
+            raise ValueError(
+                "no memory left for the KV cache; lower the model size or raise the memory budget"
+            )
         executor.init_cache(num_device, num_cpu)
-        self.block_manager = bm = create_block_manager(config.cache, num_device, num_cpu, info.max_model_len)
+        self.block_manager = bm = create_block_manager(
+            config.cache, num_device, num_cpu, info.max_model_len
+        )
         sched = config.scheduler
-        if sched.preemption_cost_profile is None:  # auto preemption's costs, measured on this kind of device
-            sched = dataclasses.replace(sched, preemption_cost_profile=device_profile(self.device_type))
+        if (
+            sched.preemption_cost_profile is None
+        ):  # auto preemption's costs, measured on this kind of device
+            sched = dataclasses.replace(
+                sched, preemption_cost_profile=device_profile(self.device_type)
+            )
         self.scheduler = Scheduler(sched, bm)
         self.limits = EngineLimits(
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size, block_size=bm.block_size,
-            num_kv_blocks=bm.device.num_blocks, num_swap_blocks=bm.cpu.num_blocks,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=bm.block_size,
+            num_kv_blocks=bm.device.num_blocks,
+            num_swap_blocks=bm.cpu.num_blocks,
             usable_kv_blocks=bm.device.num_blocks - bm.watermark_blocks,
             max_num_seqs=config.scheduler.max_num_seqs,
             prefix_caching=config.cache.enable_prefix_caching,
         )
         self.eos_token_ids = info.eos_token_ids
-        self.structured = StructuredOutputManager(self.tokenizer, info.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, info.vocab_size, self.eos_token_ids
+        )
         self.step_builder = StepBuilder(bm.tables, self.eos_token_ids)  # what the workers hold
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self._seq_ids = itertools.count()
         self.outputs = OutputProcessor(
-            bm, self.scheduler.free_finished_seqs, self.new_seq_id, info.max_model_len,
-            self.detokenizer, self.eos_token_ids,
+            bm,
+            self.scheduler.free_finished_seqs,
+            self.new_seq_id,
+            info.max_model_len,
+            self.detokenizer,
+            self.eos_token_ids,
         )
         self.stats_ = EngineStats(bm, self.scheduler, info.max_model_len)
         self.groups: dict[str, SequenceGroup] = {}
         # Async scheduling needs workers that fill pending input tokens on the device.
         self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
-        self.pipeline = StepPipeline(self._launch, self._apply, self._build, self.outputs.advance,
-                                     self.structured, sched.overlap_structured) if self.async_scheduling else None
-        logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", num_device, num_cpu, config.cache.block_size)
+        self.pipeline = (
+            StepPipeline(
+                self._launch,
+                self._apply,
+                self._build,
+                self.outputs.advance,
+                self.structured,
+                sched.overlap_structured,
+            )
+            if self.async_scheduling
+            else None
+        )
+        logger.info(
+            "KV cache: %d device blocks, %d CPU swap blocks of %d tokens",
+            num_device,
+            num_cpu,
+            config.cache.block_size,
+        )
 
     # -- requests -----------------------------------------------------------------------
     def defer_until_compiled(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
@@ -125,22 +170,37 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         check_request(prompt_token_ids, params, self.limits)
         allowed = params.allowed_token_ids
-        if params.min_tokens and allowed and set(allowed) <= set(params.stop_token_ids) | (
-                set() if params.ignore_eos else set(self.eos_token_ids)):
+        if (
+            params.min_tokens
+            and allowed
+            and set(allowed)
+            <= set(params.stop_token_ids)
+            | (set() if params.ignore_eos else set(self.eos_token_ids))
+        ):
             # min_tokens bans them at first: no token at all could be sampled.
-            raise InvalidParameter("allowed_token_ids", "allowed_token_ids holds only tokens that end the "
-                                   "output, which min_tokens bans for the first tokens.")
+            raise InvalidParameter(
+                "allowed_token_ids",
+                "allowed_token_ids holds only tokens that end the "
+                "output, which min_tokens bans for the first tokens.",
+            )
         if params.resumed_output_tokens >= len(prompt_token_ids):
-            raise InvalidParameter("resumed_output_tokens", "resumed_output_tokens must be less than the prompt's length.")
+            raise InvalidParameter(
+                "resumed_output_tokens",
+                "resumed_output_tokens must be less than the prompt's length.",
+            )
         params.check_max_logprobs(self.config.model.max_logprobs)
         self.structured.admit(params)  # compiles (cached) or refuses the grammar
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params.resumed_sample_index,
-                       cache_root=root_key(params.cache_salt))
+        seq = Sequence(
+            next(self._seq_ids),
+            list(prompt_token_ids),
+            params.resumed_sample_index,
+            cache_root=root_key(params.cache_salt),
+        )
         seq.grammar = self.structured.new_grammar(params)
         if seq.grammar is not None and params.resumed_output_tokens:
             # A request resumed after a restart: its grammar stands where the outputs before
             # the restart (now the prompt's tail) left it, not at its start.
-            for token in prompt_token_ids[len(prompt_token_ids) - params.resumed_output_tokens:]:
+            for token in prompt_token_ids[len(prompt_token_ids) - params.resumed_output_tokens :]:
                 seq.grammar.accept(token)
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
         prompt_logprobs.prepare(group, seq, params)
@@ -159,7 +219,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts: its outputs are still to be processed (async scheduling).
         pipeline = self.pipeline
-        return self.scheduler.has_unfinished() or (pipeline is not None and pipeline.has_live_step())
+        return self.scheduler.has_unfinished() or (
+            pipeline is not None and pipeline.has_live_step()
+        )
 
     @property
     def overlapped_steps(self) -> int:
@@ -177,8 +239,12 @@ class LLMEngine:
         return self.limits
 
     # -- the step -----------------------------------------------------------------------
-    def step(self, finished_only: bool = False, unread: Container[str] = (),
-             emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+    def step(
+        self,
+        finished_only: bool = False,
+        unread: Container[str] = (),
+        emit: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
         """One iteration, three calls: schedule a step, execute it (``_launch``: build its
         StepInput, submit it), process its samples (``_process``). Returns the outputs of
         every request the step touched (with ``finished_only``, of those that finished:
@@ -206,8 +272,13 @@ class LLMEngine:
                 step.error = e
         return step
 
-    def _process(self, step: InFlight, finished_only: bool, unread: Container[str] = (),
-                 advanced: bool = False) -> list[RequestOutput]:
+    def _process(
+        self,
+        step: InFlight,
+        finished_only: bool,
+        unread: Container[str] = (),
+        advanced: bool = False,
+    ) -> list[RequestOutput]:
         """Wait for a step's samples, apply them, and build the outputs of the requests it
         touched; ``advanced``: its tokens were counted as computed when it was launched
         (OutputProcessor.advance)."""
@@ -226,12 +297,15 @@ class LLMEngine:
         self.stats_.record_step(sched, step.started)
         return touched
 
-    def _build(self, touched: list[SequenceGroup], finished_only: bool,
-               unread: Container[str] = ()) -> list[RequestOutput]:
+    def _build(
+        self, touched: list[SequenceGroup], finished_only: bool, unread: Container[str] = ()
+    ) -> list[RequestOutput]:
         """The outputs of requests a step touched (``_apply``), built at once or after the
         next step was submitted; a request answered in between (aborted) is skipped."""
         groups = self.groups
-        outputs = self.outputs.build([g for g in touched if groups.get(g.request_id) is g], finished_only, unread)
+        outputs = self.outputs.build(
+            [g for g in touched if groups.get(g.request_id) is g], finished_only, unread
+        )
         for out in outputs:
             if out.finished:
                 del groups[out.request_id]
@@ -265,4 +339,3 @@ class LLMEngine:
             self.pipeline.drop()
         self.structured.shutdown()
         self.executor.shutdown()
-

@@ -45,7 +45,9 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
-        self.beams = BeamContext(self.add_token, block_manager.fork, new_seq_id, eos_token_ids, max_model_len)
+        self.beams = BeamContext(
+            self.add_token, block_manager.fork, new_seq_id, eos_token_ids, max_model_len
+        )
 
     def advance(self, sched: SchedulerOutput, pending: bool = False) -> None:
         """Count a step's tokens as computed and register its full blocks in the prefix cache
@@ -70,13 +72,19 @@ class OutputProcessor:
                     seq.num_pending = 1
 
     def process(
-        self, sched: SchedulerOutput, result: StepOutput, finished_only: bool = False, advanced: bool = False,
+        self,
+        sched: SchedulerOutput,
+        result: StepOutput,
+        finished_only: bool = False,
+        advanced: bool = False,
         unread: Container[str] = (),
     ) -> list[RequestOutput]:
         """Apply a step's samples and build the outputs of the requests it touched."""
         return self.build(self.apply(sched, result, advanced), finished_only, unread)
 
-    def apply(self, sched: SchedulerOutput, result: StepOutput, advanced: bool = False) -> list[SequenceGroup]:
+    def apply(
+        self, sched: SchedulerOutput, result: StepOutput, advanced: bool = False
+    ) -> list[SequenceGroup]:
         """Apply a step's samples (``advanced``: ``advance`` already ran for this step): append
         the tokens, apply the stop conditions, free what finished. Returns the requests it
         touched, whose outputs ``build`` makes, at once or after the next step is submitted
@@ -88,7 +96,9 @@ class OutputProcessor:
             prompt_logprobs.record(sched.scheduled, result.prompt_logprobs)
         touched: dict[str, SequenceGroup] = {}
         beams: dict[str, list] = {}
-        structured: list[tuple[SequenceGroup, Sequence, int]] = []  # their grammars take the step's tokens at once
+        structured: list[
+            tuple[SequenceGroup, Sequence, int]
+        ] = []  # their grammars take the step's tokens at once
         now = time.monotonic()
         for s in sched.scheduled:
             seq, group = s.seq, s.group
@@ -117,7 +127,9 @@ class OutputProcessor:
         self._end_step(touched, beams, now)
         return list(touched.values())
 
-    def _end_step(self, touched: dict[str, SequenceGroup], beams: dict[str, list], now: float) -> None:
+    def _end_step(
+        self, touched: dict[str, SequenceGroup], beams: dict[str, list], now: float
+    ) -> None:
         """After the samples are appended: the beam groups take their step, finished sequences
         are freed (a live beam group forgets its dropped beams), finished groups are timed."""
         for request_id, group_results in beams.items():
@@ -131,15 +143,19 @@ class OutputProcessor:
             if group.finished and group.finished_time is None:
                 group.finished_time = now
 
-    def build(self, touched: list[SequenceGroup], finished_only: bool = False,
-              unread: Container[str] = ()) -> list[RequestOutput]:
+    def build(
+        self, touched: list[SequenceGroup], finished_only: bool = False, unread: Container[str] = ()
+    ) -> list[RequestOutput]:
         """The outputs of the requests ``touched``, but for running ones with ``finished_only``
         or in ``unread`` (their last output is not read yet: outputs are cumulative)."""
         make = self.make_output
-        return [make(g) for g in touched if g.finished or not (finished_only or g.request_id in unread)]
+        return [
+            make(g) for g in touched if g.finished or not (finished_only or g.request_id in unread)
+        ]
 
-    def _append_samples(self, group: SequenceGroup, seq: Sequence, res: SampleResult,
-                        structured: list | None = None) -> None:
+    def _append_samples(
+        self, group: SequenceGroup, seq: Sequence, res: SampleResult, structured: list | None = None
+    ) -> None:
         """Append one token per sample; a prompt's n>1 samples fork the sequence (each fork
         takes the grammar's state before the token: ``structured`` defers every accept)."""
         for j in range(1, len(res.token_ids)):
@@ -149,27 +165,47 @@ class OutputProcessor:
             self.append_token(group, child, res, j, structured)
         self.append_token(group, seq, res, 0, structured)
 
-    def add_token(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
-                  top: list[tuple[int, float]] | None = None) -> None:
+    def add_token(
+        self,
+        group: SequenceGroup,
+        seq: Sequence,
+        token: int,
+        logprob: float,
+        top: list[tuple[int, float]] | None = None,
+    ) -> None:
         """Append a token chosen by the engine (beam search), with the top logprobs of the
         step it came from, and extend the text."""
-        entry = _logprob_entry(token, logprob, top) if group.sampling_params.logprobs is not None else None
+        entry = (
+            _logprob_entry(token, logprob, top)
+            if group.sampling_params.logprobs is not None
+            else None
+        )
         seq.append_token(token, logprob, entry)
         if self.detokenizer is not None:
             self.detokenizer.update(seq, group.sampling_params.skip_special_tokens)
 
-    def append_token(self, group: SequenceGroup, seq: Sequence, res: SampleResult, j: int,
-                     structured: list | None = None) -> None:
+    def append_token(
+        self,
+        group: SequenceGroup,
+        seq: Sequence,
+        res: SampleResult,
+        j: int,
+        structured: list | None = None,
+    ) -> None:
         token = res.token_ids[j]
         if group.sampling_params.logprobs is None:
             seq.output_token_ids.append(token)  # Sequence.append_token without logprobs, inline
             seq.cumulative_logprob += res.logprobs[j]
         else:
-            top = _logprob_entry(token, res.logprobs[j], res.top_logprobs[j] if res.top_logprobs else None)
+            top = _logprob_entry(
+                token, res.logprobs[j], res.top_logprobs[j] if res.top_logprobs else None
+            )
             seq.append_token(token, res.logprobs[j], top)
         self.check_stop(group, seq, structured)
 
-    def check_stop(self, group: SequenceGroup, seq: Sequence, structured: list | None = None) -> None:
+    def check_stop(
+        self, group: SequenceGroup, seq: Sequence, structured: list | None = None
+    ) -> None:
         """Whether ``seq``'s last token ends it. A structured sequence's grammar takes the
         token first; with ``structured`` (a list) that is deferred: the sequence is appended
         to it, and ``_accept_structured`` finishes the check for all of a step's at once."""
@@ -189,7 +225,9 @@ class OutputProcessor:
     def _accept_structured(self, rows: list[tuple[SequenceGroup, Sequence, int]]) -> None:
         """check_stop's rest for a step's structured rows, their grammars advanced in one
         native call (structured.accept_tokens)."""
-        ends = accept_tokens([seq.grammar for _, seq, _ in rows], [seq.output_token_ids[-1] for _, seq, _ in rows])
+        ends = accept_tokens(
+            [seq.grammar for _, seq, _ in rows], [seq.output_token_ids[-1] for _, seq, _ in rows]
+        )
         for (group, seq, old_len), end in zip(rows, ends, strict=True):
             if end:
                 seq.status = SequenceStatus.FINISHED_STOPPED
@@ -213,7 +251,9 @@ class OutputProcessor:
                 hit = find_stop(seq.output_text, params.stop, old_len)
                 if hit is not None:
                     i, stop = hit
-                    seq.output_text = seq.output_text[: i + len(stop) if params.include_stop_str_in_output else i]
+                    seq.output_text = seq.output_text[
+                        : i + len(stop) if params.include_stop_str_in_output else i
+                    ]
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                     return
         max_tokens = params.max_tokens
@@ -262,19 +302,33 @@ class OutputProcessor:
             group.prompt_logprobs,
         )
 
-    def _single_output(self, group: SequenceGroup, seq: Sequence, stop: list[str] | None,
-                       want_logprobs: bool) -> RequestOutput:
+    def _single_output(
+        self, group: SequenceGroup, seq: Sequence, stop: list[str] | None, want_logprobs: bool
+    ) -> RequestOutput:
         """make_output for a request of one sequence, without beam search: no ranking."""
         text, status = seq.output_text, seq.status
         finished = status.finished
         if stop and not finished:
             text = text[: len(text) - holdback(text, stop)]
         completion = CompletionOutput(
-            0 if finished else seq.sample_index, text, seq.output_token_ids[:], seq.cumulative_logprob,
-            seq.output_logprobs[:] if want_logprobs else None, status.finish_reason, seq.stop_reason,
+            0 if finished else seq.sample_index,
+            text,
+            seq.output_token_ids[:],
+            seq.cumulative_logprob,
+            seq.output_logprobs[:] if want_logprobs else None,
+            status.finish_reason,
+            seq.stop_reason,
         )
-        return RequestOutput(group.request_id, group.prompt, seq.prompt_token_ids, [completion], finished,
-                             group.error, _metrics(group), group.prompt_logprobs)
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            seq.prompt_token_ids,
+            [completion],
+            finished,
+            group.error,
+            _metrics(group),
+            group.prompt_logprobs,
+        )
 
 
 def _metrics(group: SequenceGroup) -> dict[str, float]:
@@ -286,7 +340,9 @@ def _metrics(group: SequenceGroup) -> dict[str, float]:
     return metrics
 
 
-def _logprob_entry(token: int, logprob: float, top: list[tuple[int, float]] | None) -> dict[int, Logprob]:
+def _logprob_entry(
+    token: int, logprob: float, top: list[tuple[int, float]] | None
+) -> dict[int, Logprob]:
     """The chosen token's logprob, plus the step's top ones ranked from 1 (the chosen token
     keeps its rank when it is among them)."""
     entry = {token: Logprob(logprob)}

@@ -32,7 +32,9 @@ def record(scheduled: Iterable, scored: dict[int, PromptLogprobs]) -> None:
             _add(s.group.prompt_logprobs, s.seq.prompt_token_ids, chunk)
 
 
-def _add(entries: list[dict[int, Logprob] | None], prompt: list[int], chunk: PromptLogprobs) -> None:
+def _add(
+    entries: list[dict[int, Logprob] | None], prompt: list[int], chunk: PromptLogprobs
+) -> None:
     skip = len(entries) - chunk.start
     if skip < 0:
         raise RuntimeError(

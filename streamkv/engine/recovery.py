@@ -94,7 +94,9 @@ class Resumed:
     params: SamplingParams  # as submitted
     parts: dict[str, tuple[int, ResumeBase]] = dataclasses.field(default_factory=dict)
     running: set[str] = dataclasses.field(default_factory=set)  # the parts that have not ended
-    samples: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)  # by index, newest
+    samples: dict[int, CompletionOutput] = dataclasses.field(
+        default_factory=dict
+    )  # by index, newest
 
     def join(self, out: RequestOutput) -> tuple[RequestOutput | None, list[str]]:
         """The request's output once its part ``out.request_id`` reported ``out`` (None: that
@@ -121,12 +123,26 @@ class Resumed:
                 samples = best_of_n(samples, self.params.n)
             samples = [dataclasses.replace(c, index=i) for i, c in enumerate(samples)]
         last = self.last
-        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, samples, finished, out.error,
-                             {**out.metrics, **last.metrics}, last.prompt_logprobs), aborts
+        return RequestOutput(
+            last.request_id,
+            last.prompt,
+            last.prompt_token_ids,
+            samples,
+            finished,
+            out.error,
+            {**out.metrics, **last.metrics},
+            last.prompt_logprobs,
+        ), aborts
 
 
-def resume(request_id: str, prompt_token_ids: list[int], params: SamplingParams, last: RequestOutput | None,
-           tokenizer: Any, taken: Container[str] = ()) -> tuple[list[Part], Resumed | None]:
+def resume(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    last: RequestOutput | None,
+    tokenizer: Any,
+    taken: Container[str] = (),
+) -> tuple[list[Part], Resumed | None]:
     """What goes into the new engine for a request whose newest output was ``last`` (None if
     it had none), and the ``Resumed`` that joins their outputs; None when the request starts
     over as submitted (no token yet, or beam search). ``taken``: request ids in use."""
@@ -143,21 +159,31 @@ def resume(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             part_id = f"{request_id}#sample-{c.index}"
             while part_id in taken:
                 part_id += "+"
-            part_params = dataclasses.replace(part_params, n=1, best_of=1, resumed_sample_index=c.index)
+            part_params = dataclasses.replace(
+                part_params, n=1, best_of=1, resumed_sample_index=c.index
+            )
         resumed.parts[part_id] = (c.index, base)
         resumed.running.add(part_id)
         parts.append(Part(part_id, ids, part_params))
     return parts, resumed
 
 
-def _resume_sample(prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, c: CompletionOutput,
-                   tokenizer: Any) -> tuple[list[int], SamplingParams, ResumeBase]:
+def _resume_sample(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    prompt: str | None,
+    c: CompletionOutput,
+    tokenizer: Any,
+) -> tuple[list[int], SamplingParams, ResumeBase]:
     """The prompt and parameters that continue sample ``c``, and the base that ``splice``
     adds back."""
     done = len(c.token_ids)
     # Prompt logprobs came with the first outputs (Resumed.last has them): none for the part.
-    changes: dict = {"min_tokens": max(0, params.min_tokens - done), "prompt_logprobs": None,
-                     "resumed_output_tokens": params.resumed_output_tokens + done}
+    changes: dict = {
+        "min_tokens": max(0, params.min_tokens - done),
+        "prompt_logprobs": None,
+        "resumed_output_tokens": params.resumed_output_tokens + done,
+    }
     if params.max_tokens is not None:
         changes["max_tokens"] = max(1, params.max_tokens - done)
     text = c.text
@@ -166,10 +192,17 @@ def _resume_sample(prompt_token_ids: list[int], params: SamplingParams, prompt: 
         context = prompt_token_ids[-_CONTEXT:]
         skip = params.skip_special_tokens
         head = tokenizer.decode(context, skip_special_tokens=skip)
-        text = tokenizer.decode(context + list(c.token_ids), skip_special_tokens=skip)[len(head):]
-    base = ResumeBase(prompt, prompt_token_ids, list(c.token_ids), text,
-                      list(c.logprobs) if c.logprobs is not None else None, c.cumulative_logprob,
-                      list(params.stop or []), params.include_stop_str_in_output)
+        text = tokenizer.decode(context + list(c.token_ids), skip_special_tokens=skip)[len(head) :]
+    base = ResumeBase(
+        prompt,
+        prompt_token_ids,
+        list(c.token_ids),
+        text,
+        list(c.logprobs) if c.logprobs is not None else None,
+        c.cumulative_logprob,
+        list(params.stop or []),
+        params.include_stop_str_in_output,
+    )
     return prompt_token_ids + list(c.token_ids), dataclasses.replace(params, **changes), base
 
 
@@ -177,7 +210,11 @@ def splice(base: ResumeBase, out: RequestOutput) -> RequestOutput:
     """``out`` of the resumed request, as the original request would have reported it."""
     outputs, finished = [], out.finished
     for c in out.outputs:
-        logprobs = base.logprobs + c.logprobs if base.logprobs is not None and c.logprobs is not None else c.logprobs
+        logprobs = (
+            base.logprobs + c.logprobs
+            if base.logprobs is not None and c.logprobs is not None
+            else c.logprobs
+        )
         text, finish_reason, stop_reason = base.text + c.text, c.finish_reason, c.stop_reason
         if base.stops:
             # A straddling stop completes within the first len(stop) - 1 new characters, before
@@ -189,12 +226,24 @@ def splice(base: ResumeBase, out: RequestOutput) -> RequestOutput:
                 finish_reason, stop_reason, finished = "stop", stop, True
             elif c.finish_reason is None:
                 text = text[: len(text) - holdback(text, base.stops)]
-        outputs.append(CompletionOutput(
-            c.index, text, base.token_ids + c.token_ids,
-            base.cumulative_logprob + c.cumulative_logprob, logprobs, finish_reason, stop_reason,
-        ))
-    return dataclasses.replace(out, prompt=base.prompt, prompt_token_ids=base.prompt_token_ids, outputs=outputs,
-                               finished=finished)
+        outputs.append(
+            CompletionOutput(
+                c.index,
+                text,
+                base.token_ids + c.token_ids,
+                base.cumulative_logprob + c.cumulative_logprob,
+                logprobs,
+                finish_reason,
+                stop_reason,
+            )
+        )
+    return dataclasses.replace(
+        out,
+        prompt=base.prompt,
+        prompt_token_ids=base.prompt_token_ids,
+        outputs=outputs,
+        finished=finished,
+    )
 
 
 def ends_early(engine_out: RequestOutput, spliced: RequestOutput) -> bool:

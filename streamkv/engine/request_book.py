@@ -33,7 +33,9 @@ class RequestBook:
         self._streams: dict[str, RequestStream] = {}
         self._subs: dict[str, Submission] = {}  # each open request as first submitted
         self._resumed: dict[str, Resumed] = {}  # resumed requests: what came before, their parts
-        self._parts: dict[str, str] = {}  # the engine's id of a resumed request's part -> the request's
+        self._parts: dict[
+            str, str
+        ] = {}  # the engine's id of a resumed request's part -> the request's
         # Admission control: submissions the engine thread has not applied yet, and the
         # scheduler's waiting queue as of the last callback from that thread.
         self._pending = 0
@@ -135,7 +137,11 @@ class RequestBook:
         The engine stepped fine before they came, so the suspects are the requests taken that
         have no output yet; if every one has some, all of them (any could be it). Returns
         their ids; the rest resume (``resume_all``)."""
-        taken = [rid for rid in self._streams if rid in self._subs and _was_taken(self._subs[rid].accepted)]
+        taken = [
+            rid
+            for rid in self._streams
+            if rid in self._subs and _was_taken(self._subs[rid].accepted)
+        ]
         fresh = [rid for rid in taken if self._streams[rid].last is None]
         suspects = fresh or taken
         for rid in suspects:
@@ -146,21 +152,34 @@ class RequestBook:
         """After a worker restart: every request the old engine had taken goes into the new
         one from where its stream stands, as one request or one per sample still running
         (recovery.resume); those not yet taken are still queued. Returns how many resume."""
-        taken = [(self._subs[rid], stream) for rid, stream in self._streams.items()
-                 if rid in self._subs and _was_taken(self._subs[rid].accepted)]
+        taken = [
+            (self._subs[rid], stream)
+            for rid, stream in self._streams.items()
+            if rid in self._subs and _was_taken(self._subs[rid].accepted)
+        ]
         resumes = []
         for sub, stream in taken:
             rid = sub.request_id
             self._drop_parts(rid)  # resumed before: its parts ran on the old engine
-            parts, resumed = resume(rid, sub.prompt_token_ids, sub.params, stream.last, tokenizer, self._streams)
+            parts, resumed = resume(
+                rid, sub.prompt_token_ids, sub.params, stream.last, tokenizer, self._streams
+            )
             if resumed is not None:
                 self._resumed[rid] = resumed
                 self._parts.update((part.request_id, rid) for part in parts)
             for part in parts:
                 accepted = loop.create_future()
                 accepted.add_done_callback(lambda f, r=rid: self._refused(r, f))
-                resumes.append(Submission(part.request_id, sub.prompt, part.params, part.prompt_token_ids,
-                                          sub.arrival_time, accepted))
+                resumes.append(
+                    Submission(
+                        part.request_id,
+                        sub.prompt,
+                        part.params,
+                        part.prompt_token_ids,
+                        sub.arrival_time,
+                        accepted,
+                    )
+                )
         self._pending += len(resumes)
         self._commands.resubmit_first(resumes)
         return len(taken)

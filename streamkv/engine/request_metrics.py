@@ -21,8 +21,29 @@ from streamkv.sequence import SequenceGroup
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards built for vLLM read ours.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 TIMES = ("queue_time", "prefill_time", "decode_time", "inference_time")
 
@@ -62,11 +83,17 @@ class RequestMetrics:
         tokens = one_two_five(max_model_len)
         self.iteration_tokens = Buckets(ITERATION_TOKEN_BUCKETS)
         self.hists: dict[str, Buckets] = {name: Buckets(REQUEST_LATENCY_BUCKETS) for name in TIMES}
-        self.hists.update({name: Buckets(tokens) for name in ("prompt_tokens", "generation_tokens",
-                                                               "params_max_tokens")})
+        self.hists.update(
+            {
+                name: Buckets(tokens)
+                for name in ("prompt_tokens", "generation_tokens", "params_max_tokens")
+            }
+        )
         self.hists["params_n"] = Buckets(PARAMS_N_BUCKETS)
         # Aborted requests never finish here: a weak key lets them go with their group.
-        self._first_scheduled: weakref.WeakKeyDictionary[SequenceGroup, float] = weakref.WeakKeyDictionary()
+        self._first_scheduled: weakref.WeakKeyDictionary[SequenceGroup, float] = (
+            weakref.WeakKeyDictionary()
+        )
         self._counted: weakref.WeakSet[SequenceGroup] = weakref.WeakSet()
 
     def iteration(self, num_tokens: int) -> None:
@@ -102,5 +129,7 @@ class RequestMetrics:
             h["params_max_tokens"].observe(params.max_tokens)
 
     def snapshot(self) -> dict[str, dict]:
-        return {"iteration_tokens": self.iteration_tokens.snapshot(),
-                **{name: b.snapshot() for name, b in self.hists.items()}}
+        return {
+            "iteration_tokens": self.iteration_tokens.snapshot(),
+            **{name: b.snapshot() for name, b in self.hists.items()},
+        }

@@ -42,8 +42,9 @@ class RequestStream:
     """The outputs of one request, newest only. Several streams may share one ``notify``
     event so that a response covering several prompts waits on all of them at once."""
 
-    def __init__(self, request_id: str, notify: asyncio.Event, arrival: float,
-                 unread: set[str] | None = None) -> None:
+    def __init__(
+        self, request_id: str, notify: asyncio.Event, arrival: float, unread: set[str] | None = None
+    ) -> None:
         self.request_id = request_id
         self.notify = notify
         self._unread = unread  # EngineCommands.unread: this request while an output waits here

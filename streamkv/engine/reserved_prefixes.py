@@ -18,7 +18,9 @@ def reserved_prefixes(engine: LLMEngine) -> ReservedPrefixes:
     """The engine's reserved-prefix registry (call on the engine's thread)."""
     bm = engine.block_manager
     if not isinstance(bm, BlockManager):
-        raise ReservedPrefixError("reserved prefixes need the paged KV cache (kv_allocation='paged')")
+        raise ReservedPrefixError(
+            "reserved prefixes need the paged KV cache (kv_allocation='paged')"
+        )
     return bm.reserved
 
 
@@ -45,8 +47,10 @@ def compute_prefixes(engine: LLMEngine, prefixes: list[ReservedPrefix]) -> None:
     for p in failed:
         reserved_prefixes(engine).remove(p.prefix_id)
     if failed:
-        raise ReservedPrefixError(f"reserved prefix(es) {[p.prefix_id for p in failed]} could not be computed "
-                                  "(the KV pool cannot hold them)")
+        raise ReservedPrefixError(
+            f"reserved prefix(es) {[p.prefix_id for p in failed]} could not be computed "
+            "(the KV pool cannot hold them)"
+        )
 
 
 def carry_prefixes(old: LLMEngine, new: LLMEngine) -> list[str]:

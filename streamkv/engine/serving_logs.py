@@ -37,8 +37,13 @@ class StatsLogger:
         self._was_busy = False
 
     def maybe_log(self, stats: dict, now: float) -> None:
-        mark = _Mark(now, stats["num_prompt_tokens"], stats["num_generation_tokens"],
-                     stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0))
+        mark = _Mark(
+            now,
+            stats["num_prompt_tokens"],
+            stats["num_generation_tokens"],
+            stats.get("prefix_cache_queries", 0),
+            stats.get("prefix_cache_hits", 0),
+        )
         last = self._mark
         if last is None:
             self._mark = mark
@@ -56,17 +61,30 @@ class StatsLogger:
             return
         total, free = stats["num_kv_blocks"], stats["num_free_kv_blocks"]
         queries = mark.prefix_queries - last.prefix_queries
-        hit_rate = f"{100 * (mark.prefix_hits - last.prefix_hits) / queries:.1f}%" if queries else "-"
-        logger.log(level, "prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, swapped %d reqs | "
-                   "KV cache %.1f%% used | prefix-cache hit rate %s",
-                   prompt_tps, gen_tps, stats["num_running"], stats["num_waiting"], stats["num_swapped"],
-                   100 * (total - free) / total if total else 0.0, hit_rate)
+        hit_rate = (
+            f"{100 * (mark.prefix_hits - last.prefix_hits) / queries:.1f}%" if queries else "-"
+        )
+        logger.log(
+            level,
+            "prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, swapped %d reqs | "
+            "KV cache %.1f%% used | prefix-cache hit rate %s",
+            prompt_tps,
+            gen_tps,
+            stats["num_running"],
+            stats["num_waiting"],
+            stats["num_swapped"],
+            100 * (total - free) / total if total else 0.0,
+            hit_rate,
+        )
 
 
-def log_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                prompt: str | None) -> None:
+def log_request(
+    request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
+) -> None:
     """One INFO line per request (``--enable-log-requests``): the prompt's text only at DEBUG,
     since prompts may hold what an operator's log should not keep."""
-    request_logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids), params)
+    request_logger.info(
+        "request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids), params
+    )
     if prompt is not None:
         request_logger.debug("request %s prompt: %r", request_id, prompt)

@@ -60,7 +60,9 @@ class KVWaste:
         return {k: getattr(self, k) / total if total else 0.0 for k in WASTE_KINDS}
 
 
-def contiguous_waste(bm: ContiguousBlockManager, groups: list[SequenceGroup], max_model_len: int) -> KVWaste:
+def contiguous_waste(
+    bm: ContiguousBlockManager, groups: list[SequenceGroup], max_model_len: int
+) -> KVWaste:
     """O(sequences): a run's slots split by arithmetic. A forked child not yet bound reads
     its parent's run; the run it will take is a spare, counted as reserved."""
     bs, w = bm.block_size, KVWaste()
@@ -70,7 +72,10 @@ def contiguous_waste(bm: ContiguousBlockManager, groups: list[SequenceGroup], ma
             if run is None:
                 continue
             slots = run.num_blocks * bs
-            written = min(final_len(len(seq.prompt_token_ids), group.sampling_params, max_model_len) - 1, slots)
+            written = min(
+                final_len(len(seq.prompt_token_ids), group.sampling_params, max_model_len) - 1,
+                slots,
+            )
             w.token += seq.num_computed_tokens
             w.reserved += max(written - seq.num_computed_tokens, 0)
             w.internal += slots - max(written, seq.num_computed_tokens)
@@ -81,8 +86,12 @@ def contiguous_waste(bm: ContiguousBlockManager, groups: list[SequenceGroup], ma
 
 
 class EngineStats:
-    def __init__(self, bm: BlockManager | ContiguousBlockManager, scheduler: Scheduler,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        bm: BlockManager | ContiguousBlockManager,
+        scheduler: Scheduler,
+        max_model_len: int | None = None,
+    ) -> None:
         self.bm, self.scheduler = bm, scheduler
         # None: final lengths are not capped by the context (tests without a config).
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
@@ -152,7 +161,9 @@ class EngineStats:
         block_size = self.bm.block_size
         tables = self.bm.tables
         full_blocks: list[int] = []  # blocks some sharer has filled
-        part: dict[int, int] = {}  # other blocks -> tokens in them (the most any sharer has written)
+        part: dict[
+            int, int
+        ] = {}  # other blocks -> tokens in them (the most any sharer has written)
         will: dict[int, int] = {}  # partly filled block -> slots any sharer will ever write
         for group in self.scheduler.running:
             for seq in group.seqs:
@@ -165,7 +176,10 @@ class EngineStats:
                 full_blocks += table[:full]
                 if full == n:
                     continue
-                final = final_len(len(seq.prompt_token_ids), group.sampling_params, self.max_model_len) - 1
+                final = (
+                    final_len(len(seq.prompt_token_ids), group.sampling_params, self.max_model_len)
+                    - 1
+                )
                 for i in range(full, n):
                     block = table[i]
                     filled = min(max(seq_len - i * block_size, 0), block_size)
@@ -178,7 +192,9 @@ class EngineStats:
         partial = [f for b, f in part.items() if b not in full_set]
         num_blocks = len(full_set) + len(partial)
         token = len(full_set) * block_size + sum(partial)
-        internal = sum(block_size - max(w, block_size if b in full_set else part[b]) for b, w in will.items())
+        internal = sum(
+            block_size - max(w, block_size if b in full_set else part[b]) for b, w in will.items()
+        )
         self._record_waste(token, num_blocks, internal)
         if num_blocks:
             self._util_sum += token / (num_blocks * block_size)
@@ -236,7 +252,9 @@ class EngineStats:
             # Raw sums and counts, so a client can average over its own window (differences).
             "kv_waste_share_sums": dict(self.waste_share_sums),
             "kv_waste_samples": self.waste_samples,
-            "avg_batched_requests": self.batched_requests_sum / self.batched_steps if self.batched_steps else 0.0,
+            "avg_batched_requests": self.batched_requests_sum / self.batched_steps
+            if self.batched_steps
+            else 0.0,
             "batched_requests_sum": self.batched_requests_sum,
             "batched_steps": self.batched_steps,
             "histograms": self.request_metrics.snapshot(),

@@ -98,22 +98,40 @@ class StepBuilder:
         # Penalties count the whole history; prompt logprobs score the prompt with it.
         wants = params.has_penalties or params.prompt_logprobs is not None
         history = seq.prompt_token_ids + seq.output_token_ids if wants else None
-        return NewSeq(seq.seq_id, params, len(seq.prompt_token_ids), seq.sample_index, history,
-                      group.sampling_params.resumed_output_tokens)
+        return NewSeq(
+            seq.seq_id,
+            params,
+            len(seq.prompt_token_ids),
+            seq.sample_index,
+            history,
+            group.sampling_params.resumed_output_tokens,
+        )
 
     def _seq_params(self, group: SequenceGroup) -> SeqParams:
         p = group.sampling_params
         banned = None
         if p.min_tokens:
-            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)) or None
+            banned = (
+                sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+                or None
+            )
         return SeqParams(
-            temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-            seed=p.seed, logprobs=p.logprobs,
-            num_candidates=beams_to_keep(p.best_of, len(ending_tokens(p, self.eos_token_ids))) if p.use_beam_search else 0,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+            temperature=0.0 if p.greedy else p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=p.seed,
+            logprobs=p.logprobs,
+            num_candidates=beams_to_keep(p.best_of, len(ending_tokens(p, self.eos_token_ids)))
+            if p.use_beam_search
+            else 0,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logit_bias=p.logit_bias,
             # A resumed request's min_tokens is what it had left; the worker counts from the start.
-            min_tokens=p.min_tokens + p.resumed_output_tokens if banned else 0, banned_token_ids=banned,
+            min_tokens=p.min_tokens + p.resumed_output_tokens if banned else 0,
+            banned_token_ids=banned,
             prompt_logprobs=p.prompt_logprobs,
             allowed_token_ids=p.allowed_token_ids,
         )

@@ -128,26 +128,42 @@ class StepPipeline:
     pending), and ``masks`` fills structured rows' token masks when ``masks_follow``
     (SchedulerConfig.overlap_structured)."""
 
-    def __init__(self, launch: Launch, apply: Apply, build: Build, advance: Advance, masks: MaskSource,
-                 masks_follow: bool) -> None:
+    def __init__(
+        self,
+        launch: Launch,
+        apply: Apply,
+        build: Build,
+        advance: Advance,
+        masks: MaskSource,
+        masks_follow: bool,
+    ) -> None:
         self.launch, self.apply, self.build, self.advance = launch, apply, build, advance
         self.masks, self.masks_follow = masks, masks_follow
         self.inflight: InFlight | None = None
-        self.applied: list[SequenceGroup] = []  # touched by the step applied last; outputs not built
+        self.applied: list[
+            SequenceGroup
+        ] = []  # touched by the step applied last; outputs not built
         self.overlapped_steps = 0  # steps whose successor was submitted before they were processed
 
-    def step(self, finished_only: bool, unread: Container[str], emit: Emit | None = None) -> list[RequestOutput]:
+    def step(
+        self, finished_only: bool, unread: Container[str], emit: Emit | None = None
+    ) -> list[RequestOutput]:
         current = self._take(finished_only, unread)
         if current is None:
             current = self.launch()
         if not self._overlaps(current):
-            return self._built(finished_only, unread) + self._process(current, finished_only, unread, False)
+            return self._built(finished_only, unread) + self._process(
+                current, finished_only, unread, False
+            )
         self.overlapped_steps += 1
         self.advance(current.sched, True)
         following = self.launch()
         if following.handle is None:  # refused, or nothing to run: no need to wait a step
-            return (self._built(finished_only, unread) + self._process(current, finished_only, unread, True)
-                    + self._process(following, finished_only, unread, False))
+            return (
+                self._built(finished_only, unread)
+                + self._process(current, finished_only, unread, True)
+                + self._process(following, finished_only, unread, False)
+            )
         due = self._masks_due(following)  # before ``apply`` makes the pending tokens known
         self.inflight = following
         # The step before's outputs, while the device runs this one.
@@ -160,7 +176,9 @@ class StepPipeline:
             send_masks(following, due, self.masks)
         return outputs
 
-    def _process(self, step: InFlight, finished_only: bool, unread: Container[str], advanced: bool) -> list[RequestOutput]:
+    def _process(
+        self, step: InFlight, finished_only: bool, unread: Container[str], advanced: bool
+    ) -> list[RequestOutput]:
         return self.build(self.apply(step, advanced), finished_only, unread)
 
     def _built(self, finished_only: bool, unread: Container[str]) -> list[RequestOutput]:
@@ -191,8 +209,11 @@ class StepPipeline:
     def _overlaps(self, step: InFlight) -> bool:
         """Whether the step after ``step`` may be scheduled before ``step``'s outputs: only a
         step that computes something can change what the next one finds."""
-        return (step.error is None and bool(step.sched.scheduled)
-                and overlappable(step.sched, step.handle if self.masks_follow else None))
+        return (
+            step.error is None
+            and bool(step.sched.scheduled)
+            and overlappable(step.sched, step.handle if self.masks_follow else None)
+        )
 
     def _masks_due(self, step: InFlight) -> list[Sequence] | None:
         """The structured rows of a step just launched whose token masks follow it: those

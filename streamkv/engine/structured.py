@@ -60,7 +60,9 @@ class SequenceGrammar:
 
     __slots__ = ("matcher", "handle", "mask", "stop_words", "stop_ids", "_stop_free", "_filled")
 
-    def __init__(self, matcher: Any, mask: np.ndarray, stop_words: np.ndarray, stop_ids: frozenset[int]) -> None:
+    def __init__(
+        self, matcher: Any, mask: np.ndarray, stop_words: np.ndarray, stop_ids: frozenset[int]
+    ) -> None:
         self.matcher = matcher
         self.handle = matcher._handle  # the native matcher, for accept_tokens' one call a step
         self.mask = mask  # int32 [1, words]
@@ -89,7 +91,9 @@ class SequenceGrammar:
             # Only a bug can get here (the sampler bans every token outside the mask), or a
             # row whose every allowed token was also banned (stop_token_ids): end the output
             # where it stands instead of feeding the grammar more.
-            logger.warning("structured output: token %d is outside its grammar; ending the sequence", token)
+            logger.warning(
+                "structured output: token %d is outside its grammar; ending the sequence", token
+            )
             return True
         self._filled = False
         # A matcher terminates exactly when it accepts one of its stop tokens: asking it
@@ -105,7 +109,9 @@ class SequenceGrammar:
         return not self._stop_free.any()
 
     def fork(self) -> SequenceGrammar:
-        child = SequenceGrammar(self.matcher.fork(), self.mask.copy(), self.stop_words, self.stop_ids)
+        child = SequenceGrammar(
+            self.matcher.fork(), self.mask.copy(), self.stop_words, self.stop_ids
+        )
         child._filled = self._filled
         return child
 
@@ -120,9 +126,14 @@ def accept_tokens(grammars: list[SequenceGrammar], tokens: list[int]) -> list[bo
     CPU box: 92 us per row, 160 us through the wrapper, 49 us here."""
     from xgrammar.base import _core  # xgrammar >= 0.2.9 (pyproject.toml)
 
-    accepted = _core.BatchGrammarMatcher.batch_accept_token([g.handle for g in grammars], tokens, False)
+    accepted = _core.BatchGrammarMatcher.batch_accept_token(
+        [g.handle for g in grammars], tokens, False
+    )
     if 0 in accepted:  # a refused token (a bug, or a row whose allowed tokens were all banned)
-        return [g._accepted(t, bool(ok)) for g, t, ok in zip(grammars, tokens, list(accepted), strict=True)]
+        return [
+            g._accepted(t, bool(ok))
+            for g, t, ok in zip(grammars, tokens, list(accepted), strict=True)
+        ]
     # Every token taken: no need to index the native result row by row (the slow part).
     return [g._accepted(t, True) for g, t in zip(grammars, tokens, strict=True)]
 
@@ -133,8 +144,13 @@ class StructuredOutputManager:
     tokenizer table is built on the first structured request, so engines that never see
     one pay only the import, off their thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: the mask covers every row entry
         self.eos_token_ids = sorted(eos_token_ids)
@@ -169,8 +185,12 @@ class StructuredOutputManager:
         compiled = self._compiled(spec)  # sets xgrammar up
         xgr = self.xgrammar.get()
         matcher = xgr.GrammarMatcher(compiled)
-        return SequenceGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size).numpy(), self._stop_words,
-                               self._stop_ids)
+        return SequenceGrammar(
+            matcher,
+            xgr.allocate_token_bitmask(1, self.vocab_size).numpy(),
+            self._stop_words,
+            self._stop_ids,
+        )
 
     def fill_masks(self, grammars: list[SequenceGrammar]) -> list:
         """The next-token masks of ``grammars`` (StagedMask i for grammar i), filled in one
@@ -180,7 +200,9 @@ class StructuredOutputManager:
         if not grammars:
             return []
         matchers = [g.matcher for g in grammars]
-        return self._staging.fill(len(grammars), lambda words: self._batch.batch_fill_next_token_bitmask(matchers, words))
+        return self._staging.fill(
+            len(grammars), lambda words: self._batch.batch_fill_next_token_bitmask(matchers, words)
+        )
 
     def _compiled(self, spec: StructuredOutputs) -> Any:
         if self.tokenizer is None:
@@ -219,7 +241,8 @@ class StructuredOutputManager:
         if self._compiler is None:
             if self.tokenizer is None:
                 raise InvalidParameter(
-                    "structured_outputs", "structured_outputs needs the model's tokenizer, and this model has none."
+                    "structured_outputs",
+                    "structured_outputs needs the model's tokenizer, and this model has none.",
                 )
             xgr = self.xgrammar.get()  # waits for the background import, if it still runs
             info = xgr.TokenizerInfo.from_huggingface(

@@ -31,7 +31,9 @@ class TokenizerBusyError(RuntimeError):
 
 
 class TokenizerLanes:
-    def __init__(self, small_chars: int = SMALL_CHARS, max_large_waiting: int = MAX_LARGE_WAITING) -> None:
+    def __init__(
+        self, small_chars: int = SMALL_CHARS, max_large_waiting: int = MAX_LARGE_WAITING
+    ) -> None:
         self.small_chars, self.max_large_waiting = small_chars, max_large_waiting
         self._small = ThreadPoolExecutor(1, thread_name_prefix="streamkv-tokenizer")
         self._large = ThreadPoolExecutor(1, thread_name_prefix="streamkv-tokenizer-large")
@@ -50,7 +52,8 @@ class TokenizerLanes:
         if self._large_queued > self.max_large_waiting:  # one running + this many waiting
             raise TokenizerBusyError(
                 f"{self._large_queued} large inputs (over {self.small_chars} characters) are being "
-                f"tokenized already; retry later")
+                f"tokenized already; retry later"
+            )
         self._large_queued += 1
         try:
             return await loop.run_in_executor(self._large, self._run_large, fn)

@@ -70,8 +70,13 @@ class StepClock:
 
 
 class StepWatchdog:
-    def __init__(self, clock: StepClock, limit_s: float, on_stall: Callable[[str], None],
-                 on_clear: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        clock: StepClock,
+        limit_s: float,
+        on_stall: Callable[[str], None],
+        on_clear: Callable[[], None],
+    ) -> None:
         self.clock, self.limit_s = clock, limit_s
         self._on_stall, self._on_clear = on_stall, on_clear
         self._target: int | None = None  # the engine thread's ident
@@ -102,7 +107,9 @@ class StepWatchdog:
             busy = cpu() - self.clock.cpu_started if cpu is not None else ran
             if busy < self.limit_s and ran < NATIVE_STALL_FACTOR * self.limit_s:
                 continue  # waiting (for the GIL, a worker, the device), not spinning
-            self.stalled = f"an engine step has run for {ran:.0f} s (the limit is {self.limit_s:g} s)"
+            self.stalled = (
+                f"an engine step has run for {ran:.0f} s (the limit is {self.limit_s:g} s)"
+            )
             logger.error("watchdog: %s; interrupting it", self.stalled)
             self._on_stall(self.stalled)
             interrupted_step = started

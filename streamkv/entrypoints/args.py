@@ -19,7 +19,11 @@ from typing import Any
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 # EngineConfig's part -> its dataclass, in the order the flags are listed.
-SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
 
 
 def engine_fields() -> dict[str, tuple[str, dataclasses.Field, Any]]:
@@ -31,7 +35,9 @@ def engine_fields() -> dict[str, tuple[str, dataclasses.Field, Any]]:
             if not f.metadata.get("cli", True):
                 continue  # the model (each command's own argument) or a derived value
             if f.name in out:
-                raise TypeError(f"engine argument {f.name!r} is defined twice ({out[f.name][0]}, {section})")
+                raise TypeError(
+                    f"engine argument {f.name!r} is defined twice ({out[f.name][0]}, {section})"
+                )
             out[f.name] = (section, f, _base_type(hints[f.name]))
     return out
 
@@ -45,15 +51,22 @@ def _base_type(hint: Any) -> Any:
 
 
 # Each section's group in ``--help`` (vLLM groups its flags by config class the same way).
-GROUP_TITLES = {"model": "model config", "cache": "cache config (KV blocks, swap, prefix cache)",
-                "scheduler": "scheduler config (batching, preemption)"}
+GROUP_TITLES = {
+    "model": "model config",
+    "cache": "cache config (KV blocks, swap, prefix cache)",
+    "scheduler": "scheduler config (batching, preemption)",
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     groups = {section: parser.add_argument_group(GROUP_TITLES[section]) for section in SECTIONS}
     for name, (section, f, kind) in engine_fields().items():
         flags = [f"--{name.replace('_', '-')}", *f.metadata.get("flag", ())]
-        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help"), "dest": name}
+        kwargs: dict[str, Any] = {
+            "default": f.default,
+            "help": f.metadata.get("help"),
+            "dest": name,
+        }
         if "metavar" in f.metadata:
             kwargs["metavar"] = f.metadata["metavar"]
         if f.metadata.get("repeatable"):

@@ -16,17 +16,34 @@ HELP = "/reset forgets the conversation, /exit (or Ctrl-D) quits"
 def add_chat_parser(sub) -> argparse.ArgumentParser:
     from streamkv.entrypoints.cli_common import HelpFormatter
 
-    p = sub.add_parser("chat", help="chat with a running server from the terminal", formatter_class=HelpFormatter,
-                       allow_abbrev=False,
-                       description=f"Chat with a running `streamkv serve` (or any OpenAI-compatible server). {HELP}.")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (its /v1 API is used)")
-    p.add_argument("--api-key", default=os.environ.get("STREAMKV_API_KEY"),
-                   help="sent as 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY)")
-    p.add_argument("--model-name", default=None, help="the model to ask for (default: the server's first)")
+    p = sub.add_parser(
+        "chat",
+        help="chat with a running server from the terminal",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+        description=f"Chat with a running `streamkv serve` (or any OpenAI-compatible server). {HELP}.",
+    )
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server (its /v1 API is used)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("STREAMKV_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY)",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="the model to ask for (default: the server's first)"
+    )
     p.add_argument("--system-prompt", default=None, help="a system message before the conversation")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("-q", "--quick", metavar="MESSAGE", default=None, help="send one message, print the reply, exit")
+    p.add_argument(
+        "-q",
+        "--quick",
+        metavar="MESSAGE",
+        default=None,
+        help="send one message, print the reply, exit",
+    )
     p.set_defaults(func=cmd_chat)
     return p
 
@@ -65,7 +82,9 @@ def stream_reply(client, url: str, body: dict, out) -> tuple[str, dict | None]:
                     out.write(piece)
                     out.flush()
     except httpx.ConnectError:
-        raise ChatError(f"no server at {url} (start one with `streamkv serve`, or give --url)") from None
+        raise ChatError(
+            f"no server at {url} (start one with `streamkv serve`, or give --url)"
+        ) from None
     except httpx.HTTPError as e:
         raise ChatError(f"the connection to {url} failed: {e}") from None
     return "".join(text), usage
@@ -76,7 +95,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     import httpx
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would cut into the replies
+    logging.getLogger("httpx").setLevel(
+        logging.WARNING
+    )  # a line per request would cut into the replies
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
@@ -108,8 +129,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            body = {"model": model, "messages": system + messages, "stream": True, "max_tokens": args.max_tokens,
-                    "temperature": args.temperature, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "messages": system + messages,
+                "stream": True,
+                "max_tokens": args.max_tokens,
+                "temperature": args.temperature,
+                "stream_options": {"include_usage": True},
+            }
             t0 = time.perf_counter()
             try:
                 reply, usage = stream_reply(client, url, body, sys.stdout)
@@ -128,7 +155,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             tokens = usage["completion_tokens"] if usage else None
             print()
             if tokens:
-                print(f"[{tokens} tokens in {took:.1f} s · {tokens / took:.1f} tok/s]", file=sys.stderr)
+                print(
+                    f"[{tokens} tokens in {took:.1f} s · {tokens / took:.1f} tok/s]",
+                    file=sys.stderr,
+                )
             if not interactive:
                 return 0
 
@@ -139,7 +169,9 @@ def _first_model(client, url: str) -> str:
     try:
         r = client.get(f"{url}/v1/models")
     except httpx.ConnectError:
-        raise ChatError(f"no server at {url} (start one with `streamkv serve`, or give --url)") from None
+        raise ChatError(
+            f"no server at {url} (start one with `streamkv serve`, or give --url)"
+        ) from None
     except httpx.HTTPError as e:
         raise ChatError(f"cannot reach {url}: {e}") from None
     if r.status_code == 401:

@@ -17,7 +17,7 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class TextPart(OpenAIModel):
-    type: Literal["text"] = Field(description='only text parts: other content types are a 400')
+    type: Literal["text"] = Field(description="only text parts: other content types are a 400")
     text: str
 
 
@@ -27,15 +27,20 @@ def _content_kind(v: Any) -> str | None:
 
 Content = Annotated[
     Annotated[str, Tag("<str>")] | Annotated[list[TextPart], Tag("<parts>")],
-    Discriminator(_content_kind, custom_error_type="content_type",
-                  custom_error_message="must be a string or an array of text parts"),
+    Discriminator(
+        _content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or an array of text parts",
+    ),
 ]
 
 
 class FunctionCall(OpenAIModel):
     name: str
     # OpenAI sends JSON text; vLLM also takes the object itself (some clients send that).
-    arguments: str | dict[str, Any] = Field("", description="the arguments as JSON text (or as an object)")
+    arguments: str | dict[str, Any] = Field(
+        "", description="the arguments as JSON text (or as an object)"
+    )
 
 
 class ToolCall(OpenAIModel):
@@ -53,14 +58,18 @@ class ChatMessage(OpenAIModel):
     role: str = Field(min_length=1, max_length=64)
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="assistant turns only")
-    tool_call_id: str | None = Field(None, validate_default=True, description="tool turns: the call answered")
+    tool_call_id: str | None = Field(
+        None, validate_default=True, description="tool turns: the call answered"
+    )
     # After the fields it depends on (validated in order): content may be absent only from
     # an assistant turn that calls tools.
     content: Content | None = Field(None, validate_default=True)
 
     @field_validator("tool_calls")
     @classmethod
-    def _only_assistant_calls(cls, v: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+    def _only_assistant_calls(
+        cls, v: list[ToolCall] | None, info: ValidationInfo
+    ) -> list[ToolCall] | None:
         if v is not None and info.data.get("role") != "assistant":
             raise ValueError("is only allowed on assistant messages")
         return v
@@ -118,7 +127,11 @@ def _choice_kind(v: Any) -> str | None:
 
 
 ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("<mode>")] | Annotated[NamedToolChoice, Tag("<named>")],
-    Discriminator(_choice_kind, custom_error_type="tool_choice_type",
-                  custom_error_message='must be "none", "auto", "required" or {"type": "function", ...}'),
+    Annotated[Literal["none", "auto", "required"], Tag("<mode>")]
+    | Annotated[NamedToolChoice, Tag("<named>")],
+    Discriminator(
+        _choice_kind,
+        custom_error_type="tool_choice_type",
+        custom_error_message='must be "none", "auto", "required" or {"type": "function", ...}',
+    ),
 ]

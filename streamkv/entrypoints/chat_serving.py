@@ -70,26 +70,51 @@ class ChatResponder:
         if self.echo:  # vLLM's chat echo: the continued turn comes back whole
             content = self.echo + (content or "")
         # vLLM's message: every key present (null, or [] without calls).
-        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-                               "audio": None, "function_call": None, "tool_calls": calls or [],
-                               "reasoning_content": None}
-        return msg, c.finish_reason if self.mode == "named" else _finish(c.finish_reason, bool(calls))
+        msg: dict[str, Any] = {
+            "role": "assistant",
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": calls or [],
+            "reasoning_content": None,
+        }
+        return msg, c.finish_reason if self.mode == "named" else _finish(
+            c.finish_reason, bool(calls)
+        )
 
     def whole(self, out: RequestOutput) -> ChatOutput:
         choices = []
         for c in out.outputs:
             msg, finish = self.message(c)
-            choices.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                            "finish_reason": finish, "stop_reason": c.stop_reason,
-                            "token_ids": c.token_ids if self.req.return_token_ids else None})
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": msg,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": finish,
+                    "stop_reason": c.stop_reason,
+                    "token_ids": c.token_ids if self.req.return_token_ids else None,
+                }
+            )
         return ChatOutput(choices, sum(len(c.token_ids) for c in out.outputs))
 
     # -- streamed -------------------------------------------------------------------------
     def opening(self, states: list[ChoiceState]) -> list[dict]:
-        return [{"index": st.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
-                 "finish_reason": None} for st in states]
+        return [
+            {
+                "index": st.index,
+                "delta": {"role": "assistant", "content": self.echo},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for st in states
+        ]
 
-    def stream_choices(self, states: list[ChoiceState]) -> Callable[[int, RequestOutput], Iterator[dict]]:
+    def stream_choices(
+        self, states: list[ChoiceState]
+    ) -> Callable[[int, RequestOutput], Iterator[dict]]:
         parsers = [HermesStream(self.req.parallel_tool_calls) for _ in states]
         texts = ["" for _ in states]
         n = len(states)
@@ -100,10 +125,18 @@ class ChatResponder:
                 delta, called = self._delta(k, d.text, d.finish_reason, d.choice, parsers[k], texts)
                 if not delta and not done and self.top is None and not self.req.return_token_ids:
                     continue
-                if done and "content" not in delta:  # vLLM's last chunk: clients concatenate content
+                if (
+                    done and "content" not in delta
+                ):  # vLLM's last chunk: clients concatenate content
                     delta["content"] = ""
-                choice = {"index": k, "delta": delta, "logprobs": self._logprobs(d.token_ids, d.logprobs),
-                          "finish_reason": d.finish_reason if self.mode == "named" else _finish(d.finish_reason, called)}
+                choice = {
+                    "index": k,
+                    "delta": delta,
+                    "logprobs": self._logprobs(d.token_ids, d.logprobs),
+                    "finish_reason": d.finish_reason
+                    if self.mode == "named"
+                    else _finish(d.finish_reason, called),
+                }
                 if done:
                     choice["stop_reason"] = d.stop_reason
                 if self.req.return_token_ids:
@@ -112,8 +145,15 @@ class ChatResponder:
 
         return choices
 
-    def _delta(self, k: int, text: str, finish: str | None, st: ChoiceState, parser: HermesStream,
-               texts: list[str]) -> tuple[dict, bool]:
+    def _delta(
+        self,
+        k: int,
+        text: str,
+        finish: str | None,
+        st: ChoiceState,
+        parser: HermesStream,
+        texts: list[str],
+    ) -> tuple[dict, bool]:
         """This choice's delta for ``text``, and whether it has called a tool."""
         done = finish is not None
         if self.mode == "auto":

@@ -31,11 +31,26 @@ _TOOLS_PROMPT = (
 
 # apply_chat_template's own parameters (and the template's messages): chat_template_kwargs
 # adds template variables, it does not get to switch tokenization or swap the template.
-_RESERVED_KWARGS = frozenset((
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-))
+_RESERVED_KWARGS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
 
 
 def check_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -67,13 +82,24 @@ def _arguments(args: str | dict[str, Any]) -> Any:
 def _native(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for m in messages:
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
+        msg: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.text() or "",
+        }
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                                 for c in m.tool_calls]
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
@@ -93,8 +119,10 @@ def _fallback(messages: list[ChatMessage], tools: list[Tool] | None) -> list[dic
             out[-1]["_tool"] = True
             continue
         for c in m.tool_calls or ():
-            call = json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)},
-                              ensure_ascii=False)
+            call = json.dumps(
+                {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                ensure_ascii=False,
+            )
             text += ("\n" if text else "") + f"{OPEN}\n{call}\n{CLOSE}"
         msg = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.name is not None:
@@ -103,8 +131,10 @@ def _fallback(messages: list[ChatMessage], tools: list[Tool] | None) -> list[dic
     for msg in out:
         msg.pop("_tool", None)
     if tools:
-        listing = "\n".join(json.dumps(t.model_dump(exclude_none=True, by_alias=True), ensure_ascii=False)
-                            for t in tools)
+        listing = "\n".join(
+            json.dumps(t.model_dump(exclude_none=True, by_alias=True), ensure_ascii=False)
+            for t in tools
+        )
         prompt = _TOOLS_PROMPT.format(tools=listing)
         if out and out[0]["role"] == "system":
             out[0]["content"] += "\n\n" + prompt
@@ -113,17 +143,27 @@ def _fallback(messages: list[ChatMessage], tools: list[Tool] | None) -> list[dic
     return out
 
 
-def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool,
-                tools: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None,
-                continue_final: bool = False, tools_prompt: bool = True) -> list[int]:
+def render_chat(
+    tok,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    tools: list[Tool] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final: bool = False,
+    tools_prompt: bool = True,
+) -> list[int]:
     """Runs on the tokenizer thread: a long conversation never blocks the event loop.
     ``tools``: those the model is offered (none with ``tool_choice: "none"``);
     ``template_kwargs``: the request's extra template variables; ``continue_final``: the
     prompt ends inside the last message, so that the output continues it; ``tools_prompt``
     (``--tools-system-prompt``, on by default): tools that the template does not render go
     into a system message; off, such a template gets none, as in vLLM."""
-    kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
-                              "add_generation_prompt": add_generation_prompt}
+    kwargs: dict[str, Any] = {
+        **(template_kwargs or {}),
+        "tokenize": False,
+        "add_generation_prompt": add_generation_prompt,
+    }
     if continue_final:
         kwargs["continue_final_message"] = True
     if knows_tools(tok):
@@ -141,6 +181,8 @@ def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, a
 
 def chat_size(messages: list[ChatMessage], tools: list[Tool] | None = None) -> int:
     """Characters a chat template will see, for picking the tokenizer lane."""
-    size = sum(len(m.text() or "") + 16 + sum(len(str(c.function.arguments)) for c in m.tool_calls or ())
-               for m in messages)
+    size = sum(
+        len(m.text() or "") + 16 + sum(len(str(c.function.arguments)) for c in m.tool_calls or ())
+        for m in messages
+    )
     return size + sum(len(json.dumps(t.function.parameters or {})) for t in tools or ())

@@ -36,12 +36,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.model_flag is not None:
         if args.model is not None:
-            return _fail(f"the model is given twice ({args.model!r} and --model {args.model_flag!r})")
+            return _fail(
+                f"the model is given twice ({args.model!r} and --model {args.model_flag!r})"
+            )
         args.model = args.model_flag
     try:
         params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            stop=args.stop or None,
         )
         template = load_chat_template(args.chat_template) if args.chat_template else None
         with phase("loading the model and allocating the KV cache"):
@@ -75,7 +81,9 @@ def _stream(llm, args: argparse.Namespace, params) -> int:
     prompt = args.prompt
     if args.chat:
         tok = llm.get_tokenizer()
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok.encode(prompt, add_special_tokens=False)
     else:
         ids = None
@@ -95,36 +103,60 @@ def _stream(llm, args: argparse.Namespace, params) -> int:
             printed = len(text)
     took = time.perf_counter() - t0
     sys.stdout.write("\n")
-    rate = f"{(tokens - 1) / (took - (first - t0)):.1f} tok/s" if first is not None and tokens > 1 and took > first - t0 else "-"
-    print(f"[{tokens} tokens in {took:.2f} s · {rate} after the first, which came at {(first or t0) - t0:.2f} s]",
-          file=sys.stderr)
+    rate = (
+        f"{(tokens - 1) / (took - (first - t0)):.1f} tok/s"
+        if first is not None and tokens > 1 and took > first - t0
+        else "-"
+    )
+    print(
+        f"[{tokens} tokens in {took:.2f} s · {rate} after the first, which came at {(first or t0) - t0:.2f} s]",
+        file=sys.stderr,
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streamkv", description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="streamkv", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO")
     parser.add_argument("--version", action="version", version=f"streamkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,generate,bench,worker}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{serve,chat,generate,bench,worker}"
+    )
 
-    gen = sub.add_parser("generate", help="stream one completion to the terminal (offline, no server)",
-                         formatter_class=HelpFormatter, allow_abbrev=False,
-                         description="Stream one completion of PROMPT to the terminal, then its tokens/s. "
-                                     "MODEL as for `streamkv serve`.")
-    gen.add_argument("model", nargs="?", default=None,
-                     help="local HF directory, .gguf file or shape preset (default: the embedded "
-                          "SmolLM2-135M-Instruct)")
+    gen = sub.add_parser(
+        "generate",
+        help="stream one completion to the terminal (offline, no server)",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+        description="Stream one completion of PROMPT to the terminal, then its tokens/s. "
+        "MODEL as for `streamkv serve`.",
+    )
+    gen.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local HF directory, .gguf file or shape preset (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
     gen.add_argument("prompt")
     g = gen.add_argument_group("generation")
-    g.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)  # the older spelling
+    g.add_argument(
+        "--model", dest="model_flag", default=None, help=argparse.SUPPRESS
+    )  # the older spelling
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
-                   help="Jinja chat template (a file or the template itself) instead of the tokenizer's")
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="Jinja chat template (a file or the template itself) instead of the tokenizer's",
+    )
     add_common_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -133,16 +165,27 @@ def build_parser() -> argparse.ArgumentParser:
     from streamkv.entrypoints.serve_cli import add_serve_parser
     from streamkv.executor.launcher import add_worker_parser  # ranks on another host (issue 17)
 
-    bench = sub.add_parser("bench", help="benchmarks: `streamkv bench serve --help`", formatter_class=HelpFormatter)
+    bench = sub.add_parser(
+        "bench", help="benchmarks: `streamkv bench serve --help`", formatter_class=HelpFormatter
+    )
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="{serve}")
     # Its own parser reads the rest (streamkv/bench/serve.py), --help included.
-    serve_bench = kinds.add_parser("serve", add_help=False, prefix_chars="\0",
-                                   help="vLLM benchmark_serving's call against `streamkv serve`, beside the offline engine")
+    serve_bench = kinds.add_parser(
+        "serve",
+        add_help=False,
+        prefix_chars="\0",
+        help="vLLM benchmark_serving's call against `streamkv serve`, beside the offline engine",
+    )
     serve_bench.add_argument("rest", nargs=argparse.REMAINDER)
     serve_bench.set_defaults(func=cmd_bench_serve)
 
-    parser.commands = {"generate": gen, "serve": add_serve_parser(sub), "chat": add_chat_parser(sub),
-                       "bench": bench, "worker": add_worker_parser(sub)}
+    parser.commands = {
+        "generate": gen,
+        "serve": add_serve_parser(sub),
+        "chat": add_chat_parser(sub),
+        "bench": bench,
+        "worker": add_worker_parser(sub),
+    }
     return parser
 
 
@@ -156,10 +199,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     command = parser.commands[argv[at]]
     try:
         # A flag given before the command (--log-level) is the command line's too: it wins.
-        tokens, model = config_tokens(read_config_file(args.config), command, argv[:at] + argv[at + 1:], args.config)
+        tokens, model = config_tokens(
+            read_config_file(args.config), command, argv[:at] + argv[at + 1 :], args.config
+        )
     except ConfigFileError as e:
         command.error(str(e))
-    args = parser.parse_args([*argv[:at + 1], *tokens, *argv[at + 1:]])
+    args = parser.parse_args([*argv[: at + 1], *tokens, *argv[at + 1 :]])
     if model is not None and getattr(args, "model", None) is None:
         args.model = str(model)
     return args
@@ -168,7 +213,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, sys.argv[1:] if argv is None else list(argv))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return args.func(args) or 0
 
 

@@ -30,13 +30,19 @@ def read_config_file(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigFileError(f"--config {path} must be a mapping of flag names to values, "
-                              f"got a {type(data).__name__}")
+        raise ConfigFileError(
+            f"--config {path} must be a mapping of flag names to values, "
+            f"got a {type(data).__name__}"
+        )
     return data
 
 
-def config_tokens(data: dict[str, Any], parser: argparse.ArgumentParser, cli: list[str],
-                  path: str = "the config file") -> tuple[list[str], Any]:
+def config_tokens(
+    data: dict[str, Any],
+    parser: argparse.ArgumentParser,
+    cli: list[str],
+    path: str = "the config file",
+) -> tuple[list[str], Any]:
     """The command-line tokens the file stands for (minus flags ``cli`` gives itself) and
     the file's positional ``model`` (None if it has none)."""
     actions = {opt: a for a in parser._actions for opt in a.option_strings}
@@ -51,7 +57,9 @@ def config_tokens(data: dict[str, Any], parser: argparse.ArgumentParser, cli: li
         flag = f"--{name}"
         action = actions.get(flag)
         if action is None or flag in ("--config", "--help", "--version"):
-            known = sorted(o[2:] for o in actions if o.startswith("--") and o not in ("--config", "--help"))
+            known = sorted(
+                o[2:] for o in actions if o.startswith("--") and o not in ("--config", "--help")
+            )
             close = difflib.get_close_matches(name, known, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigFileError(f"{path}: unknown key {key!r}{hint}")

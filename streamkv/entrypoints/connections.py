@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
-    head_timeout: float = 10.0  # seconds from connect (or from a request's first byte) to its full head
+    head_timeout: float = (
+        10.0  # seconds from connect (or from a request's first byte) to its full head
+    )
     body_timeout: float = 30.0  # seconds from the head to the body's last byte
     max_connections: int | None = None  # open HTTP + WebSocket connections
 
@@ -48,14 +50,21 @@ def raw_response(e: APIError) -> bytes:
     """A complete HTTP/1.1 response, for answering outside h11's request cycle."""
     body = json.dumps(e.body()).encode()
     reason = _REASONS.get(e.status, "Error").encode()
-    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % (
-        e.status, reason, len(body))
+    head = (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
+        % (e.status, reason, len(body))
+    )
     head += b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in (e.headers or {}).items())
     return head + b"\r\n" + body
 
 
-_REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
-            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+_REASONS = {
+    400: "Bad Request",
+    408: "Request Timeout",
+    413: "Payload Too Large",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -65,7 +74,9 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, limits: ConnectionLimits, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self.conn = _RecordingConnection(h11.SERVER, self.config.h11_max_incomplete_event_size or 16 * 1024)
+        self.conn = _RecordingConnection(
+            h11.SERVER, self.config.h11_max_incomplete_event_size or 16 * 1024
+        )
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None
         self._over_limit = False
@@ -118,10 +129,22 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
-        logger.info("closing the connection from %s: request %s not received within %g s", client, phase, seconds)
+        logger.info(
+            "closing the connection from %s: request %s not received within %g s",
+            client,
+            phase,
+            seconds,
+        )
         if self.cycle is None or not self.cycle.response_started:
-            self.transport.write(raw_response(APIError(
-                f"the request {phase} did not arrive within {seconds:g} s", 408, code="request_timeout")))
+            self.transport.write(
+                raw_response(
+                    APIError(
+                        f"the request {phase} did not arrive within {seconds:g} s",
+                        408,
+                        code="request_timeout",
+                    )
+                )
+            )
         self.transport.close()
 
     # -- the connection cap -----------------------------------------------------------------
@@ -136,10 +159,20 @@ class GuardedH11Protocol(H11Protocol):
                 return
             self._disarm()
             cap = self.limits.max_connections
-            logger.info("refusing a connection: %d open, the limit is %s", len(self.connections), cap)
-            self.transport.write(raw_response(APIError(
-                f"the server has {cap} connections open, its limit; retry later", 503,
-                "service_unavailable_error", code="too_many_connections", headers={"retry-after": "1"})))
+            logger.info(
+                "refusing a connection: %d open, the limit is %s", len(self.connections), cap
+            )
+            self.transport.write(
+                raw_response(
+                    APIError(
+                        f"the server has {cap} connections open, its limit; retry later",
+                        503,
+                        "service_unavailable_error",
+                        code="too_many_connections",
+                        headers={"retry-after": "1"},
+                    )
+                )
+            )
             self.transport.close()
             return
         super().handle_events()
@@ -150,8 +183,11 @@ class GuardedH11Protocol(H11Protocol):
         status = getattr(error, "error_status_hint", 400) if error is not None else 400
         detail = f": {error}" if error is not None and str(error) else ""
         if self.cycle is None or not self.cycle.response_started:
-            self.transport.write(raw_response(APIError(f"invalid HTTP request{detail}", status,
-                                                       code="invalid_http_request")))
+            self.transport.write(
+                raw_response(
+                    APIError(f"invalid HTTP request{detail}", status, code="invalid_http_request")
+                )
+            )
         self.transport.close()
 
 
@@ -162,5 +198,7 @@ class QuietDenialWebSocket(WebSocketsSansIOProtocol):
 
     async def send(self, message) -> None:
         await super().send(message)
-        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+        if message["type"] == "websocket.http.response.body" and not message.get(
+            "more_body", False
+        ):
             self.handshake_complete = True

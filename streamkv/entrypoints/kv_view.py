@@ -55,24 +55,45 @@ class _Viewer:
         self._key = secrets.token_bytes(16)  # this connection's: anonymous labels stay unlinkable
 
     def offer(self, head: str, snap: dict) -> None:
-        body = json.dumps({**snap, "requests": [self._row(r) for r in snap["requests"]]}, separators=(",", ":"))
+        body = json.dumps(
+            {**snap, "requests": [self._row(r) for r in snap["requests"]]}, separators=(",", ":")
+        )
         self.latest = head[:-1] + "," + body[1:]
         self.ready.set()
 
     def _row(self, row: dict) -> dict:
         if self.token is not None and self.token in row["request_id"]:
             return {**row, "own": True}
-        return {"request_id": "anon-" + self._label(row["request_id"]), "own": False,
-                "seqs": [{**s, "seq_id": int(self._label(str(s["seq_id"]))[:7], 16)} for s in row["seqs"]]}
+        return {
+            "request_id": "anon-" + self._label(row["request_id"]),
+            "own": False,
+            "seqs": [
+                {**s, "seq_id": int(self._label(str(s["seq_id"]))[:7], 16)} for s in row["seqs"]
+            ],
+        }
 
     def _label(self, text: str) -> str:
-        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), key=self._key, digest_size=8).hexdigest()
+        return hashlib.blake2b(
+            text.encode("utf-8", "surrogatepass"), key=self._key, digest_size=8
+        ).hexdigest()
 
 
 class KVView:
-    def __init__(self, engine: AsyncEngine, interval: float = 0.25, max_duty: float = 0.01,
-                 max_viewers: int = 32, timeout: float = 5.0, enabled: bool = True) -> None:
-        self.engine, self.interval, self.max_duty, self.enabled = engine, interval, max_duty, enabled
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        interval: float = 0.25,
+        max_duty: float = 0.01,
+        max_viewers: int = 32,
+        timeout: float = 5.0,
+        enabled: bool = True,
+    ) -> None:
+        self.engine, self.interval, self.max_duty, self.enabled = (
+            engine,
+            interval,
+            max_duty,
+            enabled,
+        )
         self.max_viewers, self.timeout = max_viewers, timeout
         self.viewers: set[_Viewer] = set()
         self._producer: asyncio.Task | None = None
@@ -83,22 +104,36 @@ class KVView:
     async def stream(self, request: Request) -> Response:
         """The endpoint (auth and the engine's liveness are checked by the caller's wrapper)."""
         if not self.enabled:
-            raise APIError("the KV-cache view is off on this server (it listens beyond loopback; "
-                           "enable it explicitly)", 404, "not_found_error", code="kv_view_disabled")
+            raise APIError(
+                "the KV-cache view is off on this server (it listens beyond loopback; "
+                "enable it explicitly)",
+                404,
+                "not_found_error",
+                code="kv_view_disabled",
+            )
         token = request.query_params.get("token")
         if token is not None and not _TOKEN.fullmatch(token):
-            raise APIError("'token' must be 16 to 128 characters of A-Z, a-z, 0-9, '_' and '-'", param="token")
+            raise APIError(
+                "'token' must be 16 to 128 characters of A-Z, a-z, 0-9, '_' and '-'", param="token"
+            )
         self.engine.check_alive()
         if len(self.viewers) >= self.max_viewers:
-            raise APIError(f"at most {self.max_viewers} KV-cache viewers at once", 429, "rate_limit_error",
-                           code="too_many_viewers", headers={"retry-after": "5"})
+            raise APIError(
+                f"at most {self.max_viewers} KV-cache viewers at once",
+                429,
+                "rate_limit_error",
+                code="too_many_viewers",
+                headers={"retry-after": "5"},
+            )
         viewer = _Viewer(token)
         self.viewers.add(viewer)
         if self._last is not None:
             viewer.offer(*self._last)
         if self._producer is None or self._producer.done():
             self._producer = asyncio.create_task(self._produce())
-        return EventSourceResponse(self._events(viewer), ping=2, headers={"cache-control": "no-store"})
+        return EventSourceResponse(
+            self._events(viewer), ping=2, headers={"cache-control": "no-store"}
+        )
 
     async def _events(self, viewer: _Viewer) -> AsyncIterator[dict]:
         try:
@@ -123,9 +158,16 @@ class KVView:
                     body = json.dumps(snap, separators=(",", ":"))
                     if body != self._last_body:  # an idle engine sends nothing new
                         self._last_body = body
-                        head = json.dumps({"type": "kv_snapshot", "v": PROTOCOL_VERSION, "seq": self.num_snapshots,
-                                           "interval_ms": round(period * 1000), "cost_ms": round(cost * 1000, 3)},
-                                          separators=(",", ":"))
+                        head = json.dumps(
+                            {
+                                "type": "kv_snapshot",
+                                "v": PROTOCOL_VERSION,
+                                "seq": self.num_snapshots,
+                                "interval_ms": round(period * 1000),
+                                "cost_ms": round(cost * 1000, 3),
+                            },
+                            separators=(",", ":"),
+                        )
                         self._last = (head, snap)
                         for viewer in self.viewers:
                             viewer.offer(head, snap)

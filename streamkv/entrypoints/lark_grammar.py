@@ -22,7 +22,8 @@ import json
 import re
 from collections.abc import Callable
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<skip>[ \t\r\f]+|(?://|\#)[^\n]*)
   | (?P<nl>\n)
   | (?P<string>"(?:[^"\\\n]|\\.)*"i?|'(?:[^'\\\n]|\\.)*'i?)
@@ -31,18 +32,30 @@ _TOKEN = re.compile(r"""
   | (?P<name>[?!]?[_A-Za-z][_A-Za-z0-9]*)
   | (?P<num>\d+)
   | (?P<op>->|\.\.|[:|()\[\]*+?~.])
-""", re.X)
+""",
+    re.X,
+)
 
 _SIGN, _EXP = r"[+\-]?", r"([eE] [+\-]? [0-9]+)?"
 # Lark's common.lark terminals, written out.
 COMMON = {
-    "DIGIT": "[0-9]", "HEXDIGIT": "[a-fA-F0-9]", "INT": "[0-9]+", "SIGNED_INT": f"{_SIGN} [0-9]+",
+    "DIGIT": "[0-9]",
+    "HEXDIGIT": "[a-fA-F0-9]",
+    "INT": "[0-9]+",
+    "SIGNED_INT": f"{_SIGN} [0-9]+",
     "DECIMAL": '[0-9]+ "." [0-9]* | "." [0-9]+',
     "FLOAT": f'([0-9]+ "." [0-9]* | "." [0-9]+) {_EXP} | [0-9]+ [eE] [+\\-]? [0-9]+',
     "NUMBER": f'[0-9]+ ("." [0-9]*)? {_EXP} | "." [0-9]+ {_EXP}',
-    "LCASE_LETTER": "[a-z]", "UCASE_LETTER": "[A-Z]", "LETTER": "[a-zA-Z]", "WORD": "[a-zA-Z]+",
-    "CNAME": "[a-zA-Z_] [a-zA-Z0-9_]*", "WS_INLINE": "[ \\t]+", "WS": "[ \\t\\f\\r\\n]+",
-    "CR": '"\\r"', "LF": '"\\n"', "NEWLINE": '("\\r"? "\\n")+',
+    "LCASE_LETTER": "[a-z]",
+    "UCASE_LETTER": "[A-Z]",
+    "LETTER": "[a-zA-Z]",
+    "WORD": "[a-zA-Z]+",
+    "CNAME": "[a-zA-Z_] [a-zA-Z0-9_]*",
+    "WS_INLINE": "[ \\t]+",
+    "WS": "[ \\t\\f\\r\\n]+",
+    "CR": '"\\r"',
+    "LF": '"\\n"',
+    "NEWLINE": '("\\r"? "\\n")+',
     "ESCAPED_STRING": '"\\"" ([^"\\\\\\n] | "\\\\" [^\\n])* "\\""',
 }
 COMMON["SIGNED_FLOAT"] = f"{_SIGN} ({COMMON['FLOAT']})"
@@ -73,7 +86,7 @@ def lark_to_ebnf(grammar: str) -> str:
             name = line[0][1].lstrip("?!")
             if name in rules:
                 raise LarkError(f"line {line_no}: the rule {name!r} is defined twice")
-            current = rules[name] = line[colon + 1:]
+            current = rules[name] = line[colon + 1 :]
         elif current is None:
             raise LarkError(f"line {line_no}: expected a rule ('name: ...'), got {line[0][1]!r}")
         else:
@@ -98,7 +111,7 @@ def _lines(grammar: str):
     while pos < len(grammar):
         m = _TOKEN.match(grammar, pos)
         if m is None:
-            raise LarkError(f"line {line_no}: unexpected {grammar[pos:pos + 20]!r}")
+            raise LarkError(f"line {line_no}: unexpected {grammar[pos : pos + 20]!r}")
         kind, pos = m.lastgroup, m.end()
         if kind == "nl":
             if line:
@@ -111,18 +124,27 @@ def _lines(grammar: str):
 
 
 def _directive(text: str, line_no: int, imports: dict[str, str]) -> None:
-    m = re.fullmatch(r"%import\s+common\s*\.\s*([A-Z_]+)(?:\s*->\s*(\w+))?\s*", text) or \
-        re.fullmatch(r"%import\s+common\s*\(([\w\s,]+)\)\s*", text)
+    m = re.fullmatch(
+        r"%import\s+common\s*\.\s*([A-Z_]+)(?:\s*->\s*(\w+))?\s*", text
+    ) or re.fullmatch(r"%import\s+common\s*\(([\w\s,]+)\)\s*", text)
     if m is None:
         word = text.split()[0]
-        why = ("it lets whitespace in between any tokens; write it into the rules" if word == "%ignore"
-               else "only '%import common.NAME' is supported")
+        why = (
+            "it lets whitespace in between any tokens; write it into the rules"
+            if word == "%ignore"
+            else "only '%import common.NAME' is supported"
+        )
         raise LarkError(f"line {line_no}: {word} is not supported: {why}")
-    pairs = [(m.group(1), m.group(2) or m.group(1))] if m.re.pattern.startswith(r"%import\s+common\s*\.") \
+    pairs = (
+        [(m.group(1), m.group(2) or m.group(1))]
+        if m.re.pattern.startswith(r"%import\s+common\s*\.")
         else [(n.strip(), n.strip()) for n in m.group(1).split(",") if n.strip()]
+    )
     for term, alias in pairs:
         if term not in COMMON:
-            raise LarkError(f"line {line_no}: common.{term} is not supported; known: {', '.join(sorted(COMMON))}")
+            raise LarkError(
+                f"line {line_no}: common.{term} is not supported; known: {', '.join(sorted(COMMON))}"
+            )
         imports[alias] = term
 
 
@@ -173,8 +195,9 @@ def _expression(tokens: list[tuple[str, str, int]], names: dict[str, str]) -> st
     return " ".join(out)
 
 
-def _string_or_range(tokens: list[tuple[str, str, int]], i: int, text: str,
-                     line_no: int) -> tuple[int, str]:
+def _string_or_range(
+    tokens: list[tuple[str, str, int]], i: int, text: str, line_no: int
+) -> tuple[int, str]:
     """The string ``text`` (just before ``tokens[i]``), or the ``"a".."z"`` range it opens."""
     if i + 1 < len(tokens) and tokens[i][1] == ".." and tokens[i + 1][0] == "string":
         low, high = _string(text, line_no), _string(tokens[i + 1][1], line_no)
@@ -186,7 +209,7 @@ def _string_or_range(tokens: list[tuple[str, str, int]], i: int, text: str,
 
 def _repeat(tokens: list[tuple[str, str, int]], i: int, line_no: int) -> tuple[int, str]:
     """``~ n`` or ``~ n..m`` after an item: EBNF's ``{n}`` / ``{n,m}``."""
-    texts = [t[1] for t in tokens[i:i + 3]]
+    texts = [t[1] for t in tokens[i : i + 3]]
     if texts[:1] and texts[0].isdigit():
         if texts[1:2] == [".."] and len(texts) == 3 and texts[2].isdigit():
             return i + 3, f"{{{texts[0]},{texts[2]}}}"
@@ -209,8 +232,16 @@ def _literal(token: str, line_no: int) -> str:
     if not value:
         return '""'
     if token.endswith("i") and any(c.isalpha() for c in value):
-        return "(" + " ".join(f"[{_class_char(c.lower())}{_class_char(c.upper())}]" if c.isalpha()
-                              else json.dumps(c, ensure_ascii=False) for c in value) + ")"
+        return (
+            "("
+            + " ".join(
+                f"[{_class_char(c.lower())}{_class_char(c.upper())}]"
+                if c.isalpha()
+                else json.dumps(c, ensure_ascii=False)
+                for c in value
+            )
+            + ")"
+        )
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -224,7 +255,7 @@ _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 
 def regex_to_ebnf(token: str, line_no: int = 1) -> str:
     """A Lark ``/regex/`` terminal as an EBNF expression (one group)."""
-    body, flags = token[1:token.rindex("/")], token[token.rindex("/") + 1:]
+    body, flags = token[1 : token.rindex("/")], token[token.rindex("/") + 1 :]
     if flags:
         raise LarkError(f"line {line_no}: regex flags ('{flags}') are not supported")
     out, empty, i = ["("], True, 0
@@ -248,7 +279,7 @@ def regex_to_ebnf(token: str, line_no: int = 1) -> str:
             if empty:
                 raise fail(f"has '{c}' with nothing before it")
             out[-1] += c
-            i += 2 if body[i + 1:i + 2] == "?" else 1  # lazy: the same language
+            i += 2 if body[i + 1 : i + 2] == "?" else 1  # lazy: the same language
         elif c == "{" and (m := re.match(r"\{\d+(,\d*)?\}", body[i:])):
             out[-1] += m.group(0)
             i += m.end()
@@ -298,7 +329,7 @@ def _regex_escape(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[
     if e in "xu":
         width = 2 if e == "x" else 4
         try:
-            return i + width, json.dumps(chr(int(body[i:i + width], 16)), ensure_ascii=False)
+            return i + width, json.dumps(chr(int(body[i : i + width], 16)), ensure_ascii=False)
         except ValueError:
             raise fail(f"has a bad \\{e} escape") from None
     if e in _ESCAPES:
@@ -310,8 +341,8 @@ def _regex_escape(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[
 
 def _regex_class(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[int, str]:
     """The class opened by the ``[`` at ``body[i - 1]``: (index after its ``]``, its EBNF)."""
-    end = i + (1 if body[i:i + 1] == "^" else 0)
-    end += 1 if body[end:end + 1] == "]" else 0
+    end = i + (1 if body[i : i + 1] == "^" else 0)
+    end += 1 if body[end : end + 1] == "]" else 0
     while end < len(body) and body[end] != "]":
         end += 2 if body[end] == "\\" else 1
     if end >= len(body):

@@ -21,7 +21,16 @@ from streamkv.executor.base import Executor
 from streamkv.sampling_params import BeamSearchParams, SamplingParams
 from streamkv.sequence import RequestOutput
 
-__all__ = ["LLM", "EngineStats", "build_engine", "engine_config", "register_prefix", "reserved_prefixes"]
+__all__ = [
+    "LLM",
+    "EngineStats",
+    "build_engine",
+    "engine_config",
+    "register_prefix",
+    "reserved_prefixes",
+]
+
+
 def read_prefix_files(paths: Seq[str], tokenizer) -> list[list[int]]:
     """Token ids of each ``--reserved-prefix`` file (UTF-8 text, tokenized as a prompt's start)."""
     out = []
@@ -32,7 +41,9 @@ def read_prefix_files(paths: Seq[str], tokenizer) -> list[list[int]]:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read the reserved prefix file {path!r}: {e}") from None
         if tokenizer is None:
-            raise ValueError("this model has no tokenizer: a reserved prefix file cannot be tokenized")
+            raise ValueError(
+                "this model has no tokenizer: a reserved prefix file cannot be tokenized"
+            )
         out.append(tokenizer.encode(text))
     return out
 
@@ -146,7 +157,9 @@ class LLM:
         ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(prompts, sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
 
-    def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams) -> list[RequestOutput]:
+    def beam_search(
+        self, prompts: list[str] | list[list[int]], params: BeamSearchParams
+    ) -> list[RequestOutput]:
         sp = params.to_sampling_params()
         if prompts and isinstance(prompts[0], list):
             return self.generate(None, sp, prompt_token_ids=prompts)

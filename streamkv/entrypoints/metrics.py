@@ -38,30 +38,127 @@ def observe_many(hist, amount: float, count: int) -> None:
             buckets[i].inc(count)
             break
 
+
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-LOOP_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02,
-                    0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+LOOP_LAG_BUCKETS = (
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
 LABELS = ["model_name", "engine"]
 ENGINE_INDEX = "0"  # one engine per server (vLLM numbers its data-parallel engines)
 FINISH_REASONS = ("stop", "length", "abort")
 
 # Engine histograms (engine/request_metrics.py key) -> vLLM name and help.
 _ENGINE_HISTOGRAMS = {
-    "iteration_tokens": ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine step."),
-    "queue_time": ("vllm:request_queue_time_seconds", "Time from arrival to the first step that ran the request."),
-    "prefill_time": ("vllm:request_prefill_time_seconds", "Time from first scheduled to the first token."),
+    "iteration_tokens": (
+        "vllm:iteration_tokens_total",
+        "Histogram of number of tokens per engine step.",
+    ),
+    "queue_time": (
+        "vllm:request_queue_time_seconds",
+        "Time from arrival to the first step that ran the request.",
+    ),
+    "prefill_time": (
+        "vllm:request_prefill_time_seconds",
+        "Time from first scheduled to the first token.",
+    ),
     "decode_time": ("vllm:request_decode_time_seconds", "Time from the first token to the last."),
-    "inference_time": ("vllm:request_inference_time_seconds", "Time from first scheduled to the last token."),
+    "inference_time": (
+        "vllm:request_inference_time_seconds",
+        "Time from first scheduled to the last token.",
+    ),
     "prompt_tokens": ("vllm:request_prompt_tokens", "Prompt tokens of a finished request."),
-    "generation_tokens": ("vllm:request_generation_tokens", "Generated tokens of a finished request."),
+    "generation_tokens": (
+        "vllm:request_generation_tokens",
+        "Generated tokens of a finished request.",
+    ),
     "params_n": ("vllm:request_params_n", "Histogram of the n request parameter."),
-    "params_max_tokens": ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter."),
+    "params_max_tokens": (
+        "vllm:request_params_max_tokens",
+        "Histogram of the max_tokens request parameter.",
+    ),
 }
 
 
@@ -74,18 +171,41 @@ class _EngineCollector:
         if not s or info is None:
             return
         for name, key, doc in (
-            ("num_requests_running", "num_running", "Number of requests in model execution batches."),
+            (
+                "num_requests_running",
+                "num_running",
+                "Number of requests in model execution batches.",
+            ),
             ("num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
             ("num_requests_swapped", "num_swapped", "Number of requests swapped to CPU."),
         ):
             yield self._gauge(f"vllm:{name}", doc, s[key])
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                          _used(s["num_kv_blocks"], s["num_free_kv_blocks"]))
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            _used(s["num_kv_blocks"], s["num_free_kv_blocks"]),
+        )
         for name, key, doc in (
-            ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
-            ("prompt_tokens", "num_prompt_tokens", "Number of prefill tokens processed (recomputation included)."),
-            ("generation_tokens", "num_generation_tokens", "Number of generation tokens processed."),
-            ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in queried tokens."),
+            (
+                "num_preemptions",
+                "num_preemptions",
+                "Cumulative number of preemptions from the engine.",
+            ),
+            (
+                "prompt_tokens",
+                "num_prompt_tokens",
+                "Number of prefill tokens processed (recomputation included).",
+            ),
+            (
+                "generation_tokens",
+                "num_generation_tokens",
+                "Number of generation tokens processed.",
+            ),
+            (
+                "prefix_cache_queries",
+                "prefix_cache_queries",
+                "Prefix cache queries, in queried tokens.",
+            ),
             ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in cached tokens."),
         ):
             if key not in s:  # an engine without a prefix cache account (the tests' fake)
@@ -96,18 +216,35 @@ class _EngineCollector:
         for key, snap in s.get("histograms", {}).items():
             name, doc = _ENGINE_HISTOGRAMS[key]
             yield _histogram(name, doc, self.labels, snap)
-        labels = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_kv_blocks),
-                  "num_cpu_blocks": str(info.num_swap_blocks),
-                  "enable_prefix_caching": str(info.prefix_caching), "engine": ENGINE_INDEX}
-        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config.",
-                              labels=list(labels))
+        labels = {
+            "block_size": str(info.block_size),
+            "num_gpu_blocks": str(info.num_kv_blocks),
+            "num_cpu_blocks": str(info.num_swap_blocks),
+            "enable_prefix_caching": str(info.prefix_caching),
+            "engine": ENGINE_INDEX,
+        }
+        g = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the engine's cache config.",
+            labels=list(labels),
+        )
         g.add_metric(list(labels.values()), 1)
         yield g
-        yield self._gauge("streamkv:cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = full).",
-                          _used(s["num_swap_blocks"], s["num_free_swap_blocks"]), self.labels[:1], ["model_name"])
+        yield self._gauge(
+            "streamkv:cpu_cache_usage_perc",
+            "Fraction of CPU swap blocks in use (1 = full).",
+            _used(s["num_swap_blocks"], s["num_free_swap_blocks"]),
+            self.labels[:1],
+            ["model_name"],
+        )
         if "num_pinned_kv_blocks" in s:
-            yield self._gauge("streamkv:pinned_kv_blocks", "KV blocks pinned by reserved prefixes (never evicted).",
-                              s["num_pinned_kv_blocks"], self.labels[:1], ["model_name"])
+            yield self._gauge(
+                "streamkv:pinned_kv_blocks",
+                "KV blocks pinned by reserved prefixes (never evicted).",
+                s["num_pinned_kv_blocks"],
+                self.labels[:1],
+                ["model_name"],
+            )
         yield from self._kv_waste(s)
 
     def _kv_waste(self, s: dict):
@@ -118,35 +255,57 @@ class _EngineCollector:
             return
         model = self.labels[:1]
         kinds = ("token", "reserved", "internal", "external")
-        share = GaugeMetricFamily("streamkv:kv_memory_share",
-                                  "Time-averaged share of the held KV memory by kind: token states, reserved "
-                                  "for future tokens, internal and external fragmentation.",
-                                  labels=["model_name", "kind", "kv_allocation"])
-        share_sum = CounterMetricFamily("streamkv:kv_memory_share_sum",
-                                        "Sum over sampled steps of the KV memory share by kind.",
-                                        labels=["model_name", "kind", "kv_allocation"])
+        share = GaugeMetricFamily(
+            "streamkv:kv_memory_share",
+            "Time-averaged share of the held KV memory by kind: token states, reserved "
+            "for future tokens, internal and external fragmentation.",
+            labels=["model_name", "kind", "kv_allocation"],
+        )
+        share_sum = CounterMetricFamily(
+            "streamkv:kv_memory_share_sum",
+            "Sum over sampled steps of the KV memory share by kind.",
+            labels=["model_name", "kind", "kv_allocation"],
+        )
         for kind in kinds:
             labels = [*model, kind, s["kv_allocation"]]
             share.add_metric(labels, s[f"kv_{kind}_share"])
             share_sum.add_metric(labels, s["kv_waste_share_sums"][kind])
         yield share
         yield share_sum
-        c = CounterMetricFamily("streamkv:kv_memory_samples", "Steps sampled for the KV memory shares.",
-                                labels=["model_name"])
+        c = CounterMetricFamily(
+            "streamkv:kv_memory_samples",
+            "Steps sampled for the KV memory shares.",
+            labels=["model_name"],
+        )
         c.add_metric(model, s["kv_waste_samples"])
         yield c
-        yield self._gauge("streamkv:batched_requests_avg", "Average number of requests batched in a step.",
-                          s["avg_batched_requests"], model, ["model_name"])
+        yield self._gauge(
+            "streamkv:batched_requests_avg",
+            "Average number of requests batched in a step.",
+            s["avg_batched_requests"],
+            model,
+            ["model_name"],
+        )
         for name, key, doc in (
-            ("batched_requests_sum", "batched_requests_sum", "Sum over steps of the requests batched."),
+            (
+                "batched_requests_sum",
+                "batched_requests_sum",
+                "Sum over steps of the requests batched.",
+            ),
             ("batched_steps", "batched_steps", "Steps that ran at least one request."),
         ):
             c = CounterMetricFamily(f"streamkv:{name}", doc, labels=["model_name"])
             c.add_metric(model, s[key])
             yield c
 
-    def _gauge(self, name: str, doc: str, value: float, values: list[str] | None = None,
-               labels: list[str] | None = None) -> GaugeMetricFamily:
+    def _gauge(
+        self,
+        name: str,
+        doc: str,
+        value: float,
+        values: list[str] | None = None,
+        labels: list[str] | None = None,
+    ) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=labels or LABELS)
         g.add_metric(values or self.labels, value)
         return g
@@ -179,25 +338,46 @@ class ServerMetrics:
         def hist(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(name, doc, LABELS, registry=r, buckets=buckets).labels(*values)
 
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                        ITL_BUCKETS)
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
         # vLLM keeps the older name (deprecated there in favour of the one above) with the
         # same observations; dashboards from before the rename read it.
-        self.tpot = hist("vllm:time_per_output_token_seconds",
-                         "Histogram of time per output token in seconds (same as inter_token_latency).",
-                         ITL_BUCKETS)
-        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
-                                 "Histogram of a request's mean time per output token after the first.",
-                                 ITL_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        E2E_BUCKETS)
-        self._success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
-                                [*LABELS, "finished_reason"], registry=r)
-        self.loop_lag = Histogram("streamkv:event_loop_lag_seconds",
-                                  "How late the event loop runs a timer (sampled every 10 ms).",
-                                  ["model_name"], registry=r, buckets=LOOP_LAG_BUCKETS).labels(model_name)
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (same as inter_token_latency).",
+            ITL_BUCKETS,
+        )
+        self.request_tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of a request's mean time per output token after the first.",
+            ITL_BUCKETS,
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            E2E_BUCKETS,
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of finished requests by finish reason.",
+            [*LABELS, "finished_reason"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "streamkv:event_loop_lag_seconds",
+            "How late the event loop runs a timer (sampled every 10 ms).",
+            ["model_name"],
+            registry=r,
+            buckets=LOOP_LAG_BUCKETS,
+        ).labels(model_name)
         self.values = values
         for reason in FINISH_REASONS:
             self._success.labels(*values, reason)
@@ -221,7 +401,9 @@ class ServerMetrics:
         if out.finished:
             self.e2e.observe(now - stream.arrival)
             if ntok > 1 and stream.first_token_time is not None:
-                self.request_tpot.observe((stream.last_token_time - stream.first_token_time) / (ntok - 1))
+                self.request_tpot.observe(
+                    (stream.last_token_time - stream.first_token_time) / (ntok - 1)
+                )
             reason = out.outputs[0].finish_reason if out.outputs and not out.error else "abort"
             self._success.labels(*self.values, reason or "abort").inc()
 

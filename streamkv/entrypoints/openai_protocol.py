@@ -41,9 +41,22 @@ class APIError(Exception):
 
     def body(self) -> dict:
         if _ERROR_FORMAT.get() == "vllm":  # --error-format vllm: the exception's name, the status
-            return {"error": {"message": self.message, "type": vllm_error_type(self.status), "param": self.param,
-                              "code": self.status}}
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+            return {
+                "error": {
+                    "message": self.message,
+                    "type": vllm_error_type(self.status),
+                    "param": self.param,
+                    "code": self.status,
+                }
+            }
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def vllm_error_type(status: int) -> str:
@@ -60,7 +73,9 @@ def parse_json_body(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+        raise APIError(
+            f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8"
+        ) from None
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except APIError:
@@ -88,7 +103,10 @@ def _check_strings(body: dict) -> None:
                 try:
                     value.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise APIError("the request contains invalid Unicode (a lone surrogate)", code="invalid_utf8") from None
+                    raise APIError(
+                        "the request contains invalid Unicode (a lone surrogate)",
+                        code="invalid_utf8",
+                    ) from None
         elif isinstance(value, dict):
             todo.extend(value.keys())
             todo.extend(value.values())
@@ -119,7 +137,9 @@ def _refuse(value: Any) -> Any:
 
 # A field we know and cannot honour: it would change the output, so a value other than its
 # default is a 400, never silently ignored.
-Unsupported = Annotated[Any, AfterValidator(_refuse), Field(description="Not supported: a 400 unless unset.")]
+Unsupported = Annotated[
+    Any, AfterValidator(_refuse), Field(description="Not supported: a 400 unless unset.")
+]
 # JSON integers wider than 64 bits fit no engine field (a seed is hashed as 64 bits).
 Int = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
@@ -141,14 +161,24 @@ class RequestTypes:
     passes on: ``strict`` types or lax ones, the error ``error_format``, and whether tools go
     into a system message for templates that ignore them (``tools_prompt``)."""
 
-    def __init__(self, app: Any, strict: bool, error_format: str = "openai", tools_prompt: bool = True) -> None:
+    def __init__(
+        self, app: Any, strict: bool, error_format: str = "openai", tools_prompt: bool = True
+    ) -> None:
         if error_format not in ERROR_FORMATS:
             raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
-        self.app, self.strict, self.error_format, self.tools_prompt = app, strict, error_format, tools_prompt
+        self.app, self.strict, self.error_format, self.tools_prompt = (
+            app,
+            strict,
+            error_format,
+            tools_prompt,
+        )
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        tokens = (_STRICT_TYPES.set(self.strict), _ERROR_FORMAT.set(self.error_format),
-                  TOOLS_SYSTEM_PROMPT.set(self.tools_prompt))
+        tokens = (
+            _STRICT_TYPES.set(self.strict),
+            _ERROR_FORMAT.set(self.error_format),
+            TOOLS_SYSTEM_PROMPT.set(self.tools_prompt),
+        )
         try:
             await self.app(scope, receive, send)
         finally:
@@ -216,7 +246,10 @@ def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
                 continue
             if isinstance(v, list) and v and isinstance(v[0], BaseModel):
                 key = fields[name].alias or name
-                todo.extend((f"{path}.{key}[{i}]" if path else f"{key}[{i}]", item) for i, item in enumerate(v))
+                todo.extend(
+                    (f"{path}.{key}[{i}]" if path else f"{key}[{i}]", item)
+                    for i, item in enumerate(v)
+                )
             elif isinstance(v, BaseModel):
                 key = fields[name].alias or name
                 todo.append((f"{path}.{key}" if path else key, v))

@@ -79,21 +79,39 @@ class SamplingRequest(StructuredFields, PassiveFields):
     logit_bias: Any = Field(None, description='{"token id": bias in [-100, 100]}')
     stream: bool = False
     stream_options: StreamOptions | None = None
-    prompt_logprobs: TopK | None = Field(None, description="vLLM: logprobs of the prompt tokens (top k)")
-    return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids too")
+    prompt_logprobs: TopK | None = Field(
+        None, description="vLLM: logprobs of the prompt tokens (top k)"
+    )
+    return_token_ids: bool = Field(
+        False, description="vLLM: the prompt's and each choice's token ids too"
+    )
     return_tokens_as_token_ids: bool | None = Field(
-        None, description='vLLM: logprobs name tokens "token_id:ID" (default: --return-tokens-as-token-ids)')
-    request_id: str | None = Field(None, min_length=1, max_length=128,
-                                   description="vLLM: the request's id (the response's is cmpl-/chatcmpl- + it)")
+        None,
+        description='vLLM: logprobs name tokens "token_id:ID" (default: --return-tokens-as-token-ids)',
+    )
+    request_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="vLLM: the request's id (the response's is cmpl-/chatcmpl- + it)",
+    )
     truncate_prompt_tokens: Int | None = Field(
-        None, description="vLLM: keep only k of the prompt's tokens (-1: the context length)")
+        None, description="vLLM: keep only k of the prompt's tokens (-1: the context length)"
+    )
     truncation_side: Literal["left", "right"] | None = Field(
-        None, description='vLLM: "left" (default) cuts the prompt\'s start, "right" its end')
+        None, description='vLLM: "left" (default) cuts the prompt\'s start, "right" its end'
+    )
     allowed_token_ids: list[Int] | None = Field(
-        None, max_length=MAX_ALLOWED_TOKEN_IDS, description="vLLM: only these token ids may be sampled")
+        None,
+        max_length=MAX_ALLOWED_TOKEN_IDS,
+        description="vLLM: only these token ids may be sampled",
+    )
     cache_salt: str | None = Field(
-        None, min_length=1, max_length=MAX_CACHE_SALT,
-        description="vLLM: prefix-cache blocks are shared only with requests of the same salt")
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT,
+        description="vLLM: prefix-cache blocks are shared only with requests of the same salt",
+    )
 
     @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
     @classmethod
@@ -142,38 +160,70 @@ class SamplingRequest(StructuredFields, PassiveFields):
                 raise ValueError(f"keys must be token ids, got {key[:40]!r}")
         return {int(k): b for k, b in v.items()} or None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-                        constraint: tuple[dict[str, Any] | None, str | None]) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        constraint: tuple[dict[str, Any] | None, str | None],
+    ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
-            raise APIError("'stream_options' is only allowed with stream=true", param="stream_options")
+            raise APIError(
+                "'stream_options' is only allowed with stream=true", param="stream_options"
+            )
         if self.stream and self.prompt_logprobs is not None:
-            raise APIError("'prompt_logprobs' is not available with stream=true", param="prompt_logprobs")
+            raise APIError(
+                "'prompt_logprobs' is not available with stream=true", param="prompt_logprobs"
+            )
         fields, source = constraint
         beam = self.use_beam_search
         try:
             params = SamplingParams(
-                n=self.n, best_of=self.best_of, max_tokens=max_tokens, logprobs=logprobs,
-                stop=self.stop, stop_token_ids=self.stop_token_ids,
+                n=self.n,
+                best_of=self.best_of,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
                 # Beam search is deterministic: it defaults to (and needs) temperature 0.
-                temperature=self.temperature if self.temperature is not None else 0.0 if beam else 1.0,
+                temperature=self.temperature
+                if self.temperature is not None
+                else 0.0
+                if beam
+                else 1.0,
                 # vLLM reads top_k 0 as "all tokens", as -1 (clients that default to 0 send it).
-                top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k, min_p=self.min_p, seed=self.seed,
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
-                min_tokens=self.min_tokens, use_beam_search=beam, length_penalty=self.length_penalty,
-                early_stopping=self.early_stopping, skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
-                structured_outputs=structured_outputs(fields, source), prompt_logprobs=prompt_logprobs,
-                allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
+                top_p=self.top_p,
+                top_k=-1 if self.top_k == 0 else self.top_k,
+                min_p=self.min_p,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                use_beam_search=beam,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.logit_bias,
+                structured_outputs=structured_outputs(fields, source),
+                prompt_logprobs=prompt_logprobs,
+                allowed_token_ids=self.allowed_token_ids,
+                cache_salt=self.cache_salt,
             )
         except InvalidParameter as e:
             param = source if e.param == "structured_outputs" and source else e.param
             raise APIError(str(e), param=param) from None
         if self.stream and params.use_beam_search:
-            raise APIError("'use_beam_search' cannot be combined with stream=true", param="use_beam_search")
+            raise APIError(
+                "'use_beam_search' cannot be combined with stream=true", param="use_beam_search"
+            )
         if self.stream and params.best_of > params.n:
-            raise APIError("'best_of' must equal n with stream=true (the best samples are only known at the end)",
-                           param="best_of")
+            raise APIError(
+                "'best_of' must equal n with stream=true (the best samples are only known at the end)",
+                param="best_of",
+            )
         return params
 
     def constraint_source(self) -> str | None:
@@ -193,14 +243,17 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: list[str | list[int]] = Field(
-        description=f"a string, strings, token ids, or token-id lists (at most {MAX_SAMPLES} prompts)")
+        description=f"a string, strings, token ids, or token-id lists (at most {MAX_SAMPLES} prompts)"
+    )
     max_tokens: Int = Field(16, description="0 only with echo: the prompt (and its logprobs) alone")
     echo: bool = Field(False, description="prepend the prompt (with logprobs: the prompt's too)")
     logprobs: TopK | None = Field(None, description="top-k logprobs per token (+ the chosen one)")
     add_special_tokens: bool = True
     suffix: Unsupported = None
 
-    @field_validator("prompt", mode="plain", json_schema_input_type=str | list[str] | list[int] | list[list[int]])
+    @field_validator(
+        "prompt", mode="plain", json_schema_input_type=str | list[str] | list[int] | list[list[int]]
+    )
     @classmethod
     def _prompts(cls, v: Any) -> list[str | list[int]]:
         if isinstance(v, str) or (_is_ids(v) and v):
@@ -209,7 +262,9 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("must be a string, an array of strings or token ids, and not empty")
         for p in v:
             if not (isinstance(p, str) or _is_ids(p)):
-                raise ValueError("must be a string, an array of strings, or an array of token-id arrays")
+                raise ValueError(
+                    "must be a string, an array of strings, or an array of token-id arrays"
+                )
             if not p:
                 raise ValueError("must not be empty")
         if len(v) > MAX_SAMPLES:
@@ -226,9 +281,15 @@ class CompletionRequest(SamplingRequest):
         logprobs = whole_vocab(self.logprobs, vocab_size)
         # OpenAI's legacy echo + logprobs: the prompt's tokens are scored too.
         echoed = logprobs if self.echo and logprobs is not None else None
-        prompt_lps = max((k for k in (echoed, whole_vocab(self.prompt_logprobs, vocab_size)) if k is not None),
-                         default=None)
-        if vocab_size is None and -1 in (self.logprobs, self.prompt_logprobs) and prompt_lps is not None:
+        prompt_lps = max(
+            (k for k in (echoed, whole_vocab(self.prompt_logprobs, vocab_size)) if k is not None),
+            default=None,
+        )
+        if (
+            vocab_size is None
+            and -1 in (self.logprobs, self.prompt_logprobs)
+            and prompt_lps is not None
+        ):
             prompt_lps = -1  # the vocabulary is unknown here: SamplingParams refuses it by name
         # The prefill pass that scores the prompt samples one token too (vLLM does the same);
         # an echo-only response leaves it out.
@@ -247,10 +308,14 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = Field(None, description='default "auto" with tools, else "none"')
+    tool_choice: ToolChoice | None = Field(
+        None, description='default "auto" with tools, else "none"'
+    )
     parallel_tool_calls: bool = Field(True, description="false: at most one tool call")
     reasoning_effort: str | None = Field(None, description="inert: the model does not reason")
-    prediction: dict[str, Any] | None = Field(None, description="inert: predicted outputs change latency only")
+    prediction: dict[str, Any] | None = Field(
+        None, description="inert: predicted outputs change latency only"
+    )
     modalities: list[str] | None = Field(None, description='only ["text"]')
     audio: Unsupported = None
     functions: Unsupported = None
@@ -258,12 +323,18 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: Unsupported = None
     chat_template: Unsupported = None
     chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="vLLM: extra variables for the chat template (e.g. enable_thinking)")
+        None, description="vLLM: extra variables for the chat template (e.g. enable_thinking)"
+    )
     documents: Unsupported = None
     continue_final_message: bool = Field(
-        False, description="vLLM: the output continues the last (assistant) message; needs add_generation_prompt=false")
-    echo: bool = Field(False, description="vLLM: the reply's content starts with the last message's when that "
-                                          "is the assistant's (with continue_final_message: the whole turn)")
+        False,
+        description="vLLM: the output continues the last (assistant) message; needs add_generation_prompt=false",
+    )
+    echo: bool = Field(
+        False,
+        description="vLLM: the reply's content starts with the last message's when that "
+        "is the assistant's (with continue_final_message: the whole turn)",
+    )
 
     @field_validator("messages")
     @classmethod
@@ -302,30 +373,55 @@ class ChatCompletionRequest(SamplingRequest):
     def named_tool(self) -> Tool | None:
         if not isinstance(self.tool_choice, NamedToolChoice):
             return None
-        return next((t for t in self.tools or () if t.function.name == self.tool_choice.function.name), None)
+        return next(
+            (t for t in self.tools or () if t.function.name == self.tool_choice.function.name), None
+        )
 
     def constraint_source(self) -> str | None:
-        return "tool_choice" if self.tool_mode() in ("required", "named") else super().constraint_source()
+        return (
+            "tool_choice"
+            if self.tool_mode() in ("required", "named")
+            else super().constraint_source()
+        )
 
     def params(self, vocab_size: int | None = None) -> SamplingParams:
         if self.continue_final_message and self.add_generation_prompt:
-            raise APIError("'continue_final_message' needs add_generation_prompt=false", param="continue_final_message")
+            raise APIError(
+                "'continue_final_message' needs add_generation_prompt=false",
+                param="continue_final_message",
+            )
         top = whole_vocab(self.top_logprobs, vocab_size)
         if top is not None and not self.logprobs:
             raise APIError("'top_logprobs' needs logprobs=true", param="top_logprobs")
         # OpenAI's newer name wins over the deprecated one when both are sent, as in vLLM.
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
         constraint = self.structured()
         mode = self.tool_mode()
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise APIError("'tool_choice' needs tools: when using tool_choice, tools must be set", param="tool_choice")
+            raise APIError(
+                "'tool_choice' needs tools: when using tool_choice, tools must be set",
+                param="tool_choice",
+            )
         if mode == "named" and self.named_tool() is None:
-            raise APIError(f"'tool_choice' names {self.tool_choice.function.name!r}, which is not in tools",
-                           param="tool_choice")
+            raise APIError(
+                f"'tool_choice' names {self.tool_choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+            )
         if mode in ("required", "named"):
             if constraint[0] is not None:
-                raise APIError(f"a forced tool_choice cannot be combined with '{constraint[1]}'", param="tool_choice")
+                raise APIError(
+                    f"a forced tool_choice cannot be combined with '{constraint[1]}'",
+                    param="tool_choice",
+                )
             schema = forced_tool_schema(self.tools, self.named_tool(), self.parallel_tool_calls)
             constraint = ({"json": schema}, "tool_choice")
-        return self.sampling_params(max_tokens, (top or 0) if self.logprobs else None,
-                                    whole_vocab(self.prompt_logprobs, vocab_size), constraint)
+        return self.sampling_params(
+            max_tokens,
+            (top or 0) if self.logprobs else None,
+            whole_vocab(self.prompt_logprobs, vocab_size),
+            constraint,
+        )

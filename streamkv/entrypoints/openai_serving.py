@@ -49,9 +49,16 @@ __all__ = ["ENGINE_ERRORS", "OpenAIServing", "engine_error", "request_failed"]
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, max_queue_len: int | None = None,
-                 sse_keepalive: float = 15.0, auto_tool_choice: bool = True, aliases: tuple[str, ...] = (),
-                 tokens_as_ids: bool = False) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_queue_len: int | None = None,
+        sse_keepalive: float = 15.0,
+        auto_tool_choice: bool = True,
+        aliases: tuple[str, ...] = (),
+        tokens_as_ids: bool = False,
+    ) -> None:
         self.engine, self.model_name, self.auto_tool_choice = engine, model_name, auto_tool_choice
         self.tokens_as_ids = tokens_as_ids  # --return-tokens-as-token-ids: the requests' default
         # vLLM's several --served-model-name: any may be asked for; a response names the one asked.
@@ -70,10 +77,21 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.names:  # "" is the default model, as in vLLM
-            raise APIError(f"The model `{model}` does not exist.", 404, "not_found_error", "model", "model_not_found")
+            raise APIError(
+                f"The model `{model}` does not exist.",
+                404,
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
-    async def start(self, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                    renamed: dict[str, str] | None = None) -> tuple[list[RequestStream], asyncio.Event]:
+    async def start(
+        self,
+        base_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        renamed: dict[str, str] | None = None,
+    ) -> tuple[list[RequestStream], asyncio.Event]:
         """Submit the prompts. The engine's admission (core/admission.py) refuses what could
         never run with an InvalidParameter, reported as a 400 naming the parameter as the
         request spelled it (``renamed``: "prompt" is "messages" for a chat, the engine's
@@ -92,18 +110,26 @@ class OpenAIServing:
             if isinstance(e, ValueError):  # only a client's request_id can be in use already
                 raise APIError(str(e), param="request_id", code="duplicate_request_id") from None
             raise
-        results = await asyncio.gather(*(self.engine.wait_accepted(*sub) for sub in submitted), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.engine.wait_accepted(*sub) for sub in submitted), return_exceptions=True
+        )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in results:
                 if isinstance(r, RequestStream):
                     self.engine.abort(r.request_id)
-            if isinstance(errors[0], ValueError):  # the engine refused it (InvalidParameter names the field)
+            if isinstance(
+                errors[0], ValueError
+            ):  # the engine refused it (InvalidParameter names the field)
                 param, message = getattr(errors[0], "param", None), str(errors[0])
                 spelled = (renamed or {}).get(param, param)
-                if param and spelled != param and message.startswith(param):  # name it as the request did
-                    message = spelled + message[len(param):]
-                raise APIError(message, param=spelled, code=getattr(errors[0], "code", None)) from None
+                if (
+                    param and spelled != param and message.startswith(param)
+                ):  # name it as the request did
+                    message = spelled + message[len(param) :]
+                raise APIError(
+                    message, param=spelled, code=getattr(errors[0], "code", None)
+                ) from None
             raise errors[0]
         return results, notify
 
@@ -112,7 +138,9 @@ class OpenAIServing:
             if not s.finished:
                 self.engine.abort(s.request_id)
 
-    async def collect(self, request: Request | None, streams: list[RequestStream], notify: asyncio.Event) -> list[RequestOutput] | None:
+    async def collect(
+        self, request: Request | None, streams: list[RequestStream], notify: asyncio.Event
+    ) -> list[RequestOutput] | None:
         """Final outputs; None if the client went away first (its requests are aborted)."""
         final: list[RequestOutput | None] = [None] * len(streams)
 
@@ -140,7 +168,9 @@ class OpenAIServing:
 
     def sse(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> SSEResponse:
         # The background task aborts even if the client left before the stream started.
-        return SSEResponse(chunks, ping=self.sse_keepalive, background=BackgroundTask(self.abort_all, streams))
+        return SSEResponse(
+            chunks, ping=self.sse_keepalive, background=BackgroundTask(self.abort_all, streams)
+        )
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, request: Request, body: dict) -> Response:
@@ -151,51 +181,95 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         texts = [p for p in req.prompt if isinstance(p, str)]
         if texts and tok is None:
-            raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        encoded = iter(await self.engine.run_tokenizer(
-            lambda tok: [tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts],
-            sum(map(len, texts))) if texts else [])
+            raise APIError(
+                "this model has no tokenizer: send the prompt as token ids", param="prompt"
+            )
+        encoded = iter(
+            await self.engine.run_tokenizer(
+                lambda tok: [
+                    tok.encode(t, add_special_tokens=req.add_special_tokens) for t in texts
+                ],
+                sum(map(len, texts)),
+            )
+            if texts
+            else []
+        )
         full = [next(encoded) if isinstance(p, str) else p for p in req.prompt]
         prompts = [req.truncated(p, self.engine.info.max_model_len) for p in full]
         echo = None
         if req.echo:  # a text prompt comes back as sent; token ids, or a truncated text, decoded
-            as_sent = [isinstance(p, str) and len(ids) == len(f) for p, ids, f in zip(req.prompt, prompts, full)]
+            as_sent = [
+                isinstance(p, str) and len(ids) == len(f)
+                for p, ids, f in zip(req.prompt, prompts, full)
+            ]
             echo = [p if keep else "" for p, keep in zip(req.prompt, as_sent)]
             if tok is not None:
                 todo = [ids for ids, keep in zip(prompts, as_sent) if not keep]
-                it = iter(await self.engine.run_tokenizer(lambda tok: [tok.decode(ids) for ids in todo],
-                                                          sum(map(len, todo))))
+                it = iter(
+                    await self.engine.run_tokenizer(
+                        lambda tok: [tok.decode(ids) for ids in todo], sum(map(len, todo))
+                    )
+                )
                 echo = [p if keep else next(it) for p, keep in zip(req.prompt, as_sent)]
         rid, created = f"cmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
         streams, notify = await self.start(rid, prompts, params, _renamed(req))
         num_prompt = sum(len(p) for p in prompts)
-        head = {"id": rid, "object": "text_completion", "created": created, "model": req.model or self.model_name}
+        head = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model or self.model_name,
+        }
         if req.stream:
-            return self.sse(self._completion_stream(head, streams, notify, req, params, echo, num_prompt), streams)
+            return self.sse(
+                self._completion_stream(head, streams, notify, req, params, echo, num_prompt),
+                streams,
+            )
         final = await self.collect(request, streams, notify)
         if final is None:
             return Response(status_code=499)
         choices, num_out = [], 0
         for i, out in enumerate(final):
             for c in out.outputs:
-                text, ids, lps, finish, stop = _returned(req, c.text, c.token_ids, c.logprobs, c.finish_reason,
-                                                         c.stop_reason)
+                text, ids, lps, finish, stop = _returned(
+                    req, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason
+                )
                 num_out += len(ids)
                 # vLLM's choice: its optional keys null when not asked for.
-                choice = {"index": i * params.n + c.index, "text": (echo[i] if echo else "") + text,
-                          "logprobs": self._completion_lps(ChoiceState(0), req, out, ids, lps, True),
-                          "finish_reason": finish, "stop_reason": stop,
-                          "prompt_logprobs": None if req.prompt_logprobs is None
-                          else self.logprobs.prompt_logprobs(out.prompt_logprobs),
-                          "prompt_token_ids": out.prompt_token_ids if req.return_token_ids else None,
-                          "token_ids": ids if req.return_token_ids else None}
+                choice = {
+                    "index": i * params.n + c.index,
+                    "text": (echo[i] if echo else "") + text,
+                    "logprobs": self._completion_lps(ChoiceState(0), req, out, ids, lps, True),
+                    "finish_reason": finish,
+                    "stop_reason": stop,
+                    "prompt_logprobs": None
+                    if req.prompt_logprobs is None
+                    else self.logprobs.prompt_logprobs(out.prompt_logprobs),
+                    "prompt_token_ids": out.prompt_token_ids if req.return_token_ids else None,
+                    "token_ids": ids if req.return_token_ids else None,
+                }
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({**head, "choices": choices, "usage": usage_of(num_prompt, num_out),
-                             "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None})
+        return JSONResponse(
+            {
+                **head,
+                "choices": choices,
+                "usage": usage_of(num_prompt, num_out),
+                "system_fingerprint": None,
+                "service_tier": None,
+                "kv_transfer_params": None,
+            }
+        )
 
-    def _completion_lps(self, st: ChoiceState, req: CompletionRequest, out: RequestOutput, token_ids, lps,
-                        first: bool) -> dict | None:
+    def _completion_lps(
+        self,
+        st: ChoiceState,
+        req: CompletionRequest,
+        out: RequestOutput,
+        token_ids,
+        lps,
+        first: bool,
+    ) -> dict | None:
         if req.logprobs is None:
             return None
         fmt = self.formatter(req)
@@ -204,38 +278,65 @@ class OpenAIServing:
             return fmt.echoed_logprobs(st, out, k, token_ids, lps)
         return fmt.completion_logprobs(st, token_ids, lps)
 
-    def _completion_stream(self, head, streams, notify, req: CompletionRequest, params: SamplingParams, echo,
-                           num_prompt) -> AsyncIterator[bytes]:
+    def _completion_stream(
+        self,
+        head,
+        streams,
+        notify,
+        req: CompletionRequest,
+        params: SamplingParams,
+        echo,
+        num_prompt,
+    ) -> AsyncIterator[bytes]:
         n, want_lp = params.n, req.logprobs is not None
         states = [ChoiceState(k, counted=not req.echo_only) for k in range(len(streams) * n)]
 
         def choices(i: int, out: RequestOutput) -> Iterator[dict]:
             for d in deltas(states, i, n, out):
-                text, ids, lps, finish, stop = _returned(req, d.text, d.token_ids, d.logprobs, d.finish_reason,
-                                                         d.stop_reason)
+                text, ids, lps, finish, stop = _returned(
+                    req, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason
+                )
                 if not text and finish is None and not want_lp:
                     continue
                 first, d.choice.started = not d.choice.started, True
-                choice = {"index": d.choice.index, "text": (echo[i] if echo and first else "") + text,
-                          "logprobs": self._completion_lps(d.choice, req, out, ids, lps, first),
-                          "finish_reason": finish, "stop_reason": stop}
+                choice = {
+                    "index": d.choice.index,
+                    "text": (echo[i] if echo and first else "") + text,
+                    "logprobs": self._completion_lps(d.choice, req, out, ids, lps, first),
+                    "finish_reason": finish,
+                    "stop_reason": stop,
+                }
                 if req.return_token_ids:  # the prompt's with each choice's first chunk
-                    choice.update({"prompt_token_ids": out.prompt_token_ids} if first else {}, token_ids=ids)
+                    choice.update(
+                        {"prompt_token_ids": out.prompt_token_ids} if first else {}, token_ids=ids
+                    )
                 yield choice
 
         return self._stream(head, streams, notify, states, req, num_prompt, choices)
 
-    async def _stream(self, head, streams, notify, states, req: SamplingRequest, num_prompt,
-                      choices: Callable[[int, RequestOutput], Iterator[dict]], opening: list[dict] | None = None,
-                      opening_head: dict | None = None) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        head,
+        streams,
+        notify,
+        states,
+        req: SamplingRequest,
+        num_prompt,
+        choices: Callable[[int, RequestOutput], Iterator[dict]],
+        opening: list[dict] | None = None,
+        opening_head: dict | None = None,
+    ) -> AsyncIterator[bytes]:
         """SSE framing shared by completions and chat: the ``opening`` chunks (with the
         fields of ``opening_head`` beside the id), then one chunk
         per choice that ``choices(request index, output)`` makes of each engine output (all
         of one output sent at once); an error event if a request fails; the usage chunk when
         the client asked for it; the requests aborted however the stream ends; ``[DONE]``."""
+
         def frame(choice: dict, top: dict = head) -> bytes:
             chunk = {**top, "choices": [choice]}
-            return sse_event(with_usage(chunk, req.include_usage, req.continuous_usage, num_prompt, states))
+            return sse_event(
+                with_usage(chunk, req.include_usage, req.continuous_usage, num_prompt, states)
+            )
 
         try:
             if opening:
@@ -250,7 +351,9 @@ class OpenAIServing:
                     yield b"".join(events)
             else:
                 if req.include_usage:
-                    yield sse_event({**head, "choices": [], "usage": usage_of(num_prompt, tokens_out(states))})
+                    yield sse_event(
+                        {**head, "choices": [], "usage": usage_of(num_prompt, tokens_out(states))}
+                    )
         except ENGINE_ERRORS as e:
             yield sse_event(engine_error(e).body())
         finally:
@@ -264,15 +367,29 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError("this model has no tokenizer, so no chat template", param="messages")
-        if req.tool_mode() == "auto" and not self.auto_tool_choice:  # vLLM's answer without the flag
-            raise APIError('"auto" tool choice needs --enable-auto-tool-choice (this server runs with '
-                           '--no-enable-auto-tool-choice)', param="tool_choice")
+        if (
+            req.tool_mode() == "auto" and not self.auto_tool_choice
+        ):  # vLLM's answer without the flag
+            raise APIError(
+                '"auto" tool choice needs --enable-auto-tool-choice (this server runs with '
+                "--no-enable-auto-tool-choice)",
+                param="tool_choice",
+            )
         tools = req.tools if req.tool_mode() != "none" else None
         tools_prompt = TOOLS_SYSTEM_PROMPT.get()  # read here: the tokenizer thread has no context
         ids = await self.engine.run_tokenizer(
-            lambda tok: render_chat(tok, req.messages, req.add_generation_prompt, req.add_special_tokens, tools,
-                                    req.chat_template_kwargs, req.continue_final_message, tools_prompt),
-            chat_size(req.messages, tools))
+            lambda tok: render_chat(
+                tok,
+                req.messages,
+                req.add_generation_prompt,
+                req.add_special_tokens,
+                tools,
+                req.chat_template_kwargs,
+                req.continue_final_message,
+                tools_prompt,
+            ),
+            chat_size(req.messages, tools),
+        )
         return req.truncated(ids, self.engine.info.max_model_len)
 
     async def chat(self, request: Request, body: dict) -> Response:
@@ -283,36 +400,66 @@ class OpenAIServing:
         params = req.params(self.vocab_size())
         ids = await self.chat_prompt(req)
         rid, created = f"chatcmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
-        streams, notify = await self.start(rid, [ids], params,
-                                           {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)})
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": req.model or self.model_name}
-        responder = ChatResponder(req, self.formatter(req), params.logprobs if req.logprobs else None)
+        streams, notify = await self.start(
+            rid, [ids], params, {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)}
+        )
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model or self.model_name,
+        }
+        responder = ChatResponder(
+            req, self.formatter(req), params.logprobs if req.logprobs else None
+        )
         states = [ChoiceState(k) for k in range(params.n)]
         extra = {"prompt_token_ids": ids} if req.return_token_ids else None
-        return self.sse(self._stream(head, streams, notify, states, req, len(ids), responder.stream_choices(states),
-                                     responder.opening(states), extra), streams)
+        return self.sse(
+            self._stream(
+                head,
+                streams,
+                notify,
+                states,
+                req,
+                len(ids),
+                responder.stream_choices(states),
+                responder.opening(states),
+                extra,
+            ),
+            streams,
+        )
 
     async def chat_whole(self, request: Request | None, req: ChatCompletionRequest) -> dict | None:
         """A chat completion answered whole; None if the client went away first."""
         params = req.params(self.vocab_size())
         ids = await self.chat_prompt(req)
         rid, created = f"chatcmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
-        streams, notify = await self.start(rid, [ids], params,
-                                           {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)})
+        streams, notify = await self.start(
+            rid, [ids], params, {"prompt": "messages", "logprobs": "top_logprobs", **_renamed(req)}
+        )
         final = await self.collect(request, streams, notify)
         if final is None:
             return None
-        responder = ChatResponder(req, self.formatter(req), params.logprobs if req.logprobs else None)
+        responder = ChatResponder(
+            req, self.formatter(req), params.logprobs if req.logprobs else None
+        )
         out: ChatOutput = responder.whole(final[0])
         # vLLM's response: its optional keys null when not asked for.
         return {
-            "id": rid, "object": "chat.completion", "created": created, "model": req.model or self.model_name,
-            "choices": out.choices, "usage": usage_of(len(ids), out.num_tokens),
-            "system_fingerprint": None, "service_tier": None,
-            "prompt_logprobs": None if req.prompt_logprobs is None
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model or self.model_name,
+            "choices": out.choices,
+            "usage": usage_of(len(ids), out.num_tokens),
+            "system_fingerprint": None,
+            "service_tier": None,
+            "prompt_logprobs": None
+            if req.prompt_logprobs is None
             else self.logprobs.prompt_logprobs(final[0].prompt_logprobs),
-            "prompt_token_ids": ids if req.return_token_ids else None, "kv_transfer_params": None}
+            "prompt_token_ids": ids if req.return_token_ids else None,
+            "kv_transfer_params": None,
+        }
 
 
 def _returned(req: CompletionRequest, text: str, ids: list[int], lps, finish: str | None, stop):

@@ -21,7 +21,12 @@ from streamkv import __version__
 from streamkv.entrypoints.openai_requests import ChatCompletionRequest, CompletionRequest
 from streamkv.entrypoints.tokenize_serving import DetokenizeRequest, TokenizeRequest
 
-MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 _REF = "#/components/schemas/{model}"
 
 
@@ -43,47 +48,147 @@ class Endpoint:
 
 _SSE = "``text/event-stream`` with ``stream: true``"
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("post", "/v1/completions", "Text completion, whole or streamed (SSE)", "CompletionRequest",
-             answer=f"a ``text_completion`` ({_SSE})"),
-    Endpoint("post", "/v1/chat/completions", "Chat completion through the model's chat template",
-             "ChatCompletionRequest", answer=f"a ``chat.completion`` ({_SSE})"),
-    Endpoint("post", "/v1/chat/completions/batch", "vLLM's: several conversations with one set of parameters",
-             "ChatCompletionBatchRequest", answer="one ``chat.completion`` whose choice ``index`` is the "
-             "conversation's, usage summed"),
-    Endpoint("post", "/invocations", "SageMaker's: a chat completion (``messages``) or a completion (``prompt``)",
-             "InvocationsRequest", answer="as /v1/chat/completions or /v1/completions"),
-    Endpoint("get", "/v1/models", "The served model, once per served name",
-             answer='``{"object": "list", "data": [model card]}``'),
-    Endpoint("post", "/tokenize", "Token ids of a prompt or of rendered chat messages", "TokenizeRequest",
-             answer='``{"count", "max_model_len", "tokens", "token_strs"}``'),
-    Endpoint("post", "/detokenize", "Text of token ids", "DetokenizeRequest", answer='``{"prompt"}``'),
-    Endpoint("get", "/tokenizer_info", "vLLM's: the tokenizer's class, configuration and chat template"),
-    Endpoint("get", "/load", "vLLM's: requests in the engine now (running, waiting or swapped)",
-             answer='``{"server_load": n}``'),
-    Endpoint("post", "/v1/prefixes", "Register a reserved shared prefix: computed once, its blocks pinned",
-             "PrefixRequest", answer="the prefix"),
-    Endpoint("get", "/v1/prefixes", "The registered reserved prefixes", answer='``{"object": "list", "data"}``'),
-    Endpoint("delete", "/v1/prefixes/{prefix_id}", "Unregister a reserved prefix (404 for an unknown id)",
-             answer='``{"id", "object", "deleted": true}``'),
-    Endpoint("get", "/v1/kv/stream", "The live KV-cache view: snapshots as server-sent events",
-             media="text/event-stream", answer="``kv_snapshot`` events (docs/api.md)",
-             query=(("token", "16 to 128 of [A-Za-z0-9_-]: requests whose request_id holds it are shown as "
-                              "the viewer's own; every other row is anonymous"),)),
-    Endpoint("get", "/v1/chat/ws", "WebSocket chat: several generations on one socket (see the description)",
-             media="", answer="switching protocols"),
-    Endpoint("get", "/health", "200 once the model is loaded; 503 while loading, after a failure, shutting down",
-             media="", answer="ready", open=True),
-    Endpoint("get", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True),
-    Endpoint("post", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True),
+    Endpoint(
+        "post",
+        "/v1/completions",
+        "Text completion, whole or streamed (SSE)",
+        "CompletionRequest",
+        answer=f"a ``text_completion`` ({_SSE})",
+    ),
+    Endpoint(
+        "post",
+        "/v1/chat/completions",
+        "Chat completion through the model's chat template",
+        "ChatCompletionRequest",
+        answer=f"a ``chat.completion`` ({_SSE})",
+    ),
+    Endpoint(
+        "post",
+        "/v1/chat/completions/batch",
+        "vLLM's: several conversations with one set of parameters",
+        "ChatCompletionBatchRequest",
+        answer="one ``chat.completion`` whose choice ``index`` is the conversation's, usage summed",
+    ),
+    Endpoint(
+        "post",
+        "/invocations",
+        "SageMaker's: a chat completion (``messages``) or a completion (``prompt``)",
+        "InvocationsRequest",
+        answer="as /v1/chat/completions or /v1/completions",
+    ),
+    Endpoint(
+        "get",
+        "/v1/models",
+        "The served model, once per served name",
+        answer='``{"object": "list", "data": [model card]}``',
+    ),
+    Endpoint(
+        "post",
+        "/tokenize",
+        "Token ids of a prompt or of rendered chat messages",
+        "TokenizeRequest",
+        answer='``{"count", "max_model_len", "tokens", "token_strs"}``',
+    ),
+    Endpoint(
+        "post", "/detokenize", "Text of token ids", "DetokenizeRequest", answer='``{"prompt"}``'
+    ),
+    Endpoint(
+        "get", "/tokenizer_info", "vLLM's: the tokenizer's class, configuration and chat template"
+    ),
+    Endpoint(
+        "get",
+        "/load",
+        "vLLM's: requests in the engine now (running, waiting or swapped)",
+        answer='``{"server_load": n}``',
+    ),
+    Endpoint(
+        "post",
+        "/v1/prefixes",
+        "Register a reserved shared prefix: computed once, its blocks pinned",
+        "PrefixRequest",
+        answer="the prefix",
+    ),
+    Endpoint(
+        "get",
+        "/v1/prefixes",
+        "The registered reserved prefixes",
+        answer='``{"object": "list", "data"}``',
+    ),
+    Endpoint(
+        "delete",
+        "/v1/prefixes/{prefix_id}",
+        "Unregister a reserved prefix (404 for an unknown id)",
+        answer='``{"id", "object", "deleted": true}``',
+    ),
+    Endpoint(
+        "get",
+        "/v1/kv/stream",
+        "The live KV-cache view: snapshots as server-sent events",
+        media="text/event-stream",
+        answer="``kv_snapshot`` events (docs/api.md)",
+        query=(
+            (
+                "token",
+                "16 to 128 of [A-Za-z0-9_-]: requests whose request_id holds it are shown as "
+                "the viewer's own; every other row is anonymous",
+            ),
+        ),
+    ),
+    Endpoint(
+        "get",
+        "/v1/chat/ws",
+        "WebSocket chat: several generations on one socket (see the description)",
+        media="",
+        answer="switching protocols",
+    ),
+    Endpoint(
+        "get",
+        "/health",
+        "200 once the model is loaded; 503 while loading, after a failure, shutting down",
+        media="",
+        answer="ready",
+        open=True,
+    ),
+    Endpoint(
+        "get", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True
+    ),
+    Endpoint(
+        "post", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True
+    ),
     Endpoint("get", "/version", "The server's version", answer='``{"version"}``', open=True),
-    Endpoint("get", "/metrics", "Prometheus metrics (vLLM's names)", media="text/plain", answer="the metrics",
-             open=True),
+    Endpoint(
+        "get",
+        "/metrics",
+        "Prometheus metrics (vLLM's names)",
+        media="text/plain",
+        answer="the metrics",
+        open=True,
+    ),
     Endpoint("get", "/openapi.json", "This document", answer="OpenAPI 3.1", open=True),
-    Endpoint("get", "/docs", "This document as an HTML page", media="text/html", answer="the page", open=True),
-    Endpoint("get", "/", "The chat page with the live KV-cache view", media="text/html", answer="the page",
-             open=True),
-    Endpoint("get", "/web/{path}", "The page's scripts, styles and vendored libraries", media="",
-             answer="the file", open=True),
+    Endpoint(
+        "get",
+        "/docs",
+        "This document as an HTML page",
+        media="text/html",
+        answer="the page",
+        open=True,
+    ),
+    Endpoint(
+        "get",
+        "/",
+        "The chat page with the live KV-cache view",
+        media="text/html",
+        answer="the page",
+        open=True,
+    ),
+    Endpoint(
+        "get",
+        "/web/{path}",
+        "The page's scripts, styles and vendored libraries",
+        media="",
+        answer="the file",
+        open=True,
+    ),
 )
 
 _WEBSOCKET = (
@@ -93,16 +198,39 @@ _WEBSOCKET = (
     "but n, best_of, use_beam_search, stream, stream_options, tools, tool_choice, prompt_logprobs, "
     'echo, return_token_ids) and ``{"type": "cancel", "id"}``. Server: ``delta`` messages '
     '(``{"type": "delta", "id", "text"}``; the first also carries ``request_id``, the engine\'s id of '
-    'the generation), then one ``done`` (``finish_reason``, ``usage``) or one ``error`` (an OpenAI error).')
+    "the generation), then one ``done`` (``finish_reason``, ``usage``) or one ``error`` (an OpenAI error)."
+)
 
-_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    name: {"type": ["string", "null"]} for name in ("message", "type", "param", "code")}}}}
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                name: {"type": ["string", "null"]} for name in ("message", "type", "param", "code")
+            },
+        }
+    },
+}
 _PREFIX = {  # prefixes.py parses this body by hand (it has no model)
-    "type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
-        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "items": {"type": "integer"}, "minItems": 1}],
-                   "description": "the prefix: text (tokenized as a prompt's start) or token ids"},
-        "add_special_tokens": {"type": "boolean", "default": True, "description": "text: with the BOS token"}}}
+    "type": "object",
+    "required": ["prompt"],
+    "additionalProperties": False,
+    "properties": {
+        "prompt": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+            ],
+            "description": "the prefix: text (tokenized as a prompt's start) or token ids",
+        },
+        "add_special_tokens": {
+            "type": "boolean",
+            "default": True,
+            "description": "text: with the BOS token",
+        },
+    },
+}
 
 
 def _schemas() -> dict[str, Any]:
@@ -110,34 +238,60 @@ def _schemas() -> dict[str, Any]:
     defs = schemas.get("$defs", {})
     # The batch body is a chat's, but ``messages`` is a list of conversations.
     batch = copy.deepcopy(defs["ChatCompletionRequest"])
-    batch["properties"]["messages"] = {"type": "array", "minItems": 1, "items": batch["properties"]["messages"],
-                                       "description": "the conversations (n 1, stream false)"}
+    batch["properties"]["messages"] = {
+        "type": "array",
+        "minItems": 1,
+        "items": batch["properties"]["messages"],
+        "description": "the conversations (n 1, stream false)",
+    }
     batch["title"] = "ChatCompletionBatchRequest"
-    return {**defs, "ChatCompletionBatchRequest": batch,
-            "InvocationsRequest": {"oneOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]},
-            "PrefixRequest": _PREFIX, "Error": _ERROR}
+    return {
+        **defs,
+        "ChatCompletionBatchRequest": batch,
+        "InvocationsRequest": {"oneOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]},
+        "PrefixRequest": _PREFIX,
+        "Error": _ERROR,
+    }
 
 
 def _operation(e: Endpoint) -> dict[str, Any]:
     ok: dict[str, Any] = {"description": e.answer}
     if e.media:
         ok["content"] = {e.media: {}}
-    op: dict[str, Any] = {"summary": e.summary, "responses": {"101" if e.path == "/v1/chat/ws" else "200": ok}}
+    op: dict[str, Any] = {
+        "summary": e.summary,
+        "responses": {"101" if e.path == "/v1/chat/ws" else "200": ok},
+    }
     if e.path == "/v1/chat/ws":
         op["description"] = _WEBSOCKET
     if e.body:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(e.body)}}}
-    params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
-              for n in _path_params(e.path)]
-    params += [{"name": n, "in": "query", "required": False, "description": d, "schema": {"type": "string"}}
-               for n, d in e.query]
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(e.body)}},
+        }
+    params = [
+        {"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+        for n in _path_params(e.path)
+    ]
+    params += [
+        {
+            "name": n,
+            "in": "query",
+            "required": False,
+            "description": d,
+            "schema": {"type": "string"},
+        }
+        for n, d in e.query
+    ]
     if params:
         op["parameters"] = params
     if e.open:
         op["security"] = []
     else:
-        op["responses"]["4XX"] = {"description": "an OpenAI error; ``param`` names the field",
-                                  "content": {"application/json": {"schema": _ref("Error")}}}
+        op["responses"]["4XX"] = {
+            "description": "an OpenAI error; ``param`` names the field",
+            "content": {"application/json": {"schema": _ref("Error")}},
+        }
     return op
 
 
@@ -151,11 +305,16 @@ def openapi_document(model_name: str) -> dict[str, Any]:
         paths.setdefault(e.path, {})[e.method] = _operation(e)
     return {
         "openapi": "3.1.0",
-        "info": {"title": f"streamkv ({model_name})", "version": __version__,
-                 "description": "OpenAI-compatible API. Unknown fields are ignored (and logged)."},
+        "info": {
+            "title": f"streamkv ({model_name})",
+            "version": __version__,
+            "description": "OpenAI-compatible API. Unknown fields are ignored (and logged).",
+        },
         "paths": paths,
-        "components": {"schemas": _schemas(),
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {
+            "schemas": _schemas(),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
         "security": [{"bearer": []}],
     }
 
@@ -178,33 +337,53 @@ def _table(name: str, schema: dict[str, Any]) -> str:
     required = set(schema.get("required", ()))
     rows = []
     for field, prop in schema.get("properties", {}).items():
-        default = "required" if field in required else json.dumps(prop["default"]) if "default" in prop else ""
+        default = (
+            "required"
+            if field in required
+            else json.dumps(prop["default"])
+            if "default" in prop
+            else ""
+        )
         # The 64-bit bounds every integer has are the JSON's, not worth a line of the table.
-        limits = ", ".join(f"{k} {prop[k]}" for k in ("minimum", "maximum") if k in prop and abs(prop[k]) < 2**62)
-        rows.append(f"<tr><td><code>{html.escape(field)}</code></td><td>{html.escape(_type_of(prop))}</td>"
-                    f"<td>{html.escape(default)}</td><td>{html.escape(prop.get('description', ''))}"
-                    f"{' (' + html.escape(limits) + ')' if limits else ''}</td></tr>")
+        limits = ", ".join(
+            f"{k} {prop[k]}" for k in ("minimum", "maximum") if k in prop and abs(prop[k]) < 2**62
+        )
+        rows.append(
+            f"<tr><td><code>{html.escape(field)}</code></td><td>{html.escape(_type_of(prop))}</td>"
+            f"<td>{html.escape(default)}</td><td>{html.escape(prop.get('description', ''))}"
+            f"{' (' + html.escape(limits) + ')' if limits else ''}</td></tr>"
+        )
     doc = html.escape(schema.get("description", "").strip())
-    return (f'<h3 id="{html.escape(name)}">{html.escape(name)}</h3><p>{doc}</p>'
-            "<table><tr><th>field</th><th>type</th><th>default</th><th>notes</th></tr>" + "".join(rows) + "</table>")
+    return (
+        f'<h3 id="{html.escape(name)}">{html.escape(name)}</h3><p>{doc}</p>'
+        "<table><tr><th>field</th><th>type</th><th>default</th><th>notes</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
-_STYLE = ("body{font:15px/1.5 system-ui,sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
-          "table{border-collapse:collapse;width:100%}td,th{border:1px solid #ccc;padding:.2em .5em;"
-          "text-align:left;vertical-align:top}code{font-size:90%}")
+_STYLE = (
+    "body{font:15px/1.5 system-ui,sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
+    "table{border-collapse:collapse;width:100%}td,th{border:1px solid #ccc;padding:.2em .5em;"
+    "text-align:left;vertical-align:top}code{font-size:90%}"
+)
 
 
 def docs_page(document: dict[str, Any]) -> str:
     info = document["info"]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(info['title'])}</title>"
-             f"<style>{_STYLE}</style></head><body><h1>{html.escape(info['title'])}</h1>"
-             f"<p>{html.escape(info['description'])} Version {html.escape(info['version'])}. "
-             "The machine-readable schema: <a href='/openapi.json'>/openapi.json</a>.</p><h2>Endpoints</h2><ul>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(info['title'])}</title>"
+        f"<style>{_STYLE}</style></head><body><h1>{html.escape(info['title'])}</h1>"
+        f"<p>{html.escape(info['description'])} Version {html.escape(info['version'])}. "
+        "The machine-readable schema: <a href='/openapi.json'>/openapi.json</a>.</p><h2>Endpoints</h2><ul>"
+    ]
     for path, ops in document["paths"].items():
         for method, op in ops.items():
-            parts.append(f"<li><code>{method.upper()} {html.escape(path)}</code>: {html.escape(op['summary'])}"
-                         f"{_body_link(op)}{'' if op.get('security') == [] else ' (API key)'}"
-                         f"{'<br>' + html.escape(op['description']) if 'description' in op else ''}</li>")
+            parts.append(
+                f"<li><code>{method.upper()} {html.escape(path)}</code>: {html.escape(op['summary'])}"
+                f"{_body_link(op)}{'' if op.get('security') == [] else ' (API key)'}"
+                f"{'<br>' + html.escape(op['description']) if 'description' in op else ''}</li>"
+            )
     parts.append("</ul><h2>Schemas</h2>")
     parts.extend(_table(name, schema) for name, schema in document["components"]["schemas"].items())
     parts.append("</body></html>")

@@ -41,7 +41,10 @@ _ENGINE_CALL_TIMEOUT_S = 60.0
 def _prompt_ids(body: dict) -> tuple[str | None, list[int] | None, bool]:
     unknown = sorted(set(body) - {"prompt", "add_special_tokens"})
     if unknown:
-        raise APIError(f"unknown field(s) {unknown}; expected 'prompt' and 'add_special_tokens'", param=unknown[0])
+        raise APIError(
+            f"unknown field(s) {unknown}; expected 'prompt' and 'add_special_tokens'",
+            param=unknown[0],
+        )
     prompt = body.get("prompt")
     special = body.get("add_special_tokens", True)
     if not isinstance(special, bool):
@@ -50,7 +53,9 @@ def _prompt_ids(body: dict) -> tuple[str | None, list[int] | None, bool]:
         return prompt, None, special
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return None, prompt, special
-    raise APIError("'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt")
+    raise APIError(
+        "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt"
+    )
 
 
 class PrefixAdmin:
@@ -77,8 +82,12 @@ class PrefixAdmin:
         text, ids, special = _prompt_ids(body)
         if text is not None:
             if self.engine.tokenizer is None:
-                raise APIError("this model has no tokenizer: send the prefix as token ids", param="prompt")
-            ids = await self.engine.run_tokenizer(lambda tok: tok.encode(text, add_special_tokens=special), len(text))
+                raise APIError(
+                    "this model has no tokenizer: send the prefix as token ids", param="prompt"
+                )
+            ids = await self.engine.run_tokenizer(
+                lambda tok: tok.encode(text, add_special_tokens=special), len(text)
+            )
         try:
             prefix = await self._on_engine(functools.partial(register_prefix, token_ids=list(ids)))
         except ValueError as e:
@@ -86,10 +95,14 @@ class PrefixAdmin:
         if not prefix.ready:
             # Computed by an ordinary one-token request: its blocks are pinned the step they
             # are written (ReservedPrefixes.computed).
-            stream = await self.engine.add_request(f"prefix-{uuid.uuid4().hex}", list(ids), PREFIX_PARAMS)
+            stream = await self.engine.add_request(
+                f"prefix-{uuid.uuid4().hex}", list(ids), PREFIX_PARAMS
+            )
             async for _ in stream:
                 pass
-        return JSONResponse(await self._on_engine(functools.partial(describe_prefix, prefix_id=prefix.prefix_id)))
+        return JSONResponse(
+            await self._on_engine(functools.partial(describe_prefix, prefix_id=prefix.prefix_id))
+        )
 
     async def list(self, request: Request) -> Response:
         try:

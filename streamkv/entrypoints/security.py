@@ -87,12 +87,22 @@ def check_host(policy: HostPolicy, headers: Headers, local_addr: str | None) -> 
     host = headers.get("host")
     # h11 refuses HTTP/1.1 without Host; an HTTP/1.0 client without one is no browser.
     if host is not None and not policy.allows(split_host(host)[0], local_addr):
-        raise APIError(f"this server does not answer to the host name {host[:100]!r} (see --allowed-hosts)",
-                       421, "permission_error", code="host_not_allowed")
+        raise APIError(
+            f"this server does not answer to the host name {host[:100]!r} (see --allowed-hosts)",
+            421,
+            "permission_error",
+            code="host_not_allowed",
+        )
 
 
-def origin_allowed(origin: str | None, scheme: str, host: str | None, policy: HostPolicy,
-                   allowed: Iterable[str], local_addr: str | None = None) -> bool:
+def origin_allowed(
+    origin: str | None,
+    scheme: str,
+    host: str | None,
+    policy: HostPolicy,
+    allowed: Iterable[str],
+    local_addr: str | None = None,
+) -> bool:
     """No Origin header (a non-browser client) passes; a browser's Origin must be listed in
     ``allowed`` or be this server itself: an allowed host name (never merely whatever the
     request's Host says) on the port the request came to, in the same scheme family."""
@@ -116,11 +126,22 @@ def origin_allowed(origin: str | None, scheme: str, host: str | None, policy: Ho
     return origin_port == host_port and policy.allows(parts.hostname.rstrip("."), local_addr)
 
 
-def check_origin(headers: Headers, scheme: str, policy: HostPolicy, allowed: Iterable[str],
-                 local_addr: str | None = None) -> None:
-    if not origin_allowed(headers.get("origin"), scheme, headers.get("host"), policy, allowed, local_addr):
-        raise APIError("cross-origin request refused (see --allowed-origins)", 403, "permission_error",
-                       code="origin_not_allowed")
+def check_origin(
+    headers: Headers,
+    scheme: str,
+    policy: HostPolicy,
+    allowed: Iterable[str],
+    local_addr: str | None = None,
+) -> None:
+    if not origin_allowed(
+        headers.get("origin"), scheme, headers.get("host"), policy, allowed, local_addr
+    ):
+        raise APIError(
+            "cross-origin request refused (see --allowed-origins)",
+            403,
+            "permission_error",
+            code="origin_not_allowed",
+        )
 
 
 @dataclass(slots=True)
@@ -140,8 +161,13 @@ class AuthFailures:
             times.popleft()
         if times is not None and len(times) >= self.limit:
             retry = max(1, int(self.window - (now - times[0])) + 1)
-            raise APIError(f"too many failed authentication attempts; retry in {retry} s", 429,
-                           "rate_limit_error", code="too_many_auth_failures", headers={"retry-after": str(retry)})
+            raise APIError(
+                f"too many failed authentication attempts; retry in {retry} s",
+                429,
+                "rate_limit_error",
+                code="too_many_auth_failures",
+                headers={"retry-after": str(retry)},
+            )
 
     def record(self, client: str, now: float) -> None:
         if client not in self._seen and len(self._seen) >= self.max_clients:
@@ -149,8 +175,13 @@ class AuthFailures:
         self._seen.setdefault(client, deque()).append(now)
 
 
-def check_api_key(key: str | None, headers: Headers, subprotocols: Iterable[str] = (),
-                  failures: AuthFailures | None = None, client: str = "") -> None:
+def check_api_key(
+    key: str | None,
+    headers: Headers,
+    subprotocols: Iterable[str] = (),
+    failures: AuthFailures | None = None,
+    client: str = "",
+) -> None:
     if key is None:
         return
     now = time.monotonic()
@@ -161,21 +192,30 @@ def check_api_key(key: str | None, headers: Headers, subprotocols: Iterable[str]
     scheme, _, token = auth.partition(" ")
     if scheme.lower() == "bearer" and token:
         offered.append(token.strip())
-    bearers = [p[len(BEARER_SUBPROTOCOL):] for p in subprotocols if p.startswith(BEARER_SUBPROTOCOL)]
+    bearers = [
+        p[len(BEARER_SUBPROTOCOL) :] for p in subprotocols if p.startswith(BEARER_SUBPROTOCOL)
+    ]
     offered.extend(bearers[:MAX_BEARER_OFFERS])
     expected = key.encode()
     # Constant-time comparison: the time taken does not reveal how much of a guess matched.
     if not any(hmac.compare_digest(o.encode(), expected) for o in offered):
         if failures is not None:
             failures.record(client, now)
-        raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
-                       "authentication_error", code="invalid_api_key")
+        raise APIError(
+            "invalid or missing API key (send 'Authorization: Bearer <key>')",
+            401,
+            "authentication_error",
+            code="invalid_api_key",
+        )
 
 
 def check_subprotocols(offered: list[str]) -> None:
     if len(offered) > MAX_SUBPROTOCOLS:
-        raise APIError(f"at most {MAX_SUBPROTOCOLS} WebSocket subprotocols may be offered", 400,
-                       code="too_many_subprotocols")
+        raise APIError(
+            f"at most {MAX_SUBPROTOCOLS} WebSocket subprotocols may be offered",
+            400,
+            code="too_many_subprotocols",
+        )
 
 
 async def refuse(scope, receive, send, e: APIError) -> None:
@@ -203,13 +243,22 @@ class Guard:
             try:
                 size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
                 if size > self.header_limit:
-                    raise APIError(f"request headers exceed {self.header_limit} bytes", 431, code="headers_too_large")
+                    raise APIError(
+                        f"request headers exceed {self.header_limit} bytes",
+                        431,
+                        code="headers_too_large",
+                    )
                 server = scope.get("server")
                 check_host(self.policy, Headers(scope=scope), server[0] if server else None)
             except APIError as e:
                 client = scope.get("client")
-                logger.info("refused %s %s from %s: %s", scope["type"], scope.get("path"),
-                            client[0] if client else "?", e.message)
+                logger.info(
+                    "refused %s %s from %s: %s",
+                    scope["type"],
+                    scope.get("path"),
+                    client[0] if client else "?",
+                    e.message,
+                )
                 await refuse(scope, receive, send, e)
                 return
         await self.app(scope, receive, send)

@@ -48,7 +48,10 @@ logger = logging.getLogger(__name__)
 def find_web_dir() -> Path | None:
     """The demo page's folder: shipped in the package as ``streamkv/web`` (pyproject.toml,
     setup.py), or the repository's ``web/`` when running from a checkout."""
-    for folder in (Path(__file__).resolve().parents[1] / "web", Path(__file__).resolve().parents[2] / "web"):
+    for folder in (
+        Path(__file__).resolve().parents[1] / "web",
+        Path(__file__).resolve().parents[2] / "web",
+    ):
         if (folder / "index.html").is_file():
             return folder
     return None
@@ -89,8 +92,12 @@ class ServerConfig:
     # Request bodies' types as OpenAI checks them ("5" is not 5) rather than vLLM's coercion
     # (--strict-request-types).
     strict_request_types: bool = False
-    error_format: str = "openai"  # --error-format: "vllm" puts the error class and the status in type / code
-    tools_system_prompt: bool = True  # --tools-system-prompt: tools a template ignores go into a system message
+    error_format: str = (
+        "openai"  # --error-format: "vllm" puts the error class and the status in type / code
+    )
+    tools_system_prompt: bool = (
+        True  # --tools-system-prompt: tools a template ignores go into a system message
+    )
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -103,23 +110,36 @@ _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 async def read_json(request: Request, limit: int) -> dict:
     if request.headers.get("content-type", "").split(";")[0].strip().lower() in _FORM_TYPES:
-        raise APIError("the request body must be JSON, sent with 'Content-Type: application/json'",
-                       code="invalid_content_type")
+        raise APIError(
+            "the request body must be JSON, sent with 'Content-Type: application/json'",
+            code="invalid_content_type",
+        )
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
-        raise APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+        raise APIError(
+            f"the request body is larger than {limit} bytes", 413, code="request_too_large"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+            raise APIError(
+                f"the request body is larger than {limit} bytes", 413, code="request_too_large"
+            )
         chunks.append(chunk)
     return parse_json_body(b"".join(chunks))
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
-    serving = OpenAIServing(engine, config.model_name, config.max_queue_len, config.sse_keepalive,
-                            config.auto_tool_choice, config.model_aliases, config.tokens_as_ids)
+    serving = OpenAIServing(
+        engine,
+        config.model_name,
+        config.max_queue_len,
+        config.sse_keepalive,
+        config.auto_tool_choice,
+        config.model_aliases,
+        config.tokens_as_ids,
+    )
     tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
     api = _api_wrapper(config)
@@ -137,8 +157,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     async def models(request: Request) -> Response:
         cards = []
         for name in (config.model_name, *config.model_aliases):
-            card = {"id": name, "object": "model", "created": 0, "owned_by": "streamkv", "root": config.model_name,
-                    "parent": None, "permission": [model_permission()]}
+            card = {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "streamkv",
+                "root": config.model_name,
+                "parent": None,
+                "permission": [model_permission()],
+            }
             if engine.info is not None:
                 card["max_model_len"] = engine.info.max_model_len
             cards.append(card)
@@ -157,13 +184,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
 
     async def docs(request: Request) -> Response:
         # Self-contained (inline style, no script), so its policy allows nothing else.
-        return HTMLResponse(docs_page(document), headers={
-            "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'", "x-content-type-options": "nosniff"})
+        return HTMLResponse(
+            docs_page(document),
+            headers={
+                "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'",
+                "x-content-type-options": "nosniff",
+            },
+        )
 
     async def index(request: Request) -> Response:
         page = config.web_dir / "index.html" if config.web_dir else None
         if page is None or not page.exists():
-            return error_response(APIError("the demo page is not installed", 404, "not_found_error"))
+            return error_response(
+                APIError("the demo page is not installed", 404, "not_found_error")
+            )
         return FileResponse(page, headers=_PAGE_HEADERS)
 
     @contextlib.asynccontextmanager
@@ -191,16 +225,37 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/openapi.json", openapi),
         Route("/docs", docs),
         WebSocketRoute("/v1/chat/ws", chat_ws),
-        Route("/v1/kv/stream", api(KVView(engine, enabled=config.kv_view if config.kv_view is not None
-                                          else config.hosts.loopback_only).stream, body=False)),  # the live KV-cache view
+        Route(
+            "/v1/kv/stream",
+            api(
+                KVView(
+                    engine,
+                    enabled=config.kv_view
+                    if config.kv_view is not None
+                    else config.hosts.loopback_only,
+                ).stream,
+                body=False,
+            ),
+        ),  # the live KV-cache view
         *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (entrypoints/prefixes.py)
-        *VLLMRoutes(engine, serving, health).routes(api),  # /ping, /invocations, /load, ... (vllm_routes.py)
+        *VLLMRoutes(engine, serving, health).routes(
+            api
+        ),  # /ping, /invocations, /load, ... (vllm_routes.py)
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
-    app = Starlette(routes=routes, middleware=_middleware(config), lifespan=lifespan,
-                    exception_handlers={HTTPException: _on_http_error, Exception: _on_crash})
-    app.state.engine, app.state.serving, app.state.metrics, app.state.config = engine, serving, metrics, config
+    app = Starlette(
+        routes=routes,
+        middleware=_middleware(config),
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _on_http_error, Exception: _on_crash},
+    )
+    app.state.engine, app.state.serving, app.state.metrics, app.state.config = (
+        engine,
+        serving,
+        metrics,
+        config,
+    )
     return app
 
 
@@ -214,10 +269,21 @@ def _api_wrapper(config: ServerConfig):
             try:
                 local = request.scope["server"][0] if request.scope.get("server") else None
                 if request.method == "POST":
-                    check_origin(request.headers, request.url.scheme, config.hosts, config.allowed_origins, local)
+                    check_origin(
+                        request.headers,
+                        request.url.scheme,
+                        config.hosts,
+                        config.allowed_origins,
+                        local,
+                    )
                 if auth:
                     client = request.client.host if request.client else ""
-                    check_api_key(config.api_key, request.headers, failures=config.auth_failures, client=client)
+                    check_api_key(
+                        config.api_key,
+                        request.headers,
+                        failures=config.auth_failures,
+                        client=client,
+                    )
                 if body:
                     return await handler(request, await read_json(request, config.max_body_bytes))
                 return await handler(request)
@@ -236,13 +302,25 @@ def _api_wrapper(config: ServerConfig):
 def _middleware(config: ServerConfig) -> list[Middleware]:
     """Outermost first: the host and header guard, the request-type checks, then CORS for the
     allowed cross origins (if any)."""
-    middleware = [Middleware(Guard, policy=config.hosts, header_limit=config.max_header_bytes),
-                  Middleware(RequestTypes, strict=config.strict_request_types, error_format=config.error_format,
-                             tools_prompt=config.tools_system_prompt)]
+    middleware = [
+        Middleware(Guard, policy=config.hosts, header_limit=config.max_header_bytes),
+        Middleware(
+            RequestTypes,
+            strict=config.strict_request_types,
+            error_format=config.error_format,
+            tools_prompt=config.tools_system_prompt,
+        ),
+    ]
     cross = [o for o in config.allowed_origins if o]
     if cross:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=cross, allow_methods=["GET", "POST"],
-                                     allow_headers=["authorization", "content-type"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=cross,
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
     return middleware
 
 
@@ -257,8 +335,11 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
     return error_response(APIError("internal server error", 500, "internal_error"))
 
 
-async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None,
-                      on_ready: Callable[[], Awaitable[None]] | None = None) -> None:
+async def _watch_load(
+    engine: AsyncEngine,
+    on_failure: Callable[[], None] | None,
+    on_ready: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     try:
         await engine.wait_ready()
     except EngineDeadError:
@@ -275,7 +356,9 @@ async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None
     # A dead engine serves nothing: exit (non-zero) so that a supervisor restarts the server,
     # rather than answering 503 forever from a live process.
     error = await engine.wait_dead()
-    logger.error("the engine is dead (%s); the server exits with status 1", str(error).splitlines()[0])
+    logger.error(
+        "the engine is dead (%s); the server exits with status 1", str(error).splitlines()[0]
+    )
     if on_failure is not None:
         on_failure()
 

@@ -37,6 +37,7 @@ EXIT_MARGIN_S = 15.0  # the engine's bounded stop (10 s) and the interpreter's e
 
 def exit_after(seconds: float, status: int) -> None:
     """End the process after ``seconds`` unless it has ended by itself (a daemon timer)."""
+
     def end() -> None:
         logging.getLogger(__name__).error("shutdown: still running after its time; exiting now")
         logging.shutdown()
@@ -48,8 +49,9 @@ def exit_after(seconds: float, status: int) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float,
-                 grace: float = 5.0) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float, grace: float = 5.0
+    ) -> None:
         super().__init__(config)
         self.engine, self.drain_timeout, self.grace = engine, drain_timeout, grace
         # A Ctrl-C ends the process with 130 (the shell's convention), whether or not uvicorn
@@ -74,8 +76,12 @@ class DrainingServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         started, running = loop.time(), self.engine.num_open_streams
         if running:
-            logger.info("shutting down: waiting up to %g s for %d running request(s) to finish "
-                        "(Ctrl-C again to stop at once)", self.drain_timeout, running)
+            logger.info(
+                "shutting down: waiting up to %g s for %d running request(s) to finish "
+                "(Ctrl-C again to stop at once)",
+                self.drain_timeout,
+                running,
+            )
         else:
             logger.info("shutting down: no request running")
         for server in self.servers:
@@ -87,18 +93,31 @@ class DrainingServer(uvicorn.Server):
             conn.shutdown()  # idle keep-alive sockets close now, busy ones after their response
 
         deadline = loop.time() + self.drain_timeout
-        while not self.force_exit and loop.time() < deadline and self.engine.stalled is None and (
-                self.engine.num_open_streams or self._connections(websocket=False)):
+        while (
+            not self.force_exit
+            and loop.time() < deadline
+            and self.engine.stalled is None
+            and (self.engine.num_open_streams or self._connections(websocket=False))
+        ):
             await asyncio.sleep(_POLL)
         left = self.engine.num_open_streams
         if left:
-            logger.warning("shutdown: ending %d request(s) still running after %.1f s", left, loop.time() - started)
-            self.engine.end_all(EngineStoppingError(
-                f"the server is shutting down and this request did not finish within {self.drain_timeout:g} s"))
+            logger.warning(
+                "shutdown: ending %d request(s) still running after %.1f s",
+                left,
+                loop.time() - started,
+            )
+            self.engine.end_all(
+                EngineStoppingError(
+                    f"the server is shutting down and this request did not finish within {self.drain_timeout:g} s"
+                )
+            )
 
         # The responses end by themselves now; WebSockets get their error messages first.
         grace_end = loop.time() + self.grace
-        while not self.force_exit and loop.time() < grace_end and self._connections(websocket=False):
+        while (
+            not self.force_exit and loop.time() < grace_end and self._connections(websocket=False)
+        ):
             await asyncio.sleep(_POLL)
         await asyncio.sleep(_POLL)
         for conn in self._connections(websocket=True):
@@ -106,7 +125,9 @@ class DrainingServer(uvicorn.Server):
         while not self.force_exit and loop.time() < grace_end and self.server_state.tasks:
             await asyncio.sleep(_POLL)
         if self.server_state.tasks:
-            logger.error("shutdown: cancelling %d task(s) still running", len(self.server_state.tasks))
+            logger.error(
+                "shutdown: cancelling %d task(s) still running", len(self.server_state.tasks)
+            )
             for task in self.server_state.tasks:
                 task.cancel()
         if not self.force_exit:

@@ -49,14 +49,20 @@ class SSEResponse(EventSourceResponse):
 
 
 def usage_of(num_prompt: int, num_out: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_out,
+        "total_tokens": num_prompt + num_out,
+    }
 
 
 def tokens_out(states: list[ChoiceState]) -> int:
     return sum(st.num_tokens for st in states if st.counted)
 
 
-def with_usage(chunk: dict, include: bool, continuous: bool, num_prompt: int, states: list[ChoiceState]) -> dict:
+def with_usage(
+    chunk: dict, include: bool, continuous: bool, num_prompt: int, states: list[ChoiceState]
+) -> dict:
     """A stream chunk's ``usage``: null on every chunk with ``include_usage``, the running
     count with ``continuous_usage_stats`` (vLLM)."""
     if include:
@@ -72,7 +78,9 @@ class ChoiceState:
     text_offset: int = 0
     started: bool = False
     done: bool = False
-    counted: bool = True  # its tokens count as completion tokens (not those of an echo-only request)
+    counted: bool = (
+        True  # its tokens count as completion tokens (not those of an echo-only request)
+    )
 
 
 @dataclass(slots=True)
@@ -91,15 +99,21 @@ def deltas(states: list[ChoiceState], prompt_index: int, n: int, out: RequestOut
         st = states[prompt_index * n + c.index]
         if st.done:
             continue
-        text, ids = c.text[st.text_len:], c.token_ids[st.num_tokens:]
+        text, ids = c.text[st.text_len :], c.token_ids[st.num_tokens :]
         if not text and not ids and c.finish_reason is None:
             continue
-        lps = c.logprobs[st.num_tokens:] if c.logprobs is not None else None
-        st.text_len, st.num_tokens, st.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+        lps = c.logprobs[st.num_tokens :] if c.logprobs is not None else None
+        st.text_len, st.num_tokens, st.done = (
+            len(c.text),
+            len(c.token_ids),
+            c.finish_reason is not None,
+        )
         yield Delta(st, text, ids, lps, c.finish_reason, c.stop_reason)
 
 
-async def watch(streams: list[RequestStream], notify: asyncio.Event) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def watch(
+    streams: list[RequestStream], notify: asyncio.Event
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, newest output) from several streams sharing one ``notify`` event."""
     pending = list(range(len(streams)))
     while pending:
@@ -128,15 +142,23 @@ def clamp(lp: float) -> float:
 class LogprobFormatter:
     """OpenAI's two logprobs shapes; token texts are decoded once per token id and cached."""
 
-    def __init__(self, tokenizer: Callable[[], object], as_ids: bool = False,
-                 cache: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Callable[[], object],
+        as_ids: bool = False,
+        cache: dict[int, str] | None = None,
+    ) -> None:
         self.tokenizer, self.as_ids = tokenizer, as_ids
         self._token_text: dict[int, str] = {} if cache is None else cache
 
     def with_ids(self, as_ids: bool) -> LogprobFormatter:
         """This formatter, or one that names tokens ``token_id:ID`` (vLLM's
         ``return_tokens_as_token_ids``: a token that is not whole UTF-8 text stays exact)."""
-        return LogprobFormatter(self.tokenizer, True, self._token_text) if as_ids and not self.as_ids else self
+        return (
+            LogprobFormatter(self.tokenizer, True, self._token_text)
+            if as_ids and not self.as_ids
+            else self
+        )
 
     def token_text(self, tid: int) -> str:
         if self.as_ids:
@@ -148,8 +170,13 @@ class LogprobFormatter:
             self._token_text[tid] = text
         return text
 
-    def completion_logprobs(self, st: ChoiceState, token_ids: list[int], lps: list[dict[int, Logprob] | None],
-                            k: int | None = None) -> dict:
+    def completion_logprobs(
+        self,
+        st: ChoiceState,
+        token_ids: list[int],
+        lps: list[dict[int, Logprob] | None],
+        k: int | None = None,
+    ) -> dict:
         """OpenAI's legacy shape. An entry of None (the prompt's first token) has no logprob;
         ``k`` keeps the top k of each entry (and the token itself)."""
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -163,27 +190,54 @@ class LogprobFormatter:
                 tops.append(None)
                 continue
             token_lps.append(clamp(d[tid].logprob) if tid in d else None)
-            tops.append({self.token_text(t): clamp(lp.logprob) for t, lp in d.items()
-                         if k is None or t == tid or lp.rank is None or lp.rank <= k})
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+            tops.append(
+                {
+                    self.token_text(t): clamp(lp.logprob)
+                    for t, lp in d.items()
+                    if k is None or t == tid or lp.rank is None or lp.rank <= k
+                }
+            )
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
-    def echoed_logprobs(self, st: ChoiceState, out: RequestOutput, k: int, token_ids: list[int],
-                        lps: list[dict[int, Logprob]]) -> dict:
+    def echoed_logprobs(
+        self,
+        st: ChoiceState,
+        out: RequestOutput,
+        k: int,
+        token_ids: list[int],
+        lps: list[dict[int, Logprob]],
+    ) -> dict:
         """The prompt's tokens and logprobs (the first one null), then the completion's."""
         prompt = out.prompt_token_ids
         head = self.completion_logprobs(st, prompt, out.prompt_logprobs or [None] * len(prompt), k)
         tail = self.completion_logprobs(st, token_ids, lps)
         return {key: head[key] + tail[key] for key in head}
 
-    def prompt_logprobs(self, lps: list[dict[int, Logprob] | None] | None) -> list[dict | None] | None:
+    def prompt_logprobs(
+        self, lps: list[dict[int, Logprob] | None] | None
+    ) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs``: per prompt token, ``{"token id": {logprob, rank,
         decoded_token}}`` (None for the first token)."""
         if lps is None:
             return None
-        return [None if d is None else
-                {str(t): {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": self.token_text(t)}
-                 for t, lp in d.items()}
-                for d in lps]
+        return [
+            None
+            if d is None
+            else {
+                str(t): {
+                    "logprob": clamp(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": self.token_text(t),
+                }
+                for t, lp in d.items()
+            }
+            for d in lps
+        ]
 
     def chat_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
         def entry(tid: int, lp: float) -> dict:
@@ -192,6 +246,13 @@ class LogprobFormatter:
 
         content = []
         for tid, d in zip(token_ids, lps, strict=True):
-            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None)[:k]
-            content.append({**entry(tid, d[tid].logprob), "top_logprobs": [entry(t, lp) for _, t, lp in ranked]})
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None)[
+                :k
+            ]
+            content.append(
+                {
+                    **entry(tid, d[tid].logprob),
+                    "top_logprobs": [entry(t, lp) for _, t, lp in ranked],
+                }
+            )
         return {"content": content}

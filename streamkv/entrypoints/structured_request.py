@@ -31,7 +31,9 @@ def _schema_or_text(v: Any) -> Any:
 class JSONSchemaSpec(OpenAIModel):
     name: str = Field(description="the schema's name (OpenAI requires it; not used for decoding)")
     description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the output follows")
+    schema_: dict[str, Any] = Field(
+        alias="schema", description="the JSON schema the output follows"
+    )
     strict: bool | None = Field(None, description="accepted: the schema is always enforced")
 
 
@@ -54,10 +56,14 @@ def _format_kind(v: Any) -> str | None:
 
 
 ResponseFormat = Annotated[
-    Annotated[TextFormat, Tag("<text>")] | Annotated[JSONObjectFormat, Tag("<json_object>")]
+    Annotated[TextFormat, Tag("<text>")]
+    | Annotated[JSONObjectFormat, Tag("<json_object>")]
     | Annotated[JSONSchemaFormat, Tag("<json_schema>")],
-    Discriminator(_format_kind, custom_error_type="response_format_type",
-                  custom_error_message='must be {"type": "text" | "json_object" | "json_schema", ...}'),
+    Discriminator(
+        _format_kind,
+        custom_error_type="response_format_type",
+        custom_error_message='must be {"type": "text" | "json_object" | "json_schema", ...}',
+    ),
 ]
 
 
@@ -68,7 +74,9 @@ class StructuredOutputsRequest(OpenAIModel):
     json_object: bool | None = Field(None, description="any JSON object")
     regex: str | None = None
     choice: list[str] | None = Field(None, description="the output is one of these strings")
-    grammar: str | None = Field(None, description="an EBNF (GBNF) grammar, or a Lark one (converted, as vLLM does)")
+    grammar: str | None = Field(
+        None, description="an EBNF (GBNF) grammar, or a Lark one (converted, as vLLM does)"
+    )
     disable_fallback: bool | None = Field(None, description="accepted: there is one grammar engine")
     whitespace_pattern: Unsupported = None
     disable_any_whitespace: Unsupported = None
@@ -90,7 +98,9 @@ class StructuredFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = Field(None, description="accepted: there is one grammar engine")
+    guided_decoding_backend: str | None = Field(
+        None, description="accepted: there is one grammar engine"
+    )
     guided_whitespace_pattern: Unsupported = None
 
     @field_validator("guided_json")
@@ -108,16 +118,24 @@ class StructuredFields(OpenAIModel):
             found.append(("response_format", {"json": fmt.json_schema.schema_}))
         so = self.structured_outputs
         if so is not None:
-            fields = {"json": so.json_, "json_object": so.json_object or None, "regex": so.regex,
-                      "choice": so.choice, "grammar": so.grammar}
+            fields = {
+                "json": so.json_,
+                "json_object": so.json_object or None,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+            }
             found.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}))
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:
                 found.append((f"guided_{name}", {name: value}))
         if len(found) > 1:
-            raise APIError(f"'{found[1][0]}' cannot be combined with '{found[0][0]}': "
-                           "a request takes one output constraint", param=found[1][0])
+            raise APIError(
+                f"'{found[1][0]}' cannot be combined with '{found[0][0]}': "
+                "a request takes one output constraint",
+                param=found[1][0],
+            )
         if not found:
             return None, None
         source, fields = found[0]
@@ -133,10 +151,14 @@ def ebnf_grammar(grammar: str, param: str) -> str:
     try:
         return lark_to_ebnf(grammar)
     except LarkError as e:
-        raise APIError(f"'{param}': the Lark grammar cannot be converted to EBNF: {e}", param=param) from None
+        raise APIError(
+            f"'{param}': the Lark grammar cannot be converted to EBNF: {e}", param=param
+        ) from None
 
 
-def structured_outputs(fields: dict[str, Any] | None, param: str | None) -> StructuredOutputs | None:
+def structured_outputs(
+    fields: dict[str, Any] | None, param: str | None
+) -> StructuredOutputs | None:
     """The record, its own checks reported under the field the request used."""
     if fields is None:
         return None

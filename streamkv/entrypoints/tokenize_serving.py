@@ -28,10 +28,14 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages")
+    add_special_tokens: bool | None = Field(
+        None, description="default: true for prompt, false for messages"
+    )
     add_generation_prompt: bool = True
     # As a chat request renders them, so that the count matches the chat's prompt_tokens.
-    tools: list[Tool] | None = Field(None, description="messages: the tools offered, rendered as a chat renders them")
+    tools: list[Tool] | None = Field(
+        None, description="messages: the tools offered, rendered as a chat renders them"
+    )
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
     return_token_strs: bool = Field(False, description="vLLM: each token's string too (token_strs)")
@@ -63,22 +67,44 @@ class TokenizeServing:
             raise APIError("this model has no tokenizer")
         if req.messages is not None:
             if req.continue_final_message and req.add_generation_prompt:
-                raise APIError("'continue_final_message' needs add_generation_prompt=false",
-                               param="continue_final_message")
-            tools_prompt = TOOLS_SYSTEM_PROMPT.get()  # read here: the tokenizer thread has no context
+                raise APIError(
+                    "'continue_final_message' needs add_generation_prompt=false",
+                    param="continue_final_message",
+                )
+            tools_prompt = (
+                TOOLS_SYSTEM_PROMPT.get()
+            )  # read here: the tokenizer thread has no context
             ids = await self.engine.run_tokenizer(
-                lambda t: render_chat(t, req.messages, req.add_generation_prompt, bool(req.add_special_tokens),
-                                      req.tools, req.chat_template_kwargs, req.continue_final_message,
-                                      tools_prompt),
-                chat_size(req.messages, req.tools))
+                lambda t: render_chat(
+                    t,
+                    req.messages,
+                    req.add_generation_prompt,
+                    bool(req.add_special_tokens),
+                    req.tools,
+                    req.chat_template_kwargs,
+                    req.continue_final_message,
+                    tools_prompt,
+                ),
+                chat_size(req.messages, req.tools),
+            )
         else:
             ids = await self.engine.run_tokenizer(
-                lambda t: t.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False), len(req.prompt))
+                lambda t: t.encode(
+                    req.prompt, add_special_tokens=req.add_special_tokens is not False
+                ),
+                len(req.prompt),
+            )
         strs = None
         if req.return_token_strs:
             strs = await self.engine.run_tokenizer(lambda t: t.convert_ids_to_tokens(ids), len(ids))
-        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids,
-                             "token_strs": strs})
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self.engine.info.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
 
     async def detokenize(self, request: Request, body: dict) -> Response:
         req = validate(DetokenizeRequest, body)

@@ -36,10 +36,17 @@ def forced_tool_schema(tools: list[Tool], named: Tool | None, parallel: bool) ->
         return named.function.parameters or _ANY_OBJECT
     defs: dict[str, dict[str, Any]] = {}
     calls = [
-        {"type": "object",
-         "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                        "arguments": _hoist_defs(t.function.parameters or _ANY_OBJECT, defs, t.function.name)},
-         "required": ["name", "arguments"], "additionalProperties": False}
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "arguments": _hoist_defs(
+                    t.function.parameters or _ANY_OBJECT, defs, t.function.name
+                ),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
         for t in tools
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
@@ -49,7 +56,9 @@ def forced_tool_schema(tools: list[Tool], named: Tool | None, parallel: bool) ->
     return schema
 
 
-def _hoist_defs(params: dict[str, Any], defs: dict[str, dict[str, Any]], tool: str) -> dict[str, Any]:
+def _hoist_defs(
+    params: dict[str, Any], defs: dict[str, dict[str, Any]], tool: str
+) -> dict[str, Any]:
     """``params`` without its ``$defs`` (or draft-07 ``definitions``), which join ``defs``: a
     ``$ref`` ("#/$defs/X") points from the root of the schema it is in, and a tool's
     parameters are not the root of the combined ``required`` schema. Pydantic writes
@@ -63,8 +72,11 @@ def _hoist_defs(params: dict[str, Any], defs: dict[str, dict[str, Any]], tool: s
         into = defs.setdefault(key, {})
         for name, definition in own.items():
             if into.get(name, definition) != definition:
-                raise APIError(f"tool {tool!r} defines '{key}/{name}' differently from another tool; "
-                               'tool_choice "required" needs one definition per name', param="tools")
+                raise APIError(
+                    f"tool {tool!r} defines '{key}/{name}' differently from another tool; "
+                    'tool_choice "required" needs one definition per name',
+                    param="tools",
+                )
             into[name] = definition
         out = {k: v for k, v in out.items() if k != key}
     return out
@@ -123,21 +135,21 @@ class HermesStream:
             start = self._held.find(OPEN)
             if start < 0:
                 keep = _partial_suffix(self._held, OPEN)
-                out.append(self._held[:len(self._held) - keep])
-                self._held = self._held[len(self._held) - keep:]
+                out.append(self._held[: len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep :]
                 break
             out.append(self._held[:start])
             end = self._held.find(CLOSE, start)
             if end < 0:
                 self._held = self._held[start:]
                 break
-            raw = self._held[start:end + len(CLOSE)]
-            call = _call_of(raw[len(OPEN):-len(CLOSE)].strip())
+            raw = self._held[start : end + len(CLOSE)]
+            call = _call_of(raw[len(OPEN) : -len(CLOSE)].strip())
             if call is None:
                 out.append(raw)  # not a call after all: the model's text, sent as such
             elif self.parallel or not self.calls:
                 self.calls.append(call)
-            self._held = self._held[end + len(CLOSE):]
+            self._held = self._held[end + len(CLOSE) :]
         text = "".join(out)
         # Whitespace around calls is the format's, not the model's answer.
         return text if not self.calls or text.strip() else ""
@@ -147,7 +159,7 @@ class HermesStream:
         whole is a call (a model may end at EOS before ``</tool_call>``; vLLM's Hermes parser
         takes it too); anything else held is text."""
         held, self._held = self._held, ""
-        call = _call_of(held[len(OPEN):].strip()) if held.startswith(OPEN) else None
+        call = _call_of(held[len(OPEN) :].strip()) if held.startswith(OPEN) else None
         if call is None:
             return held
         if self.parallel or not self.calls:
@@ -155,7 +167,7 @@ class HermesStream:
         return ""
 
     def new_calls(self) -> list[tuple[int, dict[str, Any]]]:
-        fresh = list(enumerate(self.calls))[self._sent_calls:]
+        fresh = list(enumerate(self.calls))[self._sent_calls :]
         self._sent_calls = len(self.calls)
         return fresh
 

@@ -49,13 +49,17 @@ class VLLMRoutes:
             return await self.serving.chat(request, body)
         if "prompt" in body:
             return await self.serving.completions(request, body)
-        raise APIError("/invocations takes a chat completion ('messages') or a completion ('prompt')")
+        raise APIError(
+            "/invocations takes a chat completion ('messages') or a completion ('prompt')"
+        )
 
     async def chat_batch(self, request: Request, body: dict) -> Response:
         convs = body.get("messages")
         if not isinstance(convs, list) or not convs or not all(isinstance(c, list) for c in convs):
-            raise APIError("'messages' must be a non-empty array of conversations (arrays of messages)",
-                           param="messages")
+            raise APIError(
+                "'messages' must be a non-empty array of conversations (arrays of messages)",
+                param="messages",
+            )
         if body.get("stream"):
             raise APIError("a batch is answered whole: stream must be false", param="stream")
         if body.get("n", 1) != 1:
@@ -66,7 +70,7 @@ class VLLMRoutes:
                 reqs.append(validate(ChatCompletionRequest, {**body, "messages": conv}))
             except APIError as e:  # name the conversation in the parameter
                 if e.param and e.param.startswith("messages"):
-                    e.param = f"messages[{i}]{e.param[len('messages'):]}"
+                    e.param = f"messages[{i}]{e.param[len('messages') :]}"
                 raise
         for req in reqs:  # every conversation's parameters checked before any runs
             req.params(self.serving.vocab_size())
@@ -81,24 +85,43 @@ class VLLMRoutes:
 
     async def load(self, request: Request) -> Response:
         s = self.engine.stats or {}
-        return JSONResponse({"server_load": sum(s.get(k, 0) for k in ("num_running", "num_waiting", "num_swapped"))})
+        return JSONResponse(
+            {"server_load": sum(s.get(k, 0) for k in ("num_running", "num_waiting", "num_swapped"))}
+        )
 
     async def tokenizer_info(self, request: Request) -> Response:
         self.engine.check_alive()
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError("this model has no tokenizer", 404, "not_found_error")
-        config = {k: v for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if _is_plain(v)}
-        return JSONResponse({**config, "tokenizer_class": type(tok).__name__,
-                             "chat_template": getattr(tok, "chat_template", None)})
+        config = {
+            k: v for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if _is_plain(v)
+        }
+        return JSONResponse(
+            {
+                **config,
+                "tokenizer_class": type(tok).__name__,
+                "chat_template": getattr(tok, "chat_template", None),
+            }
+        )
 
 
 def model_permission() -> dict[str, Any]:
     """The ``permission`` entry of vLLM's model card (what OpenAI's cards once carried)."""
-    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-            "organization": "*", "group": None, "is_blocking": False}
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": int(time.time()),
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def _is_plain(v: Any) -> bool:

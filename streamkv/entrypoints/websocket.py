@@ -37,8 +37,19 @@ logger = logging.getLogger(__name__)
 SUBPROTOCOL = "streamkv"
 _CHAT_KEYS = {"type", "id", "messages", "params"}
 # The socket streams one sample's text: no sample counts, no tool calls, no prompt logprobs.
-_PARAMS_NOT_ALLOWED = ("messages", "stream", "stream_options", "n", "best_of", "use_beam_search",
-                       "tools", "tool_choice", "prompt_logprobs", "echo", "return_token_ids")
+_PARAMS_NOT_ALLOWED = (
+    "messages",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "use_beam_search",
+    "tools",
+    "tool_choice",
+    "prompt_logprobs",
+    "echo",
+    "return_token_ids",
+)
 
 
 class ChatSocket:
@@ -56,10 +67,19 @@ class ChatSocket:
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass  # the socket is closing; run() cancels everything
 
-    async def error(self, mid, e: APIError, rid: str | None = None, head: dict | None = None) -> None:
+    async def error(
+        self, mid, e: APIError, rid: str | None = None, head: dict | None = None
+    ) -> None:
         # A client's mistake as much as the server's trouble: HTTP's show in the access log.
-        logger.warning("WebSocket chat %r (request %s) failed: %d %s%s: %s", mid, rid or "not started", e.status,
-                       e.code or e.type, f" ({e.param})" if e.param else "", e.message)
+        logger.warning(
+            "WebSocket chat %r (request %s) failed: %d %s%s: %s",
+            mid,
+            rid or "not started",
+            e.status,
+            e.code or e.type,
+            f" ({e.param})" if e.param else "",
+            e.message,
+        )
         await self.send({"type": "error", "id": mid, **e.body(), **(head or {})})
 
     async def run(self) -> None:
@@ -68,7 +88,11 @@ class ChatSocket:
                 msg = await self.ws.receive()
                 if msg["type"] == "websocket.disconnect":
                     break
-                raw = msg.get("bytes") if msg.get("text") is None else msg["text"].encode("utf-8", "surrogatepass")
+                raw = (
+                    msg.get("bytes")
+                    if msg.get("text") is None
+                    else msg["text"].encode("utf-8", "surrogatepass")
+                )
                 await self.handle(raw or b"")
         finally:
             for task in self.tasks.values():
@@ -81,26 +105,57 @@ class ChatSocket:
         except APIError as e:
             return await self.error(None, e)
         mid, kind = msg.get("id"), msg.get("type")
-        if isinstance(mid, bool) or not isinstance(mid, (str, int)) or (isinstance(mid, str) and not 0 < len(mid) <= 200):
-            return await self.error(None, APIError("'id' must be a non-empty string (at most 200 characters) or an integer", param="id"))
+        if (
+            isinstance(mid, bool)
+            or not isinstance(mid, (str, int))
+            or (isinstance(mid, str) and not 0 < len(mid) <= 200)
+        ):
+            return await self.error(
+                None,
+                APIError(
+                    "'id' must be a non-empty string (at most 200 characters) or an integer",
+                    param="id",
+                ),
+            )
         if kind == "cancel":
             task = self.tasks.get(mid)
             if task is None:
-                return await self.error(mid, APIError("no running generation has this id", param="id", code="unknown_id"))
+                return await self.error(
+                    mid,
+                    APIError("no running generation has this id", param="id", code="unknown_id"),
+                )
             self.cancelled.add(mid)
             task.cancel()
         elif kind == "chat":
             if mid in self.tasks:
-                return await self.error(mid, APIError("a generation with this id is already running", param="id", code="duplicate_id"))
+                return await self.error(
+                    mid,
+                    APIError(
+                        "a generation with this id is already running",
+                        param="id",
+                        code="duplicate_id",
+                    ),
+                )
             if len(self.tasks) >= self.max_active:
-                return await self.error(mid, APIError(f"at most {self.max_active} generations may run on one socket",
-                                                      429, "rate_limit_error", code="too_many_generations"))
+                return await self.error(
+                    mid,
+                    APIError(
+                        f"at most {self.max_active} generations may run on one socket",
+                        429,
+                        "rate_limit_error",
+                        code="too_many_generations",
+                    ),
+                )
             extra = sorted(set(msg) - _CHAT_KEYS)
             if extra:
-                return await self.error(mid, APIError(f"unrecognized field: '{extra[0]}'", param=extra[0]))
-            self.tasks[mid] = asyncio.create_task(self.generate(mid, msg.get("messages"), msg.get("params")))
+                return await self.error(
+                    mid, APIError(f"unrecognized field: '{extra[0]}'", param=extra[0])
+                )
+            self.tasks[mid] = asyncio.create_task(
+                self.generate(mid, msg.get("messages"), msg.get("params"))
+            )
         else:
-            await self.error(mid, APIError("'type' must be \"chat\" or \"cancel\"", param="type"))
+            await self.error(mid, APIError('\'type\' must be "chat" or "cancel"', param="type"))
 
     async def generate(self, mid, messages, params) -> None:
         streams, num_prompt, last, rid = [], 0, None, None
@@ -117,7 +172,9 @@ class ChatSocket:
                 raise APIError("'params' must be an object", param="params")
             bad = next((k for k in _PARAMS_NOT_ALLOWED if k in params), None)
             if bad is not None:
-                raise APIError(f"'params.{bad}' is not available on the WebSocket", param=f"params.{bad}")
+                raise APIError(
+                    f"'params.{bad}' is not available on the WebSocket", param=f"params.{bad}"
+                )
             req = validate(ChatCompletionRequest, {**params, "messages": messages, "stream": True})
             sampling = req.params()
             ids = await self.serving.chat_prompt(req)
@@ -135,20 +192,39 @@ class ChatSocket:
                     await send({"type": "delta", "id": mid, "text": text[sent:]})
                     sent = len(text)
             c = last.outputs[0]
-            await send({"type": "done", "id": mid, "finish_reason": c.finish_reason,
-                        "usage": usage_of(num_prompt, len(c.token_ids))})
+            await send(
+                {
+                    "type": "done",
+                    "id": mid,
+                    "finish_reason": c.finish_reason,
+                    "usage": usage_of(num_prompt, len(c.token_ids)),
+                }
+            )
         except asyncio.CancelledError:
             if mid not in self.cancelled:
                 raise  # the socket closed
             num_out = len(last.outputs[0].token_ids) if last is not None and last.outputs else 0
-            await send({"type": "done", "id": mid, "finish_reason": "abort", "usage": usage_of(num_prompt, num_out)})
+            await send(
+                {
+                    "type": "done",
+                    "id": mid,
+                    "finish_reason": "abort",
+                    "usage": usage_of(num_prompt, num_out),
+                }
+            )
         except APIError as e:
             await self.error(mid, e, rid, head)
         except ENGINE_ERRORS as e:
             await self.error(mid, engine_error(e), rid, head)
         except Exception:
             logger.exception("WebSocket chat %r (request %s) failed", mid, rid or "not started")
-            await send({"type": "error", "id": mid, **APIError("internal error", 500, "internal_error").body()})
+            await send(
+                {
+                    "type": "error",
+                    "id": mid,
+                    **APIError("internal error", 500, "internal_error").body(),
+                }
+            )
         finally:
             self.serving.abort_all(streams)
             self.tasks.pop(mid, None)

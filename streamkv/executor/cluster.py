@@ -58,16 +58,27 @@ class Placement:
         if not addr and not port:
             return None
         if not addr or not port:
-            raise ValueError("MASTER_ADDR and MASTER_PORT must be set together (ranks on several hosts)")
+            raise ValueError(
+                "MASTER_ADDR and MASTER_PORT must be set together (ranks on several hosts)"
+            )
         local = int(env.get("LOCAL_WORLD_SIZE") or tp)
         return cls.checked(addr, int(port), local, tp, env.get(TOKEN_ENV, ""))
 
     @classmethod
-    def checked(cls, addr: str, port: int, local: int, tp: int, token: str = "",
-                join_timeout: float = JOIN_TIMEOUT) -> Placement:
+    def checked(
+        cls,
+        addr: str,
+        port: int,
+        local: int,
+        tp: int,
+        token: str = "",
+        join_timeout: float = JOIN_TIMEOUT,
+    ) -> Placement:
         if not 1 <= local <= tp:
-            raise ValueError(f"LOCAL_WORLD_SIZE {local} must be 1..tensor_parallel_size ({tp}): rank 0 runs "
-                             "on the engine's host")
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE {local} must be 1..tensor_parallel_size ({tp}): rank 0 runs "
+                "on the engine's host"
+            )
         if not 0 < port < 65536:
             raise ValueError(f"MASTER_PORT {port} is not a TCP port")
         return cls(addr, port, local, token, join_timeout)
@@ -131,17 +142,26 @@ class RankListener:
         try:
             self._sock = socket.create_server((placement.master_addr, placement.master_port))
         except OSError as e:
-            raise OSError(e.errno, f"cannot listen for worker ranks at MASTER_ADDR:MASTER_PORT "
-                                   f"{placement.master_addr}:{placement.master_port}: {e.strerror}") from e
+            raise OSError(
+                e.errno,
+                f"cannot listen for worker ranks at MASTER_ADDR:MASTER_PORT "
+                f"{placement.master_addr}:{placement.master_port}: {e.strerror}",
+            ) from e
         self._decoder = ipc.join_decoder()
         if not placement.token:
-            logger.warning("ranks join %s:%d without a token: set %s on every host to refuse strangers",
-                           placement.master_addr, placement.master_port, TOKEN_ENV)
+            logger.warning(
+                "ranks join %s:%d without a token: set %s on every host to refuse strangers",
+                placement.master_addr,
+                placement.master_port,
+                TOKEN_ENV,
+            )
 
     def close(self) -> None:
         self._sock.close()
 
-    def accept(self, ranks: list[int], tp: int) -> dict[int, tuple[Connection, socket.socket, RemoteRank]]:
+    def accept(
+        self, ranks: list[int], tp: int
+    ) -> dict[int, tuple[Connection, socket.socket, RemoteRank]]:
         """Each of ``ranks``' (control connection, heartbeat socket, handle), once all joined."""
         control: dict[int, tuple[Connection, RemoteRank]] = {}
         beats: dict[int, socket.socket] = {}
@@ -154,7 +174,8 @@ class RankListener:
                 raise JoinTimeout(
                     f"worker rank(s) {missing} did not join {p.master_addr}:{p.master_port} within "
                     f"{p.join_timeout:.0f}s: start `streamkv worker --master-addr {p.master_addr} "
-                    f"--master-port {p.master_port} --ranks {','.join(map(str, missing))}` on their host")
+                    f"--master-port {p.master_port} --ranks {','.join(map(str, missing))}` on their host"
+                )
             self._sock.settimeout(min(left, 1.0))
             try:
                 sock, peer = self._sock.accept()
@@ -172,8 +193,9 @@ class RankListener:
             logger.info("worker rank %d joined from %s (%s)", msg.rank, msg.host, msg.channel)
         return {r: (control[r][0], beats[r], control[r][1]) for r in ranks}
 
-    def _handshake(self, sock: socket.socket, peer, ranks: list[int], tp: int, control: dict,
-                   beats: dict) -> tuple[ipc.Join, Connection] | None:
+    def _handshake(
+        self, sock: socket.socket, peer, ranks: list[int], tp: int, control: dict, beats: dict
+    ) -> tuple[ipc.Join, Connection] | None:
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = Connection(sock.detach())
@@ -201,7 +223,9 @@ class RankListener:
         if not hmac.compare_digest(msg.token.encode(), self.placement.token.encode()):
             return f"wrong cluster token (set the same {TOKEN_ENV} on every host)"
         if msg.world_size and msg.world_size != tp:
-            return f"WORLD_SIZE {msg.world_size} differs from the engine's tensor_parallel_size {tp}"
+            return (
+                f"WORLD_SIZE {msg.world_size} differs from the engine's tensor_parallel_size {tp}"
+            )
         if msg.channel not in ("control", "heartbeat"):
             return f"unknown channel {msg.channel!r}"
         if msg.rank not in ranks:

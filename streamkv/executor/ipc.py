@@ -22,7 +22,9 @@ class Setup(msgspec.Struct, tag="setup", array_like=True):
     rank: int
     tp: int
     config: dict[str, Any]  # dataclasses.asdict(EngineConfig): plain values only
-    model_info: dict[str, Any]  # ModelInfo.to_dict(): the model's facts, resolved once by the engine
+    model_info: dict[
+        str, Any
+    ]  # ModelInfo.to_dict(): the model's facts, resolved once by the engine
     backend: str  # torch.distributed backend: "gloo" or "nccl"
     init_method: str
     log_level: int

@@ -57,7 +57,9 @@ def parse_ranks(text: str) -> tuple[int, ...]:
         lo, _, hi = part.strip().partition("-")
         ranks += range(int(lo), int(hi or lo) + 1)
     if not ranks or min(ranks) < 1 or len(set(ranks)) != len(ranks):
-        raise ValueError(f"--ranks {text!r}: distinct ranks >= 1 (rank 0 runs on the engine's host)")
+        raise ValueError(
+            f"--ranks {text!r}: distinct ranks >= 1 (rank 0 runs on the engine's host)"
+        )
     return tuple(ranks)
 
 
@@ -71,7 +73,12 @@ def run(spec: LaunchSpec) -> int:
             logger.error("the engine refused rank(s) %s: %s", list(spec.ranks), e)
             return 1
         except TimeoutError:
-            logger.info("no engine at %s:%d for %.0fs; exiting", spec.master_addr, spec.master_port, spec.wait)
+            logger.info(
+                "no engine at %s:%d for %.0fs; exiting",
+                spec.master_addr,
+                spec.master_port,
+                spec.wait,
+            )
             return 0 if served else 1
         served += 1
         codes = _supervise(procs)
@@ -82,17 +89,28 @@ def run(spec: LaunchSpec) -> int:
 
 def _start_generation(spec: LaunchSpec) -> list[tuple[subprocess.Popen, socket.socket]]:
     deadline = time.monotonic() + spec.wait
-    joined = [(rank, _join(spec, rank, "control", deadline), _join(spec, rank, "heartbeat", deadline))
-              for rank in spec.ranks]
+    joined = [
+        (rank, _join(spec, rank, "control", deadline), _join(spec, rank, "heartbeat", deadline))
+        for rank in spec.ranks
+    ]
     root = str(Path(__file__).resolve().parent.parent.parent)
     procs = []
     for local, (rank, control, beat) in enumerate(joined):
         env = dict(os.environ)
-        env.update({HEARTBEAT_ENV: str(beat.fileno()), "LOCAL_RANK": str(local), "RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(len(joined))})
+        env.update(
+            {
+                HEARTBEAT_ENV: str(beat.fileno()),
+                "LOCAL_RANK": str(local),
+                "RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(len(joined)),
+            }
+        )
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        proc = subprocess.Popen([sys.executable, "-m", "streamkv.executor.rank", str(control.fileno())],
-                                pass_fds=(control.fileno(), beat.fileno()), env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamkv.executor.rank", str(control.fileno())],
+            pass_fds=(control.fileno(), beat.fileno()),
+            env=env,
+        )
         control.close()  # the rank's now; the heartbeat socket stays open here too (see above)
         procs.append((proc, beat))
         logger.info("rank %d started (pid %d)", rank, proc.pid)
@@ -103,7 +121,9 @@ def _join(spec: LaunchSpec, rank: int, channel: str, deadline: float) -> socket.
     """A connection to the engine's listener that it accepted as ``rank``'s ``channel``."""
     from multiprocessing.connection import Connection
 
-    hello = ipc.encode(ipc.Join(rank, channel, spec.token, spec.world_size, socket.gethostname(), os.getpid()))
+    hello = ipc.encode(
+        ipc.Join(rank, channel, spec.token, spec.world_size, socket.gethostname(), os.getpid())
+    )
     decoder = ipc.join_reply_decoder()
     while True:
         if time.monotonic() > deadline:
@@ -135,7 +155,9 @@ def _supervise(procs: list[tuple[subprocess.Popen, socket.socket]]) -> list[int]
     """Wait for every rank to exit; kill one the engine dropped that outlives GRACE."""
     dropped: dict[int, float] = {}
     while any(p.poll() is None for p, _ in procs):
-        live = [(i, beat) for i, (p, beat) in enumerate(procs) if p.poll() is None and i not in dropped]
+        live = [
+            (i, beat) for i, (p, beat) in enumerate(procs) if p.poll() is None and i not in dropped
+        ]
         readable, _, _ = select.select([b for _, b in live], [], [], 0.5) if live else ([], [], [])
         for i, beat in live:
             if beat in readable:
@@ -148,7 +170,11 @@ def _supervise(procs: list[tuple[subprocess.Popen, socket.socket]]) -> list[int]
         for i, since in dropped.items():
             proc = procs[i][0]
             if proc.poll() is None and time.monotonic() - since > GRACE:
-                logger.warning("rank pid %d outlived its engine connection by %.0fs; killing it", proc.pid, GRACE)
+                logger.warning(
+                    "rank pid %d outlived its engine connection by %.0fs; killing it",
+                    proc.pid,
+                    GRACE,
+                )
                 proc.kill()
         if not live:
             time.sleep(0.1)
@@ -160,16 +186,32 @@ def _supervise(procs: list[tuple[subprocess.Popen, socket.socket]]) -> list[int]
 # -- the command ---------------------------------------------------------------------------
 def add_worker_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="serve tensor-parallel ranks of an engine on another host")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
-                   help="the engine host's address (default $MASTER_ADDR)")
-    p.add_argument("--master-port", type=int, default=os.environ.get("MASTER_PORT"),
-                   help="the engine's rank listener port (default $MASTER_PORT)")
-    p.add_argument("--ranks", default=os.environ.get("RANK"),
-                   help="the ranks this host serves, e.g. 2,3 or 2-3 (default $RANK: one rank, as torchrun "
-                        "starts one process per rank)")
-    p.add_argument("--wait", type=float, default=600.0,
-                   help="seconds to wait for the engine, at start and after each restart, before exiting")
-    p.add_argument("--once", action="store_true", help="exit when the ranks exit instead of joining again")
+    p.add_argument(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR"),
+        help="the engine host's address (default $MASTER_ADDR)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=os.environ.get("MASTER_PORT"),
+        help="the engine's rank listener port (default $MASTER_PORT)",
+    )
+    p.add_argument(
+        "--ranks",
+        default=os.environ.get("RANK"),
+        help="the ranks this host serves, e.g. 2,3 or 2-3 (default $RANK: one rank, as torchrun "
+        "starts one process per rank)",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the engine, at start and after each restart, before exiting",
+    )
+    p.add_argument(
+        "--once", action="store_true", help="exit when the ranks exit instead of joining again"
+    )
     p.set_defaults(func=cmd_worker)
     return p
 
@@ -177,14 +219,23 @@ def add_worker_parser(sub) -> argparse.ArgumentParser:
 def cmd_worker(args: argparse.Namespace) -> int:
     missing = [n for n in ("master_addr", "master_port", "ranks") if getattr(args, n) in (None, "")]
     if missing:
-        raise SystemExit(f"streamkv worker needs {', '.join('--' + m.replace('_', '-') for m in missing)} "
-                         "(or $MASTER_ADDR, $MASTER_PORT, $RANK)")
+        raise SystemExit(
+            f"streamkv worker needs {', '.join('--' + m.replace('_', '-') for m in missing)} "
+            "(or $MASTER_ADDR, $MASTER_PORT, $RANK)"
+        )
     try:
         ranks = parse_ranks(str(args.ranks))
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    spec = LaunchSpec(args.master_addr, int(args.master_port), ranks, os.environ.get(TOKEN_ENV, ""),
-                      int(os.environ.get("WORLD_SIZE") or 0), args.wait, args.once)
+    spec = LaunchSpec(
+        args.master_addr,
+        int(args.master_port),
+        ranks,
+        os.environ.get(TOKEN_ENV, ""),
+        int(os.environ.get("WORLD_SIZE") or 0),
+        args.wait,
+        args.once,
+    )
     return run(spec)
 
 
@@ -193,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamkv.executor.launcher")
     add_worker_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["worker", *(argv if argv is not None else sys.argv[1:])])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return args.func(args)
 
 

@@ -37,7 +37,8 @@ def spawn_rank(supervisor: Supervisor) -> tuple[subprocess.Popen, Connection]:
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamkv.executor.rank", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(), beat.fileno()), env=env,
+            pass_fds=(theirs.fileno(), beat.fileno()),
+            env=env,
         )
     finally:
         theirs.close()
@@ -45,7 +46,9 @@ def spawn_rank(supervisor: Supervisor) -> tuple[subprocess.Popen, Connection]:
     return proc, Connection(ours.detach())
 
 
-def stop_ranks(procs: list, conns: list[Connection], tmpdir: str, supervisor: Supervisor, resources: list) -> None:
+def stop_ranks(
+    procs: list, conns: list[Connection], tmpdir: str, supervisor: Supervisor, resources: list
+) -> None:
     """``procs``: Popen for ranks started here, cluster.RemoteRank for ranks on other hosts
     (their launchers reap them; here they have exited once their connection closed)."""
     supervisor.stop(close=False)  # ranks exiting now are no failure

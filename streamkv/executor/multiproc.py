@@ -65,23 +65,32 @@ class WorkerError(RuntimeError):
     """A worker process failed or died; the executor serves nothing more."""
 
 
-def verify_tensor_parallel(hf_config: dict, tp: int, device: torch.device, local_ranks: int | None = None) -> None:
+def verify_tensor_parallel(
+    hf_config: dict, tp: int, device: torch.device, local_ranks: int | None = None
+) -> None:
     """Refuse, before any process starts, a tensor-parallel size the model cannot split
     (from config numbers, without building the model here) or this host's GPUs cannot hold
     (its ``local_ranks``, default all: the other hosts' launchers check their own)."""
     check_tensor_parallel(hf_config, tp)
     local = tp if local_ranks is None else local_ranks
     if device.type == "cuda" and local > torch.cuda.device_count():
-        raise ValueError(f"{local} worker rank(s) on this host need {local} GPUs, but "
-                         f"{torch.cuda.device_count()} are visible (tensor_parallel_size {tp})")
+        raise ValueError(
+            f"{local} worker rank(s) on this host need {local} GPUs, but "
+            f"{torch.cuda.device_count()} are visible (tensor_parallel_size {tp})"
+        )
 
 
 class MultiprocExecutor(Executor):
     resolves_pending_tokens = True
 
     def __init__(
-        self, config: EngineConfig, step_timeout: float | None = 600.0, load_timeout: float | None = None,
-        model_info: ModelInfo | None = None, placement: Placement | None = None, diverge_timeout: float = 10.0,
+        self,
+        config: EngineConfig,
+        step_timeout: float | None = 600.0,
+        load_timeout: float | None = None,
+        model_info: ModelInfo | None = None,
+        placement: Placement | None = None,
+        diverge_timeout: float = 10.0,
     ) -> None:
         mc = config.model
         self.tp = mc.tensor_parallel_size
@@ -104,14 +113,28 @@ class MultiprocExecutor(Executor):
         self._resources: list = []  # the remote ranks' listener and store, dropped at shutdown
         # Set up before the first process starts, so that even a failure halfway through
         # starting them leaves nothing behind; it also runs at interpreter exit.
-        self._supervisor = Supervisor()  # heartbeats: a frozen rank is killed, so it fails like a dead one
-        self._finalizer = weakref.finalize(self, stop_ranks, self._procs, self._conns, self._tmpdir, self._supervisor,
-                                           self._resources)
+        self._supervisor = (
+            Supervisor()
+        )  # heartbeats: a frozen rank is killed, so it fails like a dead one
+        self._finalizer = weakref.finalize(
+            self,
+            stop_ranks,
+            self._procs,
+            self._conns,
+            self._tmpdir,
+            self._supervisor,
+            self._resources,
+        )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         try:
             init_method = rendezvous(self.placement, self._tmpdir, self.tp, self._resources)
-            setup = (dataclasses.asdict(config), self.model_info.to_dict(), backend, init_method,
-                     logging.getLogger().getEffectiveLevel())
+            setup = (
+                dataclasses.asdict(config),
+                self.model_info.to_dict(),
+                backend,
+                init_method,
+                logging.getLogger().getEffectiveLevel(),
+            )
             for rank in range(local):
                 proc, conn = spawn_rank(self._supervisor)
                 self._procs.append(proc)
@@ -140,7 +163,11 @@ class MultiprocExecutor(Executor):
 
     def _send_setup(self, rank: int, conn: Connection, setup: tuple) -> None:
         config_data, info_data, backend, init_method, log_level = setup
-        conn.send_bytes(ipc.encode(ipc.Setup(rank, self.tp, config_data, info_data, backend, init_method, log_level)))
+        conn.send_bytes(
+            ipc.encode(
+                ipc.Setup(rank, self.tp, config_data, info_data, backend, init_method, log_level)
+            )
+        )
 
     # -- the Executor interface -----------------------------------------------------------
     def num_available_blocks(self) -> tuple[int, int]:
@@ -207,7 +234,9 @@ class MultiprocExecutor(Executor):
         except WorkerError:
             raise
         except BaseException:
-            self._retire(f"a call to the workers was interrupted while awaiting {ipc.kind(reply)!r}")
+            self._retire(
+                f"a call to the workers was interrupted while awaiting {ipc.kind(reply)!r}"
+            )
             raise
 
     def _read_step_reply(self) -> ipc.Out:
@@ -218,8 +247,12 @@ class MultiprocExecutor(Executor):
             return self._gather(ipc.Out, self.step_timeout)[0]
         except (WorkerError, StepFailed):
             raise
-        except BaseException:  # interrupted with a reply unread: a later read would take it as its own
-            self._retire(f"a call to the workers was interrupted while awaiting {ipc.kind(ipc.Out)!r}")
+        except (
+            BaseException
+        ):  # interrupted with a reply unread: a later read would take it as its own
+            self._retire(
+                f"a call to the workers was interrupted while awaiting {ipc.kind(ipc.Out)!r}"
+            )
             raise
 
     def _retire(self, why: str) -> None:
@@ -238,8 +271,15 @@ class MultiprocExecutor(Executor):
 
     def _gather(self, reply: type, timeout: float | None) -> list:
         """One ``reply`` from each rank, in rank order (executor/rank_replies.py)."""
-        return gather(self._conns, self._decoder, reply, timeout, self.diverge_timeout, self._fail,
-                      self._death_message)
+        return gather(
+            self._conns,
+            self._decoder,
+            reply,
+            timeout,
+            self.diverge_timeout,
+            self._fail,
+            self._death_message,
+        )
 
     def _death_message(self, rank: int) -> str:
         return death_message(self._procs[rank], rank)
@@ -255,4 +295,3 @@ class MultiprocExecutor(Executor):
                 proc.terminate()
         self._finalizer()
         raise WorkerError(message)
-

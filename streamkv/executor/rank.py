@@ -49,7 +49,9 @@ def main(fd: int) -> None:
     if not isinstance(setup, ipc.Setup):
         raise ValueError(f"expected the setup message first, got {ipc.kind(setup)!r}")
     rank, tp = setup.rank, setup.tp
-    logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
+    )
     try:
         import torch
 
@@ -103,7 +105,9 @@ def _init_distributed(setup: ipc.Setup) -> None:
     # One host: rendezvous through a file, the collectives' own sockets on loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=setup.init_method, rank=rank, world_size=tp, timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=setup.init_method, rank=rank, world_size=tp, timeout=timeout
+    )
 
 
 # With one step in flight on the device, how often to look whether it is done and whether the
@@ -159,7 +163,9 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
                 held.append(msg)
                 continue
             launched.append(_launch(worker, msg, profiler))
-            if launched[-1].error is not None:  # answered now (after the steps before it): Resume is due
+            if (
+                launched[-1].error is not None
+            ):  # answered now (after the steps before it): Resume is due
                 resumes_due += _answer_all(rank, conn, launched)
             continue
         if isinstance(msg, ipc.Resume):

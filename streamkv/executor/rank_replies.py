@@ -19,8 +19,15 @@ from streamkv.executor.cluster import RemoteRank
 from streamkv.messages import StepFailed
 
 
-def gather(conns: list[Connection], decoder: msgspec.msgpack.Decoder, reply: type, timeout: float | None,
-           diverge_timeout: float, fail: Callable[[str], NoReturn], death: Callable[[int], str]) -> list:
+def gather(
+    conns: list[Connection],
+    decoder: msgspec.msgpack.Decoder,
+    reply: type,
+    timeout: float | None,
+    diverge_timeout: float,
+    fail: Callable[[str], NoReturn],
+    death: Callable[[int], str],
+) -> list:
     """One ``reply`` message from each rank, in rank order (to a step, ranks other than 0
     answer Ok); raises WorkerError as soon as any rank reports an error or dies, or at the
     timeout (``fail`` raises it; ``death(rank)`` says what became of a rank whose pipe
@@ -38,9 +45,11 @@ def gather(conns: list[Connection], decoder: msgspec.msgpack.Decoder, reply: typ
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             if failed:
-                fail(f"worker rank(s) {sorted(failed)} failed a step ({next(iter(failed.values()))}) "
-                     f"while rank(s) {sorted(pending)} did not finish it within {diverge_timeout:.0f}s:"
-                     " the ranks diverged")
+                fail(
+                    f"worker rank(s) {sorted(failed)} failed a step ({next(iter(failed.values()))}) "
+                    f"while rank(s) {sorted(pending)} did not finish it within {diverge_timeout:.0f}s:"
+                    " the ranks diverged"
+                )
             fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
         for conn in wait([conns[r] for r in pending], left):
             rank = conns.index(conn)
@@ -60,7 +69,9 @@ def gather(conns: list[Connection], decoder: msgspec.msgpack.Decoder, reply: typ
                 end = time.monotonic() + diverge_timeout
                 deadline = end if deadline is None else min(deadline, end)
             elif not isinstance(msg, want) or rank not in pending:
-                fail(f"worker rank {rank} sent {ipc.kind(msg)!r} while {ipc.kind(want)!r} was awaited")
+                fail(
+                    f"worker rank {rank} sent {ipc.kind(msg)!r} while {ipc.kind(want)!r} was awaited"
+                )
             replies[rank] = msg
             pending.discard(rank)
     if failed:
@@ -71,7 +82,11 @@ def gather(conns: list[Connection], decoder: msgspec.msgpack.Decoder, reply: typ
             except OSError:
                 fail(death(rank))
         rank, message = min(failed.items())
-        raise StepFailed(message if len(failed) == len(conns) else f"{message} (on worker rank(s) {sorted(failed)})")
+        raise StepFailed(
+            message
+            if len(failed) == len(conns)
+            else f"{message} (on worker rank(s) {sorted(failed)})"
+        )
     return [replies[r] for r in sorted(replies)]
 
 

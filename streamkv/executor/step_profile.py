@@ -69,12 +69,15 @@ class StepProfiler:
                 ops[e.key] = ops.get(e.key, 0.0) + us
         n = self.count
         result = {
-            "rank": self.rank, "steps": n, "clock": "device" if on_device else "cpu",
+            "rank": self.rank,
+            "steps": n,
+            "clock": "device" if on_device else "cpu",
             "wall_ms_per_step": round(1e3 * self._wall / n, 3),
             "profiled_ms_per_step": round(total / 1e3 / n, 3),
             "collective_ms_per_step": round(sum(ops.values()) / 1e3 / n, 3),
-            "collective_ops_ms_per_step": {k: round(v / 1e3 / n, 3) for k, v in
-                                           sorted(ops.items(), key=lambda kv: -kv[1])[:8]},
+            "collective_ops_ms_per_step": {
+                k: round(v / 1e3 / n, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]
+            },
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(result, indent=2))

@@ -131,9 +131,11 @@ class Supervisor:
                 if now - last[rank] > self.timeout and not self._stop.is_set():
                     live.discard(rank)
                     pid = self._pids[rank]
-                    self._killed = (f"worker rank {rank} ({f'pid {pid}' if pid else 'remote'}) sent no heartbeat for "
-                                    f"{now - last[rank]:.1f} s (frozen); "
-                                    f"{'killed it' if pid else 'dropped it, for its launcher to kill'}")
+                    self._killed = (
+                        f"worker rank {rank} ({f'pid {pid}' if pid else 'remote'}) sent no heartbeat for "
+                        f"{now - last[rank]:.1f} s (frozen); "
+                        f"{'killed it' if pid else 'dropped it, for its launcher to kill'}"
+                    )
                     self._record(self._killed)
                     self._end(rank)
 

@@ -116,7 +116,9 @@ def reshape_and_cache(
 def _reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
     num_tokens, num_kv_heads, head = key.shape
     if value_cache.dtype != key_cache.dtype or key.dtype not in DTYPE_NAMES:
-        raise TypeError(f"no fp8 cache write from {key.dtype} into {key_cache.dtype} / {value_cache.dtype}")
+        raise TypeError(
+            f"no fp8 cache write from {key.dtype} into {key_cache.dtype} / {value_cache.dtype}"
+        )
     if head % 2:
         raise ValueError(f"the fp8 cache write takes element pairs: head size {head} is odd")
     value = value.to(key.dtype)

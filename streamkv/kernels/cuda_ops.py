@@ -65,4 +65,3 @@ _stream = launch.stream
 _next_pow2 = launch.next_pow2
 _aligned16 = launch.aligned16
 _sm_count = launch.sm_count
-

@@ -44,7 +44,12 @@ DEFAULT_VARIANT = DecodeVariant()
 
 @lru_cache(maxsize=256)
 def _attention_kernels(
-    dtype: str, head: int, block: int, gpad: int, variant: DecodeVariant, device: int,
+    dtype: str,
+    head: int,
+    block: int,
+    gpad: int,
+    variant: DecodeVariant,
+    device: int,
     cache: str | None = None,
 ) -> tuple[str, nvrtc.Kernel, nvrtc.Kernel]:
     """(resolved kernel kind, decode kernel, merge kernel) for one variant on one device:
@@ -101,13 +106,16 @@ def _check(query, key_cache, value_cache) -> None:
     if cache_head != head or value_cache.shape != key_cache.shape:
         raise ValueError(f"query head size {head} vs caches {tuple(key_cache.shape)}")
     if query.shape[1] % num_kv_heads:
-        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
+        raise ValueError(
+            f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads"
+        )
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("KV caches must be contiguous")
     check_block_size(key_cache.shape[2])
-    if not (launch.aligned16(key_cache) and launch.aligned16(value_cache)) or (
-        head * key_cache.element_size()
-    ) % 16:
+    if (
+        not (launch.aligned16(key_cache) and launch.aligned16(value_cache))
+        or (head * key_cache.element_size()) % 16
+    ):
         raise ValueError("KV cache rows must be 16-byte aligned")
 
 
@@ -132,17 +140,45 @@ def paged_attention_decode(
     _check(query, key_cache, value_cache)
     if is_fp8(key_cache.dtype):
         out = _decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale * k_scale,
-            max_context_len, partition_size, out, variant, FP8_CUDA_NAME,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale * k_scale,
+            max_context_len,
+            partition_size,
+            out,
+            variant,
+            FP8_CUDA_NAME,
         )
         return out if v_scale == 1.0 else out.mul_(v_scale)
-    return _decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                   max_context_len, partition_size, out, variant)
+    return _decode(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale,
+        max_context_len,
+        partition_size,
+        out,
+        variant,
+    )
 
 
 def _decode(
-    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
-    partition_size, out, variant, cache: str | None = None,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    max_context_len,
+    partition_size,
+    out,
+    variant,
+    cache: str | None = None,
 ) -> torch.Tensor:
     """The launches; ``cache`` is the fp8 cache's CUDA type (kernels in the query's dtype)."""
     num_seqs, num_heads, head = query.shape
@@ -159,7 +195,9 @@ def _decode(
     if out is None:
         out = torch.empty((num_seqs, num_heads, head), dtype=dtype, device=query.device)
     elif out.shape != query.shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError("out must be a contiguous [seqs, heads, head] tensor of the kernels' dtype")
+        raise ValueError(
+            "out must be a contiguous [seqs, heads, head] tensor of the kernels' dtype"
+        )
     if num_seqs == 0:
         return out.to(query.dtype)
     group = num_heads // num_kv_heads
@@ -175,8 +213,13 @@ def _decode(
 
     if partition_size is None:
         partition_size = choose_partition_size(
-            decode, num_seqs * num_kv_heads * chunks, max_context_len, block_size, smem,
-            query.device, TC_LONG_WAVES if kind == "tensor_core" else CUDA_CORE_LONG_WAVES,
+            decode,
+            num_seqs * num_kv_heads * chunks,
+            max_context_len,
+            block_size,
+            smem,
+            query.device,
+            TC_LONG_WAVES if kind == "tensor_core" else CUDA_CORE_LONG_WAVES,
         )
     if partition_size % block_size or not 0 < partition_size <= PARTITION_SIZES[0]:
         raise ValueError(f"partition size {partition_size} vs block size {block_size}")

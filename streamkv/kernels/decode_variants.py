@@ -145,7 +145,11 @@ def attention_names(
 
 
 def attention_smem(
-    partition_size: int, gpad: int, head: int, dtype: torch.dtype, stages: int,
+    partition_size: int,
+    gpad: int,
+    head: int,
+    dtype: torch.dtype,
+    stages: int,
     kernel: str = "cuda_core",
 ) -> int:
     """Dynamic shared memory of a decode kernel (mirrors paged_attention.cu); ``dtype`` is

@@ -59,7 +59,9 @@ def _aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in t.stride()[:-1])
 
 
-def _kernel_ok(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: GemvConfig) -> bool:
+def _kernel_ok(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: GemvConfig
+) -> bool:
     return (
         x.is_cuda
         and x.dim() == 2
@@ -79,8 +81,12 @@ def _kernel_ok(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           config: GemvConfig | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
     """``F.linear(x, w, b)`` for x [tokens, in], w [out, in]."""
     config = config or DEFAULT
     if _kernel_ok(x, w, b, config):
@@ -90,8 +96,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return F.linear(x, w, b)
 
 
-def linear_silu_and_mul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-                        config: GemvConfig | None = None) -> torch.Tensor:
+def linear_silu_and_mul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
     """``fused.silu_and_mul(F.linear(x, w, b))``: w holds gate rows, then as many up rows."""
     config = config or DEFAULT
     if w.shape[0] % 2 == 0 and _kernel_ok(x, w, b, config):

@@ -28,8 +28,14 @@ def _kernel(dtype: str, rows: int, unroll: int, silu: bool, device: int) -> nvrt
     return module.kernel(kernel_name(dtype, rows, unroll, silu))
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, silu: bool,
-         config: GemvConfig = DEFAULT, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    silu: bool,
+    config: GemvConfig = DEFAULT,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The kernel launch (callers checked the layout). ``out``: a [m, n] tensor with unit
     column stride to write into (tests poison it first)."""
     m, k = x.shape

@@ -28,7 +28,9 @@ from cuda.bindings import driver, nvrtc
 
 # Shipped in the package as streamkv/kernels_cu (setup.py); the repository's kernels_cu/ in a checkout.
 _PACKAGED = Path(__file__).resolve().parents[1] / "kernels_cu"
-KERNELS_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[2] / "kernels_cu"
+KERNELS_DIR = (
+    _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[2] / "kernels_cu"
+)
 _BASE_OPTIONS = ("-std=c++17", "-DNDEBUG")
 
 
@@ -236,8 +238,14 @@ class Kernel:
         holders = [ctype(value) for ctype, value in args]
         params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
         if pdl:
-            check(driver.cuLaunchKernelEx(_pdl_config(grid, block, shared_mem, stream),
-                                          self.function, ctypes.addressof(params), 0))
+            check(
+                driver.cuLaunchKernelEx(
+                    _pdl_config(grid, block, shared_mem, stream),
+                    self.function,
+                    ctypes.addressof(params),
+                    0,
+                )
+            )
             return
         check(
             driver.cuLaunchKernel(

@@ -83,12 +83,26 @@ def paged_attention_decode(
         from streamkv.kernels import cuda_ops
 
         return cuda_ops.paged_attention_decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
-            k_scale=k_scale, v_scale=v_scale,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
+            max_context_len,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return paged_attention_decode_ref(
-        query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
-        k_scale, v_scale,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale,
+        max_context_len,
+        k_scale,
+        v_scale,
     )
 
 
@@ -118,8 +132,15 @@ def _gather_read(cache, block_tables, num_blocks: int, scale: float, dtype: torc
 
 
 def paged_attention_decode_ref(
-    query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None,
-    k_scale=1.0, v_scale=1.0,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    max_context_len=None,
+    k_scale=1.0,
+    v_scale=1.0,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = query.shape
     if num_seqs > _DECODE_CHUNK:
@@ -128,8 +149,14 @@ def paged_attention_decode_ref(
         for i in range(0, num_seqs, _DECODE_CHUNK):
             sel = order[i : i + _DECODE_CHUNK]
             out[sel] = paged_attention_decode_ref(
-                query[sel], key_cache, value_cache, block_tables[sel], context_lens[sel], scale,
-                k_scale=k_scale, v_scale=v_scale,
+                query[sel],
+                key_cache,
+                value_cache,
+                block_tables[sel],
+                context_lens[sel],
+                scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -176,18 +203,42 @@ def paged_attention_prefill_varlen(
 
         if prefill.supports(key_cache.dtype, query.shape[-1], query.dtype):
             return prefill.paged_attention_prefill_varlen(
-                query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out,
-                k_scale=k_scale, v_scale=v_scale,
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                cu_query_lens,
+                context_lens,
+                scale,
+                out,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
     return paged_attention_prefill_varlen_ref(
-        query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out,
-        k_scale, v_scale,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_query_lens,
+        context_lens,
+        scale,
+        out,
+        k_scale,
+        v_scale,
     )
 
 
 def paged_attention_prefill_varlen_ref(
-    query, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, out=None,
-    k_scale=1.0, v_scale=1.0,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    cu_query_lens,
+    context_lens,
+    scale,
+    out=None,
+    k_scale=1.0,
+    v_scale=1.0,
 ) -> torch.Tensor:
     """Each span through torch's SDPA on its gathered K/V (docs/kernels.md)."""
     if out is None:
@@ -196,15 +247,27 @@ def paged_attention_prefill_varlen_ref(
     for i, ctx in enumerate(context_lens.tolist()):
         if cu[i + 1] > cu[i]:
             out[cu[i] : cu[i + 1]] = _prefill_span_ref(
-                query[cu[i] : cu[i + 1]], key_cache, value_cache, block_tables[i], ctx, scale,
-                k_scale, v_scale,
+                query[cu[i] : cu[i + 1]],
+                key_cache,
+                value_cache,
+                block_tables[i],
+                ctx,
+                scale,
+                k_scale,
+                v_scale,
             )
     return out
 
 
 def _prefill_span_ref(
-    query, key_cache, value_cache, block_table, context_len: int, scale: float,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    context_len: int,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]

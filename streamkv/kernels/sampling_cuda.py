@@ -46,8 +46,14 @@ def load(device: torch.device) -> None:
         _kernel(launch.DTYPE_NAMES[t], launch.device_index(device))
 
 
-def draw_table(rows: list[int], modes: list[int], temperatures: list[float], top_ps: list[float],
-               min_ps: list[float], bases: np.ndarray) -> torch.Tensor:
+def draw_table(
+    rows: list[int],
+    modes: list[int],
+    temperatures: list[float],
+    top_ps: list[float],
+    min_ps: list[float],
+    bases: np.ndarray,
+) -> torch.Tensor:
     """The kernel's per-draw records (int32 [draws, 8], on the host): ``bases`` are uint64
     (stream_hash.stream_bases; anything for rows without a seed)."""
     n = len(rows)
@@ -65,8 +71,12 @@ def threads_for(vocab: int, dtype: torch.dtype) -> int:
     return min(THREADS, max(32, -(-vectors // 32) * 32))
 
 
-def sample(logits: torch.Tensor, table: torch.Tensor, chosen: torch.Tensor,
-           random_bases: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    table: torch.Tensor,
+    chosen: torch.Tensor,
+    random_bases: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Runs the draws of ``table`` (draw_table's, already on the logits' device) over
     ``logits`` [rows, vocab] (unit stride along the vocabulary): writes the GREEDY and SAMPLE
     tokens into ``chosen`` (int64 [draws]) and returns every draw's logprob (float32).
@@ -75,7 +85,9 @@ def sample(logits: torch.Tensor, table: torch.Tensor, chosen: torch.Tensor,
     if logits.dtype not in DTYPES or logits.stride(1) != 1:
         raise ValueError(f"sampling kernel: logits {logits.dtype} with strides {logits.stride()}")
     if chosen.shape != (draws,) or chosen.dtype != torch.int64 or not chosen.is_contiguous():
-        raise ValueError(f"sampling kernel: chosen {chosen.dtype} {tuple(chosen.shape)} for {draws} draws")
+        raise ValueError(
+            f"sampling kernel: chosen {chosen.dtype} {tuple(chosen.shape)} for {draws} draws"
+        )
     logprobs = torch.empty(draws, dtype=torch.float32, device=logits.device)
     if draws == 0:
         return logprobs

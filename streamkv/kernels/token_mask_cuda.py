@@ -36,9 +36,16 @@ def ban_outside_masks(logits: torch.Tensor, words: torch.Tensor, rows: torch.Ten
         return
     blocks = -(-vocab // (THREADS * TOKENS_PER_THREAD))
     _kernel(launch.device_index(logits.device)).launch(
-        (blocks, n, 1), (THREADS, 1, 1),
-        [(PTR, logits.data_ptr()), (PTR, words.data_ptr()), (PTR, rows.data_ptr() if rows is not None else 0),
-         (LONG, logits.stride(0)), (INT, num_words), (INT, vocab)],
+        (blocks, n, 1),
+        (THREADS, 1, 1),
+        [
+            (PTR, logits.data_ptr()),
+            (PTR, words.data_ptr()),
+            (PTR, rows.data_ptr() if rows is not None else 0),
+            (LONG, logits.stride(0)),
+            (INT, num_words),
+            (INT, vocab),
+        ],
         launch.stream(logits.device),
     )
 
@@ -49,19 +56,47 @@ class BanLaunch:
     row count. Building a launch's ctypes arguments costs the host microseconds a step, which
     is what a small model's structured step is made of."""
 
-    def __init__(self, device: torch.device, words: torch.Tensor, rows: torch.Tensor, vocab: int, row_stride: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        words: torch.Tensor,
+        rows: torch.Tensor,
+        vocab: int,
+        row_stride: int,
+    ) -> None:
         self.key = (words.data_ptr(), rows.data_ptr(), words.shape[1], vocab, row_stride)
         self.function = _kernel(launch.device_index(device)).function
         self.blocks = -(-vocab // (THREADS * TOKENS_PER_THREAD))
         self._logits = PTR(0)
-        self._args = [self._logits, PTR(words.data_ptr()), PTR(rows.data_ptr()), LONG(row_stride),
-                      INT(words.shape[1]), INT(vocab)]  # kept: the params block points at them
-        self._params = (ctypes.c_void_p * len(self._args))(*(ctypes.addressof(a) for a in self._args))
+        self._args = [
+            self._logits,
+            PTR(words.data_ptr()),
+            PTR(rows.data_ptr()),
+            LONG(row_stride),
+            INT(words.shape[1]),
+            INT(vocab),
+        ]  # kept: the params block points at them
+        self._params = (ctypes.c_void_p * len(self._args))(
+            *(ctypes.addressof(a) for a in self._args)
+        )
 
     def __call__(self, logits: torch.Tensor, n: int) -> None:
         """Ban logits row rows[r] outside words[r], r < ``n`` (the buffer's first rows)."""
         if n == 0:
             return
         self._logits.value = logits.data_ptr()
-        nvrtc.check(driver.cuLaunchKernel(self.function, self.blocks, n, 1, THREADS, 1, 1, 0,
-                                          launch.stream(logits.device), ctypes.addressof(self._params), 0))
+        nvrtc.check(
+            driver.cuLaunchKernel(
+                self.function,
+                self.blocks,
+                n,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                launch.stream(logits.device),
+                ctypes.addressof(self._params),
+                0,
+            )
+        )

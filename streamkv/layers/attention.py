@@ -76,7 +76,9 @@ class PagedAttention(torch.nn.Module):
             return meta.piecewise.attention(self, q, k, v, kv_cache)
         return self.attend(q, k, v, kv_cache, meta)
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Write the step's K/V into their slots, then attend: decode rows in one call, every
         prefill span in one varlen call. Rows past the decodes and spans are left as they are."""
         key_cache, value_cache = kv_cache
@@ -85,20 +87,38 @@ class PagedAttention(torch.nn.Module):
         d = meta.num_decode
         if out is None and d and d == q.shape[0]:  # decode only (every CUDA graph): no output copy
             return ops.paged_attention_decode(
-                q, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, meta.decode_max_context_len, **scales,
+                q,
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                meta.decode_max_context_len,
+                **scales,
             )
         if out is None:
             out = torch.empty_like(q)
         if d:
             out[:d] = ops.paged_attention_decode(
-                q[:d], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, meta.decode_max_context_len, **scales,
+                q[:d],
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                meta.decode_max_context_len,
+                **scales,
             )
         if meta.num_prefill_spans:
             ops.paged_attention_prefill_varlen(
-                q[d:], key_cache, value_cache, meta.prefill_block_tables,
-                meta.prefill_cu_query_lens, meta.prefill_context_lens, self.scale, out=out[d:],
+                q[d:],
+                key_cache,
+                value_cache,
+                meta.prefill_block_tables,
+                meta.prefill_cu_query_lens,
+                meta.prefill_context_lens,
+                self.scale,
+                out=out[d:],
                 **scales,
             )
         return out

@@ -99,7 +99,9 @@ class ParallelLinear(nn.Module):
         """Load the full weights of each logical output (in ``out_splits`` order)."""
         w = torch.cat([self.shard(t, i) for i, t in enumerate(weights)], dim=0)
         if w.shape != self.weight.shape:
-            raise ValueError(f"weight shape {tuple(w.shape)} != expected {tuple(self.weight.shape)}")
+            raise ValueError(
+                f"weight shape {tuple(w.shape)} != expected {tuple(self.weight.shape)}"
+            )
         self.weight.data.copy_(w)
         if self.bias is not None:
             if biases is None:
@@ -131,7 +133,13 @@ class ParallelLinear(nn.Module):
         """``silu(gate) * up`` of this layer's output, where the layer is a fused gate/up
         projection (two equal outputs, column-parallel, not gathered): [tokens, 2 I] is
         never written for a few tokens, the product kernel applies the activation itself."""
-        if self.parallel != "column" or self.gather_output or len(self.out_splits) != 2 \
-                or self.out_splits[0] != self.out_splits[1]:
-            raise ValueError("silu_and_mul needs a column-parallel gate/up projection of two equal outputs")
+        if (
+            self.parallel != "column"
+            or self.gather_output
+            or len(self.out_splits) != 2
+            or self.out_splits[0] != self.out_splits[1]
+        ):
+            raise ValueError(
+                "silu_and_mul needs a column-parallel gate/up projection of two equal outputs"
+            )
         return gemv.linear_silu_and_mul(x, self.weight, self.bias)

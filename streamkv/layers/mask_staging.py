@@ -47,9 +47,13 @@ class MaskStaging:
         self.host_words = self.host_rows.reshape(0, width)
         self.masks: list[StagedMask] = []  # one per row, made once per capacity
         self._device: torch.Tensor | None = None
-        self._uploaded: torch.cuda.Event | None = None  # recorded after each upload (one event, re-recorded)
+        self._uploaded: torch.cuda.Event | None = (
+            None  # recorded after each upload (one event, re-recorded)
+        )
         self._pending = False  # an upload was recorded since the last fill waited for it
-        self.launch: object | None = None  # the device's cached kernel launch (kernels/token_mask_cuda.py)
+        self.launch: object | None = (
+            None  # the device's cached kernel launch (kernels/token_mask_cuda.py)
+        )
 
     def fill(self, n: int, write: Callable[[np.ndarray], None]) -> list[StagedMask]:
         """Rows 0..n-1, written in place by ``write(int32 [n, width])``; valid until the
@@ -64,7 +68,9 @@ class MaskStaging:
             write(self.host_words[:n])
         return self.masks[:n]
 
-    def upload(self, device: torch.device, staged: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def upload(
+        self, device: torch.device, staged: list[int], rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Staged row staged[i] bans logits row rows[i] (``staged``: each of the last fill's
         rows once): copy the row indices and those rows' words to ``device`` without
         blocking; their device views: words int32 [n, width], rows int32 [n]."""
@@ -79,7 +85,9 @@ class MaskStaging:
             # A normal tensor even when made in the sampler's inference mode, so that a call
             # outside it may still copy into it.
             with torch.inference_mode(False):
-                dev = self._device = torch.empty(cap * (width + 1), dtype=torch.int32, device=device)
+                dev = self._device = torch.empty(
+                    cap * (width + 1), dtype=torch.int32, device=device
+                )
             # The last upload was waited for above; the event is made anew on this device.
             self.launch, self._uploaded = None, None
         end = cap + n * width

@@ -17,7 +17,9 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype=torch.float32, device="cpu") -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -39,8 +41,12 @@ class LayerNorm(nn.Module):
         self.eps, self.shape = eps, (hidden_size,)
         self.weight = self.bias = None
         if affine:
-            self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
-            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+            self.weight = nn.Parameter(
+                torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias = nn.Parameter(
+                torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

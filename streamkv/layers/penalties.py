@@ -42,7 +42,9 @@ class TokenCounts:
             self.prompt[row, on_device(self.prompt.device, list(prompt_ids))] = True
         if output_ids:
             ids = on_device(self.output.device, list(output_ids))
-            self.output[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+            self.output[row].index_put_(
+                (ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True
+            )
         return row
 
     def free(self, row: int) -> None:

@@ -30,16 +30,26 @@ class SampleRequest:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     counts: TokenCounts | None = None  # where the sequence's token counts live (penalties)
     counts_row: int = -1
-    token_mask: TokenMask | None = None  # structured outputs: the allowed tokens (layers/token_mask.py)
+    token_mask: TokenMask | None = (
+        None  # structured outputs: the allowed tokens (layers/token_mask.py)
+    )
     allowed_mask: bytes | None = None  # allowed_token_ids, as a token mask made once per sequence
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes this row's logits before drawing (then in float32)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.banned_token_ids or self.token_mask is not None
-                    or self.allowed_mask is not None)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.banned_token_ids
+            or self.token_mask is not None
+            or self.allowed_mask is not None
+        )

@@ -22,8 +22,15 @@ class SampledBatch(Sequence):
     results are copied to pinned host memory without blocking as soon as they are launched;
     the first read waits for that copy alone."""
 
-    def __init__(self, reqs: list[SampleRequest], chosen: torch.Tensor, chosen_lp: torch.Tensor,
-                 asks: list[int], top, finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        reqs: list[SampleRequest],
+        chosen: torch.Tensor,
+        chosen_lp: torch.Tensor,
+        asks: list[int],
+        top,
+        finish: Callable[[], None] | None = None,
+    ) -> None:
         self.reqs, self.tokens, self._asks = reqs, chosen, asks
         self._device = [chosen, chosen_lp] + ([top.indices, top.values] if top is not None else [])
         # ``finish``: the rest of the torch path's top-p rejection rounds, which read their
@@ -65,8 +72,14 @@ class SampledBatch(Sequence):
         return self._results
 
 
-def _to_results(reqs: list[SampleRequest], asks: list[int], chosen: list[int], lps: list[float],
-                top_ids: list | None = None, top_vals: list | None = None) -> list[SampleResult]:
+def _to_results(
+    reqs: list[SampleRequest],
+    asks: list[int],
+    chosen: list[int],
+    lps: list[float],
+    top_ids: list | None = None,
+    top_vals: list | None = None,
+) -> list[SampleResult]:
     ids = dict(zip(asks, top_ids or ()))
     vals = dict(zip(asks, top_vals or ()))
     results: list[SampleResult] = []

@@ -97,6 +97,7 @@ class Sampler:
             def finish() -> None:
                 rounds()
                 chosen_lp.copy_(logprobs[rows, chosen])
+
         asks, top = _top_logprobs(logprobs, reqs, None)
         return SampledBatch(list(reqs), chosen, chosen_lp, asks, top, finish)
 
@@ -120,8 +121,9 @@ class Sampler:
                 chosen[_on(dev, [p[0] for p in top_k])] = picked
         random_bases = None
         if kernel.SAMPLE | kernel.UNSEEDED in modes:
-            random_bases = torch.randint(0, 2**62, (len(draws),), dtype=torch.int64, device=dev,
-                                         generator=self.generator)
+            random_bases = torch.randint(
+                0, 2**62, (len(draws),), dtype=torch.int64, device=dev, generator=self.generator
+            )
         chosen_lp = kernel.sample(logits, _on(dev, table), chosen, random_bases)
         asks, top = _top_logprobs(logits, reqs, torch.float32)
         return SampledBatch(list(reqs), chosen, chosen_lp, asks, top)
@@ -135,7 +137,9 @@ def _draws(reqs: Sequence[SampleRequest]) -> list[tuple[int, SampleRequest, int]
     return [(i, r, r.sample_index + j) for i, r in enumerate(reqs) for j in range(r.num_samples)]
 
 
-def _kernel_plan(reqs: Sequence[SampleRequest], vocab: int) -> tuple[list[tuple], list[int], torch.Tensor, bool]:
+def _kernel_plan(
+    reqs: Sequence[SampleRequest], vocab: int
+) -> tuple[list[tuple], list[int], torch.Tensor, bool]:
     """One pass over the requests for the kernel path: the draws (row, request, sample
     index), each draw's kernel mode, the kernel's draw table (on the host) and whether any
     row adjusts its logits first."""
@@ -161,8 +165,11 @@ def _kernel_plan(reqs: Sequence[SampleRequest], vocab: int) -> tuple[list[tuple]
             min_ps.append(r.min_p)
     bases = np.zeros(len(draws), dtype=np.uint64)
     if seeded:
-        bases[seeded] = stream_bases([draws[k][1].seed for k in seeded], [draws[k][2] for k in seeded],
-                                     [draws[k][1].output_pos for k in seeded])
+        bases[seeded] = stream_bases(
+            [draws[k][1].seed for k in seeded],
+            [draws[k][2] for k in seeded],
+            [draws[k][1].output_pos for k in seeded],
+        )
     table = kernel.draw_table([d[0] for d in draws], modes, temperatures, top_ps, min_ps, bases)
     return draws, modes, table, adjust
 
@@ -180,14 +187,16 @@ def _top_logprobs(x: torch.Tensor, reqs: Sequence[SampleRequest], dtype: torch.d
     return asks, rows.topk(k, dim=-1)
 
 
-
-def _place(chosen: torch.Tensor, picked: torch.Tensor, part: list[tuple], total: int) -> torch.Tensor:
+def _place(
+    chosen: torch.Tensor, picked: torch.Tensor, part: list[tuple], total: int
+) -> torch.Tensor:
     """The draws of ``part`` (each led by its index among the ``total`` draws) set to
     ``picked`` in ``chosen``; when ``part`` is every draw, ``picked`` itself."""
     if len(part) == total:
         return picked
     chosen[_on(chosen.device, [p[0] for p in part])] = picked
     return chosen
+
 
 def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
     """Penalties, then logit bias, then bans, then structured outputs' token masks, then
@@ -197,14 +206,28 @@ def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
     if penalised:
         stores = {id(reqs[i].counts): reqs[i].counts for i in penalised}
         if None in stores.values():
-            raise ValueError("a request with a presence, frequency or repetition penalty needs its token counts")
+            raise ValueError(
+                "a request with a presence, frequency or repetition penalty needs its token counts"
+            )
         for store in stores.values():
             rows = [i for i in penalised if reqs[i].counts is store]
             apply_penalties(
-                logits, rows, store, [reqs[i].counts_row for i in rows],
-                [(reqs[i].presence_penalty, reqs[i].frequency_penalty, reqs[i].repetition_penalty) for i in rows],
+                logits,
+                rows,
+                store,
+                [reqs[i].counts_row for i in rows],
+                [
+                    (
+                        reqs[i].presence_penalty,
+                        reqs[i].frequency_penalty,
+                        reqs[i].repetition_penalty,
+                    )
+                    for i in rows
+                ],
             )
-    biased = [(i, t, b) for i, r in enumerate(reqs) if r.logit_bias for t, b in r.logit_bias.items()]
+    biased = [
+        (i, t, b) for i, r in enumerate(reqs) if r.logit_bias for t, b in r.logit_bias.items()
+    ]
     if biased:
         dev = logits.device
         rows, ids, vals = zip(*biased)

@@ -33,7 +33,9 @@ def stream_bases(seeds: list[int], sample_indices: list[int], positions: list[in
         return _mix64(z ^ np.array(positions, dtype=np.uint64))
 
 
-def stream_keys(seeds: list[int], sample_indices: list[int], positions: list[int], round_: int = 0) -> torch.Tensor:
+def stream_keys(
+    seeds: list[int], sample_indices: list[int], positions: list[int], round_: int = 0
+) -> torch.Tensor:
     """The 32-bit keys (as int64) of seeded draws, one per (seed, sample index, output
     position), in draw round ``round_``: vectorized on the host, a few microseconds a batch."""
     with np.errstate(over="ignore"):

@@ -93,14 +93,17 @@ def staged_fill(masks: list[TokenMask]) -> MaskStaging | None:
     return staging if len(seen) == n else None
 
 
-def upload_staged(staging: MaskStaging, masks: list[StagedMask], rows: list[int],
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def upload_staged(
+    staging: MaskStaging, masks: list[StagedMask], rows: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The one copy (MaskStaging.upload), staged row masks[i].row banning logits row rows[i]:
     the device's words [n, width] and rows [n]."""
     return staging.upload(device, [m.row for m in masks], rows)
 
 
-def _ban_staged(logits: torch.Tensor, staging: MaskStaging, masks: list[StagedMask], rows: list[int]) -> None:
+def _ban_staged(
+    logits: torch.Tensor, staging: MaskStaging, masks: list[StagedMask], rows: list[int]
+) -> None:
     """CUDA, float32: the staging buffer's one upload, then the kernel's cached launch."""
     from streamkv.kernels.token_mask_cuda import BanLaunch
 
@@ -108,7 +111,9 @@ def _ban_staged(logits: torch.Tensor, staging: MaskStaging, masks: list[StagedMa
     launch = staging.launch
     key = (words.data_ptr(), index.data_ptr(), staging.width, logits.shape[1], logits.stride(0))
     if launch is None or launch.key != key:
-        launch = staging.launch = BanLaunch(logits.device, words, index, logits.shape[1], logits.stride(0))
+        launch = staging.launch = BanLaunch(
+            logits.device, words, index, logits.shape[1], logits.stride(0)
+        )
     launch(logits, len(masks))
 
 
@@ -121,11 +126,15 @@ def _ban_with_kernel(logits: torch.Tensor, masks: list[TokenMask], rows: list[in
     n, width = len(rows), np.frombuffer(masks[0], dtype="<i4").size
     partial = n < logits.shape[0]
     host = np.empty(n * width + (n if partial else 0), dtype=np.int32)
-    np.stack([np.frombuffer(m, dtype="<i4") for m in masks], out=host[: n * width].reshape(n, width))
+    np.stack(
+        [np.frombuffer(m, dtype="<i4") for m in masks], out=host[: n * width].reshape(n, width)
+    )
     if partial:
         host[n * width :] = rows
     uploaded = on_device(logits.device, torch.from_numpy(host))
-    ban_outside_masks(logits, uploaded[: n * width].view(n, width), uploaded[n * width :] if partial else None)
+    ban_outside_masks(
+        logits, uploaded[: n * width].view(n, width), uploaded[n * width :] if partial else None
+    )
 
 
 def _ban_with_torch(logits: torch.Tensor, masks: list[TokenMask], rows: list[int]) -> None:

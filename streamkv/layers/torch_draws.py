@@ -15,7 +15,9 @@ from streamkv.layers.host_copy import on_device as _on
 from streamkv.layers.stream_hash import hashed_exponentials, stream_keys
 
 
-def top_k_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generator) -> torch.Tensor:
+def top_k_draws(
+    logits: torch.Tensor, part: list[tuple], generator: torch.Generator
+) -> torch.Tensor:
     """The draws of ``part`` among each row's ``torch.topk`` candidates (the top-p and
     min-p cuts exact on the sorted candidates); logits of any float dtype."""
     vocab = logits.shape[1]
@@ -33,8 +35,10 @@ def top_k_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Genera
     q = exponentials(part, ids, 0, generator)
     return ids.gather(1, (probs / q).argmax(-1, keepdim=True)).squeeze(1)
 
-def full_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generator,
-               defer: bool = False) -> tuple[torch.Tensor, Callable[[], None] | None]:
+
+def full_draws(
+    logits: torch.Tensor, part: list[tuple], generator: torch.Generator, defer: bool = False
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """The draws of ``part`` over the whole vocabulary, and (top-p with ``defer``) a
     function that finishes them in place: its rounds read on the host which rows were
     rejected, so they wait for the device. Without ``defer`` they run here."""
@@ -91,17 +95,25 @@ def full_draws(logits: torch.Tensor, part: list[tuple], generator: torch.Generat
     rounds()
     return chosen, None
 
-def exponentials(part: list[tuple], token_ids: torch.Tensor, round_: int, generator: torch.Generator) -> torch.Tensor:
+
+def exponentials(
+    part: list[tuple], token_ids: torch.Tensor, round_: int, generator: torch.Generator
+) -> torch.Tensor:
     """Exp(1) per (draw, token id): hashed for seeded draws, else from the generator."""
     dev = token_ids.device
     shape = (len(part), token_ids.shape[-1])
     seeded = [j for j, p in enumerate(part) if p[2].seed is not None]
     if not seeded:
         return torch.empty(shape, device=dev).exponential_(generator=generator)
-    keys = _on(dev, stream_keys(
-        [part[j][2].seed for j in seeded], [part[j][3] for j in seeded],
-        [part[j][2].output_pos for j in seeded], round_,
-    ))
+    keys = _on(
+        dev,
+        stream_keys(
+            [part[j][2].seed for j in seeded],
+            [part[j][3] for j in seeded],
+            [part[j][2].output_pos for j in seeded],
+            round_,
+        ),
+    )
     if len(seeded) == len(part):
         return hashed_exponentials(keys, token_ids)
     q = torch.empty(shape, device=dev).exponential_(generator=generator)

@@ -30,7 +30,11 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, c: dict) -> ModelShape:
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if not c.get(k)]
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+            if not c.get(k)
+        ]
         if missing:
             raise ValueError(f"config.json lacks {missing}")
         heads = c["num_attention_heads"]
@@ -43,12 +47,18 @@ class ModelShape:
         if heads % kv_heads:
             raise ValueError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
         # Llama, Mistral and Qwen2 default to 1e-6 in transformers; OPT's nn.LayerNorm to 1e-5.
-        eps = c.get("rms_norm_eps") or c.get("layer_norm_eps") or (1e-5 if c.get("model_type") == "opt" else 1e-6)
+        eps = (
+            c.get("rms_norm_eps")
+            or c.get("layer_norm_eps")
+            or (1e-5 if c.get("model_type") == "opt" else 1e-6)
+        )
         return cls(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
             # OPT names its MLP width ffn_dim.
-            intermediate_size=c.get("intermediate_size") or c.get("ffn_dim") or 4 * c["hidden_size"],
+            intermediate_size=c.get("intermediate_size")
+            or c.get("ffn_dim")
+            or 4 * c["hidden_size"],
             num_layers=c["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -63,7 +73,9 @@ def rope_settings(c: dict) -> tuple[float, dict | None]:
     or 5.x (``rope_parameters``) config spelling."""
     params = c.get("rope_parameters") or {}
     theta = c.get("rope_theta") or params.get("rope_theta") or 10000.0
-    scaling = c.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    scaling = c.get("rope_scaling") or (
+        params if params.get("rope_type", "default") != "default" else None
+    )
     return float(theta), scaling
 
 
@@ -95,7 +107,9 @@ def limit_context_to_window(c: dict) -> dict:
     logger.warning(
         "sliding_window %d < max_position_embeddings %d: serving contexts of at most %d tokens, "
         "where full attention equals sliding-window attention",
-        window, limit, window,
+        window,
+        limit,
+        window,
     )
     return {**c, "max_position_embeddings": window}
 
@@ -137,7 +151,9 @@ def load_checkpoint(
             module.load_part(part, tensor, is_bias=leaf == "bias")
         elif name in params:
             if params[name].shape != tensor.shape:
-                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(params[name].shape)}"
+                )
             params[name].data.copy_(tensor)
         else:
             raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")

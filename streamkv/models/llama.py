@@ -54,7 +54,9 @@ class LlamaAttention(nn.Module):
             bias=qkv_bias,
             **kw,
         )
-        self.o_proj = ParallelLinear(s.num_heads * s.head_dim, [s.hidden_size], bias=o_bias, parallel="row", **kw)
+        self.o_proj = ParallelLinear(
+            s.num_heads * s.head_dim, [s.hidden_size], bias=o_bias, parallel="row", **kw
+        )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, s.head_dim, s.head_dim**-0.5)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata, rotary: RotaryEmbedding):
@@ -72,8 +74,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, s: ModelShape, bias: bool, **kw) -> None:
         super().__init__()
-        self.gate_up_proj = ParallelLinear(s.hidden_size, [s.intermediate_size] * 2, bias=bias, **kw)
-        self.down_proj = ParallelLinear(s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw)
+        self.gate_up_proj = ParallelLinear(
+            s.hidden_size, [s.intermediate_size] * 2, bias=bias, **kw
+        )
+        self.down_proj = ParallelLinear(
+            s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # SiLU-and-mul inside the gate/up product for a few tokens, its own kernel otherwise.
@@ -103,25 +109,41 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: dict, shape: ModelShape, tp_rank=0, tp_size=1, dtype=torch.float32, device="cpu"):
+    def __init__(
+        self,
+        config: dict,
+        shape: ModelShape,
+        tp_rank=0,
+        tp_size=1,
+        dtype=torch.float32,
+        device="cpu",
+    ):
         super().__init__()
         act = config.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported for {config.get('architectures')}; only silu")
+            raise ValueError(
+                f"hidden_act {act!r} is not supported for {config.get('architectures')}; only silu"
+            )
         kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
         self.config, self.shape, self.tp_size = config, shape, tp_size
         attention_bias = bool(config.get("attention_bias", False))
         qwen2 = config.get("model_type") == "qwen2"
         biases = (attention_bias or qwen2, attention_bias, bool(config.get("mlp_bias", False)))
         self.embed_tokens = embedding(shape.vocab_size, shape.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(shape, biases, **kw) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(shape, biases, **kw) for _ in range(shape.num_layers)
+        )
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps, dtype=dtype, device=device)
         self.tie = bool(config.get("tie_word_embeddings", False))
         self.lm_head = (
-            None if self.tie else ParallelLinear(shape.hidden_size, [shape.vocab_size], gather_output=True, **kw)
+            None
+            if self.tie
+            else ParallelLinear(shape.hidden_size, [shape.vocab_size], gather_output=True, **kw)
         )
         theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(shape.head_dim, shape.max_positions, theta, scaling, device=device)
+        self.rotary = RotaryEmbedding(
+            shape.head_dim, shape.max_positions, theta, scaling, device=device
+        )
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

@@ -38,7 +38,9 @@ GGUF_MARKER = ".complete"  # written last by convert_gguf; only converted direct
 
 # The innermost phase running in this context: a phase inside another quiets the outer
 # one's heartbeat while it runs, so a step is told once, by its most precise name.
-_CURRENT_PHASE: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("phase", default=None)
+_CURRENT_PHASE: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "phase", default=None
+)
 
 
 @contextlib.contextmanager
@@ -111,15 +113,20 @@ def embedded_gguf_path() -> Path:
 def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
     """Convert a GGUF file to a cached Hugging Face directory (once) and return it."""
     stat = gguf.stat()
-    tag = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    tag = hashlib.sha256(
+        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
     out_dir = out_dir or cache_root() / "models" / f"{gguf.stem}-{tag}"
     if (out_dir / "config.json").exists() and (out_dir / GGUF_MARKER).exists():
         return out_dir
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting %s once to a Hugging Face directory (cached in %s); later starts skip this",
-                gguf.name, out_dir)
+    logger.info(
+        "converting %s once to a Hugging Face directory (cached in %s); later starts skip this",
+        gguf.name,
+        out_dir,
+    )
     with phase("converting the GGUF weights"):
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -130,7 +137,9 @@ def convert_gguf(gguf: Path, out_dir: Path | None = None) -> Path:
         with phase("converting the GGUF tokenizer"):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (KeyError, OSError, ValueError) as e:  # a GGUF without tokenizer metadata
-        logger.warning("%s has no usable tokenizer (%s): only prompt_token_ids input will work", gguf.name, e)
+        logger.warning(
+            "%s has no usable tokenizer (%s): only prompt_token_ids input will work", gguf.name, e
+        )
         tokenizer = None
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     # The de-quantized model is plain float32, but transformers refuses to save a model it
@@ -186,7 +195,13 @@ def resolve_model_dir(model: str | None) -> Path:
 # Any of these means the directory carries its own tokenizer. Without one, transformers 5
 # may still build an empty tokenizer from config.json's model_type (e.g. a GPT2Tokenizer with
 # no vocabulary for OPT), which would silently encode every prompt to nothing.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
 
 
 def has_tokenizer_files(model_dir: Path) -> bool:
@@ -204,7 +219,9 @@ def load_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as e:
-        logger.warning("no usable tokenizer in %s (%s): only prompt_token_ids input will work", model_dir, e)
+        logger.warning(
+            "no usable tokenizer in %s (%s): only prompt_token_ids input will work", model_dir, e
+        )
         return None
 
 
@@ -213,7 +230,9 @@ def resolve_max_model_len(requested: int | None, hf_config: dict) -> int:
     config names none); more than the model's own is an error."""
     model_max = hf_config.get("max_position_embeddings") or 2048
     if requested is not None and requested > model_max:
-        raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_max}")
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's context length {model_max}"
+        )
     return requested or model_max
 
 
@@ -223,7 +242,11 @@ def eos_token_ids(tokenizer, hf_config: dict, model_dir: Path) -> frozenset[int]
     ids: set[int] = set()
     gen = Path(model_dir) / "generation_config.json"
     gen_value = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
-    for value in (hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None), gen_value):
+    for value in (
+        hf_config.get("eos_token_id"),
+        getattr(tokenizer, "eos_token_id", None),
+        gen_value,
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):
@@ -231,13 +254,17 @@ def eos_token_ids(tokenizer, hf_config: dict, model_dir: Path) -> frozenset[int]
     return frozenset(ids)
 
 
-def resolve_model_info(model: ModelConfig, model_dir: Path | None = None, tokenizer=None) -> ModelInfo:
+def resolve_model_info(
+    model: ModelConfig, model_dir: Path | None = None, tokenizer=None
+) -> ModelInfo:
     """The served model's facts (streamkv/model_info.py), read once: its directory, config,
     vocabulary, EOS ids and served context length."""
     model_dir = Path(model_dir) if model_dir is not None else resolve_model_dir(model.model)
     hf_config = load_config(model_dir)
     return ModelInfo.from_config(
-        model_dir, hf_config, resolve_max_model_len(model.max_model_len, hf_config),
+        model_dir,
+        hf_config,
+        resolve_max_model_len(model.max_model_len, hf_config),
         eos_token_ids(tokenizer, hf_config, model_dir),
     )
 
@@ -273,7 +300,12 @@ def iter_safetensors(model_dir: Path, progress: bool | None = None):
     for name in files:
         with safe_open(str(model_dir / name), framework="pt") as f:
             total += len(f.keys())
-    with tqdm(total=total, desc="loading weights", unit="tensor", disable=None if progress is None else not progress) as bar:
+    with tqdm(
+        total=total,
+        desc="loading weights",
+        unit="tensor",
+        disable=None if progress is None else not progress,
+    ) as bar:
         for name in files:
             with safe_open(str(model_dir / name), framework="pt") as f:
                 for key in f.keys():

@@ -62,7 +62,9 @@ class OPTDecoderLayer(nn.Module):
         self.self_attn = OPTAttention(s, bias, **kw)
         self.self_attn_layer_norm = LayerNorm(s.hidden_size, **ln)
         self.fc1 = ParallelLinear(s.hidden_size, [s.intermediate_size], bias=bias, **kw)
-        self.fc2 = ParallelLinear(s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw)
+        self.fc2 = ParallelLinear(
+            s.intermediate_size, [s.hidden_size], bias=bias, parallel="row", **kw
+        )
         self.final_layer_norm = LayerNorm(s.hidden_size, **ln)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -87,28 +89,45 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
-    def __init__(self, config: dict, shape: ModelShape, tp_rank=0, tp_size=1, dtype=torch.float32, device="cpu"):
+    def __init__(
+        self,
+        config: dict,
+        shape: ModelShape,
+        tp_rank=0,
+        tp_size=1,
+        dtype=torch.float32,
+        device="cpu",
+    ):
         super().__init__()
         act = config.get("activation_function", "relu")
         if act not in _ACTIVATIONS:
-            raise ValueError(f"OPT activation_function {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
+            raise ValueError(
+                f"OPT activation_function {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})"
+            )
         kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
         self.config, self.shape, self.tp_size = config, shape, tp_size
         hidden = shape.hidden_size
         embed_dim = config.get("word_embed_proj_dim") or hidden
         self.embed_tokens = embedding(shape.vocab_size, embed_dim, dtype, device)
-        self.embed_positions = embedding(shape.max_positions + POSITION_OFFSET, hidden, dtype, device)
+        self.embed_positions = embedding(
+            shape.max_positions + POSITION_OFFSET, hidden, dtype, device
+        )
         # The projections are small (hidden x embed_dim) and sit outside the layers: replicate.
         dd = {"dtype": dtype, "device": device}
         projected = embed_dim != hidden
         self.project_in = ParallelLinear(embed_dim, [hidden], **dd) if projected else None
         self.project_out = ParallelLinear(hidden, [embed_dim], **dd) if projected else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(shape, config, **kw) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            OPTDecoderLayer(shape, config, **kw) for _ in range(shape.num_layers)
+        )
         pre_norm = bool(config.get("do_layer_norm_before", True))
         # _remove_final_layer_norm: transformers' switch for a few old checkpoints.
         self.final_layer_norm = (
             LayerNorm(
-                hidden, shape.norm_eps, bool(config.get("layer_norm_elementwise_affine", True)), **dd
+                hidden,
+                shape.norm_eps,
+                bool(config.get("layer_norm_elementwise_affine", True)),
+                **dd,
             )
             if pre_norm and not config.get("_remove_final_layer_norm", False)
             else None
@@ -116,7 +135,9 @@ class OPTForCausalLM(nn.Module):
         # transformers' OPTConfig ties the lm_head to the token embeddings unless told not to.
         self.tie = bool(config.get("tie_word_embeddings", True))
         self.lm_head = (
-            None if self.tie else ParallelLinear(embed_dim, [shape.vocab_size], gather_output=True, **kw)
+            None
+            if self.tie
+            else ParallelLinear(embed_dim, [shape.vocab_size], gather_output=True, **kw)
         )
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
@@ -128,7 +149,11 @@ class OPTForCausalLM(nn.Module):
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, kv, meta)
         if self.final_layer_norm is not None:
-            x = self.final_layer_norm(x) if residual is None else self.final_layer_norm(x, residual)[0]
+            x = (
+                self.final_layer_norm(x)
+                if residual is None
+                else self.final_layer_norm(x, residual)[0]
+            )
         elif residual is not None:
             x = residual + x
         if self.project_out is not None:

@@ -46,7 +46,9 @@ def effective_load_format(model_dir: Path, load_format: str) -> str:
             )
         return "dummy"
     if load_format == "gguf" and not is_gguf_conversion(model_dir):
-        raise ValueError(f"load_format='gguf' needs a .gguf file, but {model_dir} is a Hugging Face directory")
+        raise ValueError(
+            f"load_format='gguf' needs a .gguf file, but {model_dir} is a Hugging Face directory"
+        )
     if load_format == "safetensors" and is_gguf_conversion(model_dir):
         raise ValueError("load_format='safetensors' was asked for, but the model is a .gguf file")
     return "dummy" if load_format == "dummy" else "safetensors"
@@ -63,7 +65,9 @@ def init_dummy(model: torch.nn.Module, device: torch.device, seed: int) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(*shape: int, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty(shape, dtype=like.dtype, device=like.device).normal_(0.0, DUMMY_STD, generator=gen)
+        return torch.empty(shape, dtype=like.dtype, device=like.device).normal_(
+            0.0, DUMMY_STD, generator=gen
+        )
 
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
@@ -110,7 +114,11 @@ def build_model(
     n = num_parameters(model)
     logger.info(
         "loaded %s (%s weights): %.1fM parameters, %s, %.2f GiB in %.1fs",
-        cls.__name__, load_format, n / 1e6, dtype, parameter_bytes(model) / 2**30,
+        cls.__name__,
+        load_format,
+        n / 1e6,
+        dtype,
+        parameter_bytes(model) / 2**30,
         time.perf_counter() - start,
     )
     return model

@@ -96,7 +96,9 @@ class StaticInputs:
     block tables ``max_blocks`` wide. ``fill`` writes a step into the first rows through
     host staging buffers (pinned on CUDA) and pads the batch to ``batch`` rows."""
 
-    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_batch: int, max_blocks: int, block_size: int, device: torch.device
+    ) -> None:
         self.block_size, self.device = block_size, device
         pin = device.type == "cuda"
         # Rows of the int64 buffers: token ids, positions, slots. Padding slots stay -1 and
@@ -172,7 +174,9 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = sorted(set(context_buckets(max_model_len) if buckets is None else buckets))
         if self.buckets[-1] != max_model_len or self.buckets[0] < 1:
-            raise ValueError(f"context buckets {self.buckets} must be positive and end at {max_model_len}")
+            raise ValueError(
+                f"context buckets {self.buckets} must be positive and end at {max_model_len}"
+            )
         self.sizes = sorted(set(sizes))
         self.max_batch = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
@@ -233,8 +237,12 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
         logger.info(
             "captured %d decode CUDA graphs (batch %d..%d, context buckets %s) in %.1fs, %.0f MiB",
-            self.count, self.sizes[0], self.max_batch, self.buckets,
-            self.capture_seconds, self.memory_bytes / 2**20,
+            self.count,
+            self.sizes[0],
+            self.max_batch,
+            self.buckets,
+            self.capture_seconds,
+            self.memory_bytes / 2**20,
         )
 
     def can_run(self, seqs: Sequence[SeqInput], kv_caches) -> bool:
@@ -242,10 +250,15 @@ class DecodeGraphs:
             kv_caches is self.kv_caches
             and 0 < len(seqs) <= self.max_batch
             and is_decode_only(seqs)
-            and all(s.start_pos < self.max_model_len and len(s.block_table) <= self.max_blocks for s in seqs)
+            and all(
+                s.start_pos < self.max_model_len and len(s.block_table) <= self.max_blocks
+                for s in seqs
+            )
         )
 
-    def run(self, seqs: Sequence[SeqInput], fill_pending: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def run(
+        self, seqs: Sequence[SeqInput], fill_pending: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
         """Replays the step (``can_run`` must hold); returns the hidden states of the padded
         batch, row i for ``seqs[i]``. The tensor is the graph's output buffer: the next replay
         overwrites it. ``fill_pending`` writes the pending input tokens into the static

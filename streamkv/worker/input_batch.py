@@ -37,7 +37,9 @@ class SeqInput:
 @dataclass(slots=True)
 class _SeqState:
     request: SampleRequest  # reused every step: only its per-step fields change
-    prompt_len: int  # tokens before its first output (a resumed request's earlier outputs are outputs)
+    prompt_len: (
+        int  # tokens before its first output (a resumed request's earlier outputs are outputs)
+    )
     min_tokens: int
     banned: list[int] | None
     block_table: list[int]
@@ -71,7 +73,9 @@ class InputBatch:
         for s in step.seqs:
             state = self.seqs.get(s.seq_id)
             if state is None:
-                raise ProtocolError(f"step for sequence {s.seq_id}, which this worker does not hold")
+                raise ProtocolError(
+                    f"step for sequence {s.seq_id}, which this worker does not hold"
+                )
             table = state.block_table
             if s.num_kept_blocks >= 0:
                 if s.num_kept_blocks > len(table):
@@ -101,7 +105,9 @@ class InputBatch:
                 req.token_mask = s.token_mask
             out.append(SeqInput(s.seq_id, s.token_ids, s.start_pos, table, sample, pending))
             if state.prompt is not None:
-                out[-1].scoring = plan_scoring(state.prompt, state.prompt_k, s.start_pos, len(s.token_ids))
+                out[-1].scoring = plan_scoring(
+                    state.prompt, state.prompt_k, s.start_pos, len(s.token_ids)
+                )
         if count_rows:
             self.counts.add(count_rows, count_tokens)
         return out
@@ -111,26 +117,44 @@ class InputBatch:
             raise ProtocolError(f"sequence {new.seq_id} sent as new, but this worker holds it")
         p = new.params
         req = SampleRequest(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
-            sample_index=new.sample_index, logprobs=p.logprobs, num_candidates=p.num_candidates,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-            allowed_mask=mask_of(p.allowed_token_ids, self.vocab_size) if p.allowed_token_ids else None,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=p.seed,
+            sample_index=new.sample_index,
+            logprobs=p.logprobs,
+            num_candidates=p.num_candidates,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logit_bias=p.logit_bias,
+            allowed_mask=mask_of(p.allowed_token_ids, self.vocab_size)
+            if p.allowed_token_ids
+            else None,
         )
         counted, outputs_from = 0, new.prompt_len - new.resumed
         if not 0 <= new.resumed < new.prompt_len:
-            raise ProtocolError(f"sequence {new.seq_id} resumes {new.resumed} outputs of a {new.prompt_len}-token prompt")
+            raise ProtocolError(
+                f"sequence {new.seq_id} resumes {new.resumed} outputs of a {new.prompt_len}-token prompt"
+            )
         if p.has_penalties and self.counts is not None:
             if new.history is None:
-                raise ProtocolError(f"sequence {new.seq_id} has a penalty but came without its history")
+                raise ProtocolError(
+                    f"sequence {new.seq_id} has a penalty but came without its history"
+                )
             history = new.history
             req.counts = self.counts
             req.counts_row = self.counts.allocate(history[:outputs_from], history[outputs_from:])
             counted = len(history)
-        self.seqs[new.seq_id] = state = _SeqState(req, outputs_from, p.min_tokens, p.banned_token_ids, [], counted)
+        self.seqs[new.seq_id] = state = _SeqState(
+            req, outputs_from, p.min_tokens, p.banned_token_ids, [], counted
+        )
         if p.prompt_logprobs is not None:
             if new.history is None:
-                raise ProtocolError(f"sequence {new.seq_id} asks for prompt logprobs but came without its prompt")
+                raise ProtocolError(
+                    f"sequence {new.seq_id} asks for prompt logprobs but came without its prompt"
+                )
             state.prompt, state.prompt_k = new.history[: new.prompt_len], p.prompt_logprobs
 
     def _free(self, seq_id: int) -> None:

@@ -33,7 +33,12 @@ from streamkv.worker.prompt_logprobs import score_prompts
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, block_size: int, device: torch.device, seed: int = 0, samples: bool = True,
+        self,
+        model: torch.nn.Module,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+        samples: bool = True,
         share_tokens=None,
     ) -> None:
         self.model = model
@@ -55,18 +60,24 @@ class ModelRunner:
         """Capture the decode-only forward pass for every padded batch size up to
         ``max_num_seqs`` (capped), over these KV pools and contexts up to ``max_model_len``."""
         sizes = capture_sizes(max_num_seqs)
-        graphs = DecodeGraphs(self.model, kv_caches, self.block_size, max_model_len, sizes, self.device)
+        graphs = DecodeGraphs(
+            self.model, kv_caches, self.block_size, max_model_len, sizes, self.device
+        )
         graphs.capture()
         self.graphs = graphs
 
     def capture_mixed_graphs(self, kv_caches, max_num_batched_tokens: int) -> None:
         """Capture the piecewise graphs of steps with prompt tokens, for token counts up to
         the step budget (worker/piecewise_graphs.py)."""
-        graphs = PiecewiseGraphs(self.model, kv_caches, token_buckets(max_num_batched_tokens), self.device)
+        graphs = PiecewiseGraphs(
+            self.model, kv_caches, token_buckets(max_num_batched_tokens), self.device
+        )
         graphs.capture()
         self.mixed_graphs = graphs
 
-    def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[SeqInput]]:
+    def prepare(
+        self, seqs: list[SeqInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[SeqInput]]:
         """The step's tensors from two host buffers (two host-to-device copies): int64 input
         ids / positions / slots, and int32 context lengths, the prefill spans' cumulative
         query lengths and one padded block table of every sequence (decodes' rows first)."""
@@ -85,7 +96,9 @@ class ModelRunner:
 
         host64 = np.empty((3, num_tokens), np.int64)
         ids, pos, slots = host64
-        ids[:] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in ordered), np.int64, num_tokens)
+        ids[:] = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in ordered), np.int64, num_tokens
+        )
         pos[:] = np.arange(num_tokens) + np.repeat(starts - cu[:-1], lens)
         slots[:] = tables[np.repeat(np.arange(n_seq), lens), pos // bs] * bs + pos % bs
         n_pre = n_seq - n_dec
@@ -98,7 +111,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Pinned through torch's caching host allocator, which keeps each block until its
             # asynchronous copy is done: no host sync and no pinned allocation per step.
-            dev64, dev32 = (torch.from_numpy(h).pin_memory().to(self.device, non_blocking=True) for h in (host64, host32))
+            dev64, dev32 = (
+                torch.from_numpy(h).pin_memory().to(self.device, non_blocking=True)
+                for h in (host64, host32)
+            )
         else:
             dev64, dev32 = torch.from_numpy(host64), torch.from_numpy(host32)
         input_ids, positions, slot_mapping = dev64.unbind(0)
@@ -117,7 +133,9 @@ class ModelRunner:
         t = torch.tensor(values, dtype=torch.long)
         # A pageable host-to-device copy waits for the whole stream: that would make the
         # next step's launch wait for the step still running.
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return (
+            t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        )
 
     def _pending_gather(self, rows: list[SeqInput]):
         """A function that writes the pending input tokens of ``rows`` (row i = input id i)
@@ -134,8 +152,10 @@ class ModelRunner:
             if s.pending:
                 j = self._last_rows.get(s.seq_id)
                 if j is None:
-                    raise ProtocolError(f"sequence {s.seq_id}'s input token is pending, but the last step "
-                                        "sampled no single token for it")
+                    raise ProtocolError(
+                        f"sequence {s.seq_id}'s input token is pending, but the last step "
+                        "sampled no single token for it"
+                    )
                 dst.append(i)
                 src.append(j)
                 if s.sample is not None and s.sample.counts is not None:
@@ -148,8 +168,14 @@ class ModelRunner:
         last = self._last_tokens
         d, g = self._to_device(dst + count_rows), self._to_device(src + count_src)
         n = len(dst)
-        counts = next((s.sample.counts for s in rows if s.pending and s.sample is not None
-                       and s.sample.counts is not None), None)
+        counts = next(
+            (
+                s.sample.counts
+                for s in rows
+                if s.pending and s.sample is not None and s.sample.counts is not None
+            ),
+            None,
+        )
         picked = last[g[:n]]
         if self.share_tokens is not None:
             self.share_tokens(picked, n)
@@ -158,8 +184,9 @@ class ModelRunner:
             input_ids[d[:n]] = picked
             if counts is not None:
                 tokens = last[g[n:]]
-                counts.output.index_put_((d[n:], tokens), torch.ones_like(tokens, dtype=torch.int32),
-                                         accumulate=True)
+                counts.output.index_put_(
+                    (d[n:], tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
+                )
 
         return fill
 
@@ -187,7 +214,9 @@ class ModelRunner:
     def launch(self, seqs: list[SeqInput], kv_caches, use_graphs: bool = True) -> StepResult:
         """Run the step without waiting for the device; ``result()`` of the return waits."""
         if self._awaiting is not None:
-            raise ProtocolError("a step was launched before the token masks of the step before it were attached")
+            raise ProtocolError(
+                "a step was launched before the token masks of the step before it were attached"
+            )
         try:
             hidden, ordered = self.forward(seqs, kv_caches, use_graphs) if seqs else (None, [])
         finally:
@@ -220,12 +249,19 @@ class ModelRunner:
             return StepResult([], None)
         logits = self.model.compute_logits(hidden)
         if any(r.token_mask == MASK_FOLLOWS for r in reqs):
-            self._awaiting = StepResult(ids, None, scored, sample=lambda masks: self._sample(logits, reqs, ids, masks))
+            self._awaiting = StepResult(
+                ids, None, scored, sample=lambda masks: self._sample(logits, reqs, ids, masks)
+            )
             return self._awaiting
         return StepResult(ids, self._sample(logits, reqs, ids), scored)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[SampleRequest], ids: list[int],
-                masks: Mapping[int, TokenMask] | None = None) -> SampledBatch:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[SampleRequest],
+        ids: list[int],
+        masks: Mapping[int, TokenMask] | None = None,
+    ) -> SampledBatch:
         """Sample the step; ``masks``: the token masks that followed it, by sequence id (a
         row sent with MASK_FOLLOWS and missing here samples unconstrained: it has ended)."""
         if masks is not None:
@@ -249,8 +285,13 @@ class StepResult:
 
     __slots__ = ("_ids", "_batch", "_prompt_logprobs", "_sample")
 
-    def __init__(self, seq_ids: list[int], batch: SampledBatch | None, prompt_logprobs: dict | None = None,
-                 sample: Callable[[Mapping[int, TokenMask]], SampledBatch] | None = None) -> None:
+    def __init__(
+        self,
+        seq_ids: list[int],
+        batch: SampledBatch | None,
+        prompt_logprobs: dict | None = None,
+        sample: Callable[[Mapping[int, TokenMask]], SampledBatch] | None = None,
+    ) -> None:
         self._ids, self._batch = seq_ids, batch
         self._prompt_logprobs = prompt_logprobs
         self._sample = sample  # the step's sampler, waiting for its masks

@@ -114,7 +114,9 @@ class PiecewiseGraphs:
     """Mixed-step graphs of one model over one set of KV pools, one ``_Bucket`` per token
     count in ``sizes``. ``replays`` counts the steps that ran this way."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches, sizes: Sequence[int], device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_caches, sizes: Sequence[int], device: torch.device
+    ) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model, self.kv_caches, self.device = model, kv_caches, device
@@ -137,7 +139,13 @@ class PiecewiseGraphs:
             with collector_paused():
                 for t in reversed(self.sizes):  # largest first: the smaller fit in its memory
                     bucket = _Bucket(t, pool, stream)
-                    bucket.capture(self.model, self.input_ids[:t], self.positions[:t], self.kv_caches, self.slots[:t])
+                    bucket.capture(
+                        self.model,
+                        self.input_ids[:t],
+                        self.positions[:t],
+                        self.kv_caches,
+                        self.slots[:t],
+                    )
                     self._buckets[t] = bucket
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -145,14 +153,20 @@ class PiecewiseGraphs:
         self.capture_seconds = time.perf_counter() - start
         logger.info(
             "captured piecewise CUDA graphs for %d token counts (%d..%d, %d graphs each) in %.1fs, %.0f MiB",
-            len(self.sizes), self.sizes[0], self.sizes[-1], len(next(iter(self._buckets.values())).graphs),
-            self.capture_seconds, self.memory_bytes / 2**20,
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            len(next(iter(self._buckets.values())).graphs),
+            self.capture_seconds,
+            self.memory_bytes / 2**20,
         )
 
     def can_run(self, num_tokens: int, kv_caches) -> bool:
         return kv_caches is self.kv_caches and 0 < num_tokens <= self.sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states of the step's ``len(input_ids)`` tokens (``can_run`` must hold). The
         tensor is the bucket's output buffer: the next replay overwrites it."""
         n = input_ids.shape[0]

@@ -33,7 +33,9 @@ class PromptScoring:
     targets: list[int]  # the scored prompt tokens, prompt[first : first + len(targets)]
 
 
-def plan_scoring(prompt: list[int], k: int, start_pos: int, num_tokens: int) -> PromptScoring | None:
+def plan_scoring(
+    prompt: list[int], k: int, start_pos: int, num_tokens: int
+) -> PromptScoring | None:
     """What a step computing positions [start_pos, start_pos + num_tokens) scores: the
     token after each of those positions that is still in the prompt."""
     end = min(start_pos + num_tokens, len(prompt) - 1)
@@ -42,7 +44,9 @@ def plan_scoring(prompt: list[int], k: int, start_pos: int, num_tokens: int) -> 
     return PromptScoring(k, start_pos + 1, prompt[start_pos + 1 : end + 1])
 
 
-def score_prompts(model: torch.nn.Module, hidden: torch.Tensor, ordered: list, samples: bool = True) -> dict[int, PromptLogprobs]:
+def score_prompts(
+    model: torch.nn.Module, hidden: torch.Tensor, ordered: list, samples: bool = True
+) -> dict[int, PromptLogprobs]:
     """Per scoring sequence of ``ordered`` (SeqInputs in the order of ``hidden``'s rows),
     its PromptLogprobs. A rank that does not sample only joins the logits' all-gather."""
     rows: list[int] = []
@@ -61,7 +65,9 @@ def score_prompts(model: torch.nn.Module, hidden: torch.Tensor, ordered: list, s
     if not samples:
         if model.lm_head is not None and model.tp_size > 1:
             for lo in range(0, len(rows), ROWS_PER_PASS):
-                model.compute_logits(hidden[torch.tensor(rows[lo : lo + ROWS_PER_PASS], device=hidden.device)])
+                model.compute_logits(
+                    hidden[torch.tensor(rows[lo : lo + ROWS_PER_PASS], device=hidden.device)]
+                )
         return {}
     k = max(s.scoring.k for s, _, _ in spans)
     dev = hidden.device

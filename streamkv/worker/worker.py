@@ -23,9 +23,14 @@ from streamkv.worker.token_broadcast import TokenBroadcast
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -49,7 +54,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, model_info: ModelInfo | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, model_info: ModelInfo | None = None
+    ) -> None:
         self.config = config
         self.rank = rank
         mc = config.model
@@ -66,15 +73,27 @@ class Worker:
         self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
         torch.manual_seed(mc.seed)
         self.model = build_model(
-            self.model_dir, self.dtype, self.device, mc.load_format,
-            tp_rank=rank, tp_size=mc.tensor_parallel_size, seed=mc.seed, config=self.hf_config,
+            self.model_dir,
+            self.dtype,
+            self.device,
+            mc.load_format,
+            tp_rank=rank,
+            tp_size=mc.tensor_parallel_size,
+            seed=mc.seed,
+            config=self.hf_config,
         )
         self.cache: CacheEngine | None = None
         # Every rank computes the same logits; only rank 0 samples and answers the engine, and
         # sends the other ranks the pending input tokens a step takes from its samples.
-        self.share_tokens = TokenBroadcast(rank, self.device) if mc.tensor_parallel_size > 1 else None
+        self.share_tokens = (
+            TokenBroadcast(rank, self.device) if mc.tensor_parallel_size > 1 else None
+        )
         self.runner = ModelRunner(
-            self.model, config.cache.block_size, self.device, seed=mc.seed, samples=rank == 0,
+            self.model,
+            config.cache.block_size,
+            self.device,
+            seed=mc.seed,
+            samples=rank == 0,
             share_tokens=self.share_tokens,
         )
         # The last launch raised (StepFailed): its samples, which the next step may have been
@@ -87,7 +106,9 @@ class Worker:
     def block_bytes(self) -> int:
         s = self.model.shape
         kv_heads = max(1, s.num_kv_heads // self.config.model.tensor_parallel_size)
-        return kv_bytes_per_block(s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size, self.cache_dtype)
+        return kv_bytes_per_block(
+            s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size, self.cache_dtype
+        )
 
     def num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, cpu swap blocks) that fit the configured memory."""
@@ -113,9 +134,17 @@ class Worker:
         logger.info(
             "%s on %s: %.1fM parameters, %s, %.2f GiB of weights; %d KV blocks of %d tokens "
             "fit (%s, %.2f GiB, %d tokens), %d CPU swap blocks",
-            type(self.model).__name__, self.device, sum(p.numel() for p in params) / 1e6, self.dtype,
-            sum(p.numel() * p.element_size() for p in params) / 2**30, device_blocks, cc.block_size,
-            self.cache_dtype, device_blocks * per_block / 2**30, device_blocks * cc.block_size, cpu_blocks,
+            type(self.model).__name__,
+            self.device,
+            sum(p.numel() for p in params) / 1e6,
+            self.dtype,
+            sum(p.numel() * p.element_size() for p in params) / 2**30,
+            device_blocks,
+            cc.block_size,
+            self.cache_dtype,
+            device_blocks * per_block / 2**30,
+            device_blocks * cc.block_size,
+            cpu_blocks,
         )
         return device_blocks, cpu_blocks
 
@@ -123,16 +152,26 @@ class Worker:
         s = self.model.shape
         kv_heads = max(1, s.num_kv_heads // self.config.model.tensor_parallel_size)
         self.cache = CacheEngine(
-            s.num_layers, kv_heads, s.head_dim, self.config.cache.block_size,
-            num_device_blocks, num_cpu_blocks, self.cache_dtype, self.device,
+            s.num_layers,
+            kv_heads,
+            s.head_dim,
+            self.config.cache.block_size,
+            num_device_blocks,
+            num_cpu_blocks,
+            self.cache_dtype,
+            self.device,
         )
         if self.device.type == "cuda" and not self.config.model.enforce_eager:
             # The graphs' memory pool (decode activations and attention partials, logged at
             # capture) comes out of the activation margin num_available_blocks leaves.
             self.runner.capture_decode_graphs(
-                self.cache.device_cache, self.model_info.max_model_len, self.config.scheduler.max_num_seqs
+                self.cache.device_cache,
+                self.model_info.max_model_len,
+                self.config.scheduler.max_num_seqs,
             )
-            self.runner.capture_mixed_graphs(self.cache.device_cache, self.config.scheduler.token_budget)
+            self.runner.capture_mixed_graphs(
+                self.cache.device_cache, self.config.scheduler.token_budget
+            )
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.launch(step).result()

@@ -20,7 +20,9 @@ from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 def _group(seq_id: int, prompt_len: int, max_tokens: int, **kw) -> SequenceGroup:
     seq = Sequence(seq_id, list(range(prompt_len)))
-    return SequenceGroup(str(seq_id), [seq], SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+    return SequenceGroup(
+        str(seq_id), [seq], SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+    )
 
 
 def _admit(bm: ContiguousBlockManager, group: SequenceGroup) -> AllocStatus:
@@ -32,7 +34,9 @@ def _admit(bm: ContiguousBlockManager, group: SequenceGroup) -> AllocStatus:
     return status
 
 
-@pytest.mark.parametrize(("policy", "slots"), [("orca-max", 256), ("orca-pow2", 128), ("orca-oracle", 100)])
+@pytest.mark.parametrize(
+    ("policy", "slots"), [("orca-max", 256), ("orca-pow2", 128), ("orca-oracle", 100)]
+)
 def test_reservation_sizes(policy, slots):
     assert reservation_slots(policy, 100, 256) == slots
     bm = ContiguousBlockManager(policy, 4, 1000, 0, max_model_len=256)
@@ -121,16 +125,20 @@ def test_a_dropped_beam_returns_its_run_to_the_request_until_it_ends():
 def test_factory_selects_by_kv_allocation():
     paged = create_block_manager(CacheConfig(), 10, 2, 128)
     assert isinstance(paged, BlockManager)
-    orca = create_block_manager(CacheConfig(kv_allocation="orca-pow2", enable_prefix_caching=False), 10, 2, 128)
+    orca = create_block_manager(
+        CacheConfig(kv_allocation="orca-pow2", enable_prefix_caching=False), 10, 2, 128
+    )
     assert isinstance(orca, ContiguousBlockManager) and orca.policy == "orca-pow2"
 
 
 def test_core_does_not_load_the_baselines():
     # The engine's core chooses a baseline without depending on it: it imports this package
     # only when a run asks for one (a fresh interpreter: this test's imports load it here).
-    code = ("import importlib, pkgutil, sys, streamkv.core as core\n"
-            "for m in pkgutil.iter_modules(core.__path__): importlib.import_module(f'streamkv.core.{m.name}')\n"
-            "print(sorted(k for k in sys.modules if k.startswith('streamkv.baselines')))")
+    code = (
+        "import importlib, pkgutil, sys, streamkv.core as core\n"
+        "for m in pkgutil.iter_modules(core.__path__): importlib.import_module(f'streamkv.core.{m.name}')\n"
+        "print(sorted(k for k in sys.modules if k.startswith('streamkv.baselines')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -152,15 +160,36 @@ def test_allocator_refuses_double_free():
         alloc.free(Run(2, 4))  # overlaps the free hole
 
 
-ops = st.lists(st.tuples(st.sampled_from(["admit", "step", "fork", "free"]),
-                         st.integers(0, 10**6), st.integers(1, 30)), max_size=60)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "step", "fork", "free"]),
+        st.integers(0, 10**6),
+        st.integers(1, 30),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=120, deadline=None)
-@example(ops=[("admit", 8, 1), ("step", 0, 1), ("fork", 0, 1), *[("admit", 0, 1)] * 7, ("step", 1, 1),
-              ("free", 0, 1), ("fork", 0, 1), ("step", 818, 1)], policy="orca-pow2", block_size=1)
-@given(ops=ops, policy=st.sampled_from(["orca-max", "orca-pow2", "orca-oracle", "ft-max"]),
-       block_size=st.sampled_from([1, 2, 4]))
+@example(
+    ops=[
+        ("admit", 8, 1),
+        ("step", 0, 1),
+        ("fork", 0, 1),
+        *[("admit", 0, 1)] * 7,
+        ("step", 1, 1),
+        ("free", 0, 1),
+        ("fork", 0, 1),
+        ("step", 818, 1),
+    ],
+    policy="orca-pow2",
+    block_size=1,
+)
+@given(
+    ops=ops,
+    policy=st.sampled_from(["orca-max", "orca-pow2", "orca-oracle", "ft-max"]),
+    block_size=st.sampled_from([1, 2, 4]),
+)
 def test_random_operations_never_hand_out_a_block_twice(ops, policy, block_size):
     bm = ContiguousBlockManager(policy, block_size, 64, 0, max_model_len=40)
     live: dict[int, Sequence] = {}
@@ -168,7 +197,9 @@ def test_random_operations_never_hand_out_a_block_twice(ops, policy, block_size)
     for op, pick, n in ops:
         ids = sorted(live)
         if op == "admit":
-            group = _group(next_id, min(n, 39), max(1, 40 - n) if pick % 2 else 1 + pick % 8, n=1 + pick % 3)
+            group = _group(
+                next_id, min(n, 39), max(1, 40 - n) if pick % 2 else 1 + pick % 8, n=1 + pick % 3
+            )
             next_id += 1
             if _admit(bm, group) == AllocStatus.OK:
                 live[group.seqs[0].seq_id] = group.seqs[0]
@@ -258,7 +289,13 @@ def test_the_kv_snapshot_draws_runs_and_holes():
         _admit(bm, g)
     bm.free(groups[1].seqs[0])
     assert list(bm.device.ref_counts) == [1] * 4 + [0] * 4 + [1] * 4
-    sched = SimpleNamespace(running=[groups[0], groups[2]], waiting=[], swapped=[], num_preemptions=0,
-                            num_swapped_out_blocks=0, num_swapped_in_blocks=0)
+    sched = SimpleNamespace(
+        running=[groups[0], groups[2]],
+        waiting=[],
+        swapped=[],
+        num_preemptions=0,
+        num_swapped_out_blocks=0,
+        num_swapped_in_blocks=0,
+    )
     snap = take_snapshot(bm, sched).as_dict()
     assert snap["device"]["cells"] == "uuuu....uuuu"  # two runs and the hole between them

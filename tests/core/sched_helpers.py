@@ -13,14 +13,20 @@ from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-def make_bm(num_blocks: int = 16, block_size: int = 4, cpu_blocks: int = 0, caching: bool = False) -> BlockManager:
-    return BlockManager(block_size, num_blocks, cpu_blocks, enable_prefix_caching=caching, watermark=0.0)
+def make_bm(
+    num_blocks: int = 16, block_size: int = 4, cpu_blocks: int = 0, caching: bool = False
+) -> BlockManager:
+    return BlockManager(
+        block_size, num_blocks, cpu_blocks, enable_prefix_caching=caching, watermark=0.0
+    )
 
 
-def make_scheduler(bm: BlockManager, budget: int = 64, max_num_seqs: int = 8,
-                   mode: str = "auto") -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             preemption_mode=mode)
+def make_scheduler(
+    bm: BlockManager, budget: int = 64, max_num_seqs: int = 8, mode: str = "auto"
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption_mode=mode
+    )
     config.verify()
     return Scheduler(config, bm)
 
@@ -37,11 +43,22 @@ class Sim:
         self.finished: dict[str, SequenceGroup] = {}
         self.steps = 0
 
-    def add(self, rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1, token: int = 1,
-            prompt: list[int] | None = None) -> SequenceGroup:
+    def add(
+        self,
+        rid: str,
+        prompt_len: int,
+        max_tokens: int = 4,
+        n: int = 1,
+        token: int = 1,
+        prompt: list[int] | None = None,
+    ) -> SequenceGroup:
         ids = prompt if prompt is not None else [token + i % 5 for i in range(prompt_len)]
-        params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=max_tokens, ignore_eos=True)
-        group = SequenceGroup(rid, [Sequence(next(self._ids), ids)], params, arrival_time=float(next(self._arrival)))
+        params = SamplingParams(
+            n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=max_tokens, ignore_eos=True
+        )
+        group = SequenceGroup(
+            rid, [Sequence(next(self._ids), ids)], params, arrival_time=float(next(self._arrival))
+        )
         self.sched.add(group)
         return group
 
@@ -77,9 +94,11 @@ class Sim:
     def run(self, max_steps: int = 10_000, on_step=None) -> None:
         while self.sched.has_unfinished():
             if self.steps >= max_steps:
-                raise AssertionError(f"no drain after {max_steps} steps: waiting "
-                                     f"{[g.request_id for g in self.sched.waiting]}, running "
-                                     f"{[g.request_id for g in self.sched.running]}")
+                raise AssertionError(
+                    f"no drain after {max_steps} steps: waiting "
+                    f"{[g.request_id for g in self.sched.waiting]}, running "
+                    f"{[g.request_id for g in self.sched.running]}"
+                )
             if on_step is not None:
                 on_step(self)
             self.step()

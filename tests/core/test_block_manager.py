@@ -24,8 +24,11 @@ def _check_refcounts(bm: BlockManager) -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["alloc", "append", "fork", "free", "swap_out", "swap_in"]),
-              st.integers(0, 10**6), st.integers(1, 40)),
+    st.tuples(
+        st.sampled_from(["alloc", "append", "fork", "free", "swap_out", "swap_in"]),
+        st.integers(0, 10**6),
+        st.integers(1, 40),
+    ),
     max_size=60,
 )
 
@@ -33,7 +36,13 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4]), caching=st.booleans())
 def test_random_operations_keep_refcounts_exact(ops, block_size, caching):
-    bm = BlockManager(block_size, num_device_blocks=24, num_cpu_blocks=24, enable_prefix_caching=caching, watermark=0.0)
+    bm = BlockManager(
+        block_size,
+        num_device_blocks=24,
+        num_cpu_blocks=24,
+        enable_prefix_caching=caching,
+        watermark=0.0,
+    )
     seqs: dict[int, Sequence] = {}
     swapped: dict[int, Sequence] = {}
     next_id = 0
@@ -156,15 +165,30 @@ def test_swap_keeps_sharing_within_a_group():
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "step", "fork", "free"]), st.integers(0, 10**6),
-                              st.integers(1, 12)), max_size=50),
-       block_size=st.sampled_from([1, 2, 4]), caching=st.booleans())
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "step", "fork", "free"]),
+            st.integers(0, 10**6),
+            st.integers(1, 12),
+        ),
+        max_size=50,
+    ),
+    block_size=st.sampled_from([1, 2, 4]),
+    caching=st.booleans(),
+)
 def test_blocks_needed_is_what_ensure_slots_takes(ops, block_size, caching):
     """blocks_needed's in-place shortcut (the new tokens fit the table, the block written is
     not shared) and its general path both count exactly the free blocks ensure_slots then
     takes, for decodes and chunks, after forks (copy-on-write) and cache hits; the block
     written is then never shared."""
-    bm = BlockManager(block_size, num_device_blocks=32, num_cpu_blocks=0, enable_prefix_caching=caching, watermark=0.0)
+    bm = BlockManager(
+        block_size,
+        num_device_blocks=32,
+        num_cpu_blocks=0,
+        enable_prefix_caching=caching,
+        watermark=0.0,
+    )
     seqs: dict[int, Sequence] = {}
     next_id = 0
     for op, pick, n in ops:
@@ -184,7 +208,9 @@ def test_blocks_needed_is_what_ensure_slots_takes(ops, block_size, caching):
                 assert free - bm.device.num_free == need and len(copies) <= 1
                 table = bm.tables[seq.seq_id]
                 assert len(table) * block_size >= seq.num_computed_tokens + k
-                assert bm.device.ref_counts[table[seq.num_computed_tokens // block_size]] == 1  # not shared
+                assert (
+                    bm.device.ref_counts[table[seq.num_computed_tokens // block_size]] == 1
+                )  # not shared
                 seq.num_computed_tokens += k
                 bm.mark_computed(seq)
                 if seq.num_uncomputed_tokens == 0:

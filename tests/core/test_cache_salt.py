@@ -32,13 +32,16 @@ def test_root_key_is_none_without_a_salt_and_differs_per_salt():
     assert root_key("") not in (None, root_key("a"))
 
 
-@pytest.mark.parametrize("first,second,hits", [
-    (None, None, 12),
-    ("tenant-a", "tenant-a", 12),
-    ("tenant-a", "tenant-b", 0),
-    ("tenant-a", None, 0),
-    (None, "tenant-a", 0),
-])
+@pytest.mark.parametrize(
+    "first,second,hits",
+    [
+        (None, None, 12),
+        ("tenant-a", "tenant-a", 12),
+        ("tenant-a", "tenant-b", 0),
+        ("tenant-a", None, 0),
+        (None, "tenant-a", 0),
+    ],
+)
 def test_same_prompt_hits_only_under_the_same_salt(first, second, hits):
     bm = BlockManager(BS, 32, 0, enable_prefix_caching=True, watermark=0.0)
     a = _seq(0, first)

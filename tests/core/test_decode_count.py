@@ -27,12 +27,16 @@ def recount(groups: list[SequenceGroup]) -> int | None:
     for g in groups:
         running = [s for s in g.seqs if s.status == RUNNING] if len(g.seqs) > 1 else g.seqs
         if all(s.num_uncomputed_tokens <= 1 for s in running):
-            decoding.append([s for s in running if s.status == RUNNING and s.num_uncomputed_tokens != 0])
+            decoding.append(
+                [s for s in running if s.status == RUNNING and s.num_uncomputed_tokens != 0]
+            )
     return sum(len(rows) for rows in decoding) if decoding else None
 
 
 def group_of(*seqs: Sequence) -> SequenceGroup:
-    return SequenceGroup("g", list(seqs), SamplingParams(n=len(seqs), temperature=1.0), arrival_time=0.0)
+    return SequenceGroup(
+        "g", list(seqs), SamplingParams(n=len(seqs), temperature=1.0), arrival_time=0.0
+    )
 
 
 def seq(seq_id: int, length: int, computed: int, status: SequenceStatus = RUNNING) -> Sequence:
@@ -44,7 +48,9 @@ def test_decode_rows_of_single_groups_and_beams():
     assert decode_rows(group_of(seq(1, 8, 8))) == 0  # waits for the step in flight
     assert decode_rows(group_of(seq(1, 8, 3))) is None  # a prompt chunk
     # Beams: a dropped beam stays in the group (finished) until its blocks are freed.
-    beams = group_of(seq(1, 9, 8), seq(2, 9, 8), seq(3, 9, 2, SequenceStatus.FINISHED_ABORTED), seq(4, 9, 9))
+    beams = group_of(
+        seq(1, 9, 8), seq(2, 9, 8), seq(3, 9, 2, SequenceStatus.FINISHED_ABORTED), seq(4, 9, 9)
+    )
     assert decode_rows(beams) == 2
     # After recompute the first sequence computes the shared prefix alone: still a prompt.
     assert decode_rows(group_of(seq(1, 9, 4), seq(2, 9, 0))) is None
@@ -67,7 +73,10 @@ class CheckedSim(Sim):
         counted = [n for n in rows if n is not None]
         assert (sum(counted) if counted else None) == expected
         decoding = {id(g) for g, n in zip(self.sched.running, rows) if n}
-        fits = sum(len(g.live_seqs(RUNNING)) for g in self.sched.running) <= self.sched.config.max_num_seqs
+        fits = (
+            sum(len(g.live_seqs(RUNNING)) for g in self.sched.running)
+            <= self.sched.config.max_num_seqs
+        )
         out = super().step()
         if expected and out.num_preempted == 0 and not out.failed:
             ran = sum(1 for s in out.scheduled if id(s.group) in decoding)
@@ -82,8 +91,12 @@ class CheckedSim(Sim):
         return out
 
     def _decoding_seqs(self) -> list[tuple[SequenceGroup, Sequence]]:
-        return [(g, s) for g in self.sched.running for s in g.seqs
-                if s.status is RUNNING and s.num_uncomputed_tokens == 1 and s.output_token_ids]
+        return [
+            (g, s)
+            for g in self.sched.running
+            for s in g.seqs
+            if s.status is RUNNING and s.num_uncomputed_tokens == 1 and s.output_token_ids
+        ]
 
     def fork(self, k: int) -> None:
         """A beam continuing twice: its child shares its blocks."""
@@ -111,14 +124,21 @@ class CheckedSim(Sim):
 
 
 events = st.lists(
-    st.tuples(st.sampled_from(["add", "step", "step", "step", "abort", "fork", "drop", "hold"]),
-              st.integers(1, 30), st.integers(1, 10), st.integers(1, 3)),
-    min_size=1, max_size=60,
+    st.tuples(
+        st.sampled_from(["add", "step", "step", "step", "abort", "fork", "drop", "hold"]),
+        st.integers(1, 30),
+        st.integers(1, 10),
+        st.integers(1, 3),
+    ),
+    min_size=1,
+    max_size=60,
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(events=events, mode=st.sampled_from(["swap", "recompute"]), budget=st.sampled_from([8, 16, 64]))
+@given(
+    events=events, mode=st.sampled_from(["swap", "recompute"]), budget=st.sampled_from([8, 16, 64])
+)
 def test_decode_rows_equal_a_recount_every_step(events, mode, budget):
     bm = make_bm(num_blocks=16, block_size=4, cpu_blocks=8)
     sim = CheckedSim(make_scheduler(bm, budget=budget, max_num_seqs=6, mode=mode))
@@ -145,8 +165,20 @@ def test_the_recount_sees_decodes_preemptions_and_forks():
     sim.add("a", 6, max_tokens=8, n=3)
     sim.add("b", 9, max_tokens=8)
     # Group a (three samples) runs first in the running list, b last.
-    for action in ("step", "step", "hold 0", "fork 0", "drop 1", "hold 1", "hold 0", "fork 2", "hold 4",
-                   "drop 0", "fork 1", "hold 2"):
+    for action in (
+        "step",
+        "step",
+        "hold 0",
+        "fork 0",
+        "drop 1",
+        "hold 1",
+        "hold 0",
+        "fork 2",
+        "hold 4",
+        "drop 0",
+        "fork 1",
+        "hold 2",
+    ):
         if action != "step":
             name, k = action.split()
             getattr(sim, name)(int(k))

@@ -16,7 +16,9 @@ from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 BS = 4
 
 
-def make(num_blocks: int = 32, cpu_blocks: int = 16, caching: bool = False) -> tuple[BlockManager, Scheduler]:
+def make(
+    num_blocks: int = 32, cpu_blocks: int = 16, caching: bool = False
+) -> tuple[BlockManager, Scheduler]:
     bm = BlockManager(BS, num_blocks, cpu_blocks, enable_prefix_caching=caching, watermark=0.0)
     return bm, Scheduler(SchedulerConfig(max_num_seqs=64), bm)
 
@@ -41,7 +43,13 @@ def test_an_idle_pool_is_all_free():
     assert snap.cpu.cells == "." * 16
     assert snap.requests == [] and snap.ref_counts == {}
     h = snap.headline
-    assert (h["used_blocks"], h["free_blocks"], h["kv_usage"], h["waste"], h["running"]) == (0, 32, 0.0, 0.0, 0)
+    assert (h["used_blocks"], h["free_blocks"], h["kv_usage"], h["waste"], h["running"]) == (
+        0,
+        32,
+        0.0,
+        0.0,
+        0,
+    )
     assert snap.legend == dict(STATES)
 
 
@@ -53,7 +61,13 @@ def test_a_running_request_shows_its_block_table_and_waste():
     table = bm.tables[seq.seq_id]
     assert [r.request_id for r in snap.requests] == ["r1"]
     row = snap.requests[0].seqs[0]
-    assert (row.table, row.num_blocks, row.status, row.num_tokens, row.num_computed_tokens) == (table, 3, "running", 10, 10)
+    assert (row.table, row.num_blocks, row.status, row.num_tokens, row.num_computed_tokens) == (
+        table,
+        3,
+        "running",
+        10,
+        10,
+    )
     assert sorted(i for i, c in enumerate(snap.device.cells) if c == "u") == sorted(table)
     h = snap.headline
     assert h["used_blocks"] == 3 and h["kv_usage"] == 3 / 32 and h["running"] == 1

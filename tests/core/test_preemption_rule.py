@@ -14,13 +14,19 @@ from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.core.sched_helpers import Sim, make_bm, make_scheduler
 
 # A GPU-like shape: a per-block transfer cost dominates at tiny blocks (the paper's Fig 19a).
-GPU = PreemptionCosts(call_ms=0.02, block_us=30.0, token_us=0.3, fixed_ms=4.0, token_ms=0.002, quad_ns=0.5)
+GPU = PreemptionCosts(
+    call_ms=0.02, block_us=30.0, token_us=0.3, fixed_ms=4.0, token_ms=0.002, quad_ns=0.5
+)
 SWAP_CHEAP = PreemptionCosts(call_ms=0.0, block_us=0.0, token_us=0.0, fixed_ms=100.0, token_ms=1.0)
-RECOMPUTE_CHEAP = PreemptionCosts(call_ms=100.0, block_us=1e3, token_us=1e3, fixed_ms=0.0, token_ms=0.0)
+RECOMPUTE_CHEAP = PreemptionCosts(
+    call_ms=100.0, block_us=1e3, token_us=1e3, fixed_ms=0.0, token_ms=0.0
+)
 
 
 def test_formulas():
-    c = PreemptionCosts(call_ms=1.0, block_us=100.0, token_us=10.0, fixed_ms=2.0, token_ms=0.5, quad_ns=1000.0)
+    c = PreemptionCosts(
+        call_ms=1.0, block_us=100.0, token_us=10.0, fixed_ms=2.0, token_ms=0.5, quad_ns=1000.0
+    )
     assert c.swap_ms(10, 16) == pytest.approx(2 * (1.0 + 10 * (100 + 160) / 1000))
     assert c.recompute_ms(100) == pytest.approx(2.0 + 50.0 + 100 * 100 * 1000 / 1e6)
 
@@ -41,9 +47,24 @@ def test_costs_file(tmp_path):
     data = json.loads(COSTS_FILE.read_text())
     assert data["default"] in data["profiles"]
     path = tmp_path / "costs.json"
-    path.write_text(json.dumps({"default": "a", "profiles": {
-        "a": {"call_ms": 1, "block_us": 2, "token_us": 3, "fixed_ms": 4, "token_ms": 5, "source": "x"},
-        "b": {"call_ms": 9, "block_us": 2, "token_us": 3, "fixed_ms": 4, "token_ms": 5}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "default": "a",
+                "profiles": {
+                    "a": {
+                        "call_ms": 1,
+                        "block_us": 2,
+                        "token_us": 3,
+                        "fixed_ms": 4,
+                        "token_ms": 5,
+                        "source": "x",
+                    },
+                    "b": {"call_ms": 9, "block_us": 2, "token_us": 3, "fixed_ms": 4, "token_ms": 5},
+                },
+            }
+        )
+    )
     assert load_costs(None, path).call_ms == 1 and load_costs("b", path).call_ms == 9
     with pytest.raises(ValueError, match="no preemption cost profile 'c'"):
         load_costs("c", path)

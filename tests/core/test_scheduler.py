@@ -83,7 +83,11 @@ def test_swapped_groups_resume_before_new_admissions():
         sim.add(rid, 4, max_tokens=6)
     sim.step()
     out = sim.step()
-    assert out.num_preempted == 1 and out.swap_out and [g.request_id for g in sim.sched.swapped] == ["c"]
+    assert (
+        out.num_preempted == 1
+        and out.swap_out
+        and [g.request_id for g in sim.sched.swapped] == ["c"]
+    )
     sim.add("d", 2)
     # d is admitted only in a step that left no group swapped out.
     swapped_in = 0
@@ -95,7 +99,9 @@ def test_swapped_groups_resume_before_new_admissions():
     bm.check_no_leaks()
 
 
-@pytest.mark.parametrize("mode, cpu_blocks", [("recompute", 0), ("auto", 0), ("recompute", 16), ("swap", 16)])
+@pytest.mark.parametrize(
+    "mode, cpu_blocks", [("recompute", 0), ("auto", 0), ("recompute", 16), ("swap", 16)]
+)
 def test_issue_11_preempted_sampling_group_comes_back(mode, cpu_blocks):
     """Issue 11's first repro at the scheduler: Y (16 + 80), X (48, n=4, 12 out), Z after
     step 60, in 16 blocks of 8 tokens."""
@@ -171,23 +177,42 @@ def test_scheduled_seq_samples_only_at_the_end_of_its_tokens():
 
 
 events = st.lists(
-    st.tuples(st.sampled_from(["add", "add", "abort", "step", "step", "step"]),
-              st.integers(1, 30), st.integers(1, 12), st.integers(1, 3)),
-    min_size=1, max_size=60,
+    st.tuples(
+        st.sampled_from(["add", "add", "abort", "step", "step", "step"]),
+        st.integers(1, 30),
+        st.integers(1, 12),
+        st.integers(1, 3),
+    ),
+    min_size=1,
+    max_size=60,
 )
 
 
 @settings(max_examples=120, deadline=None)
-@given(events=events, mode=st.sampled_from(["auto", "swap", "recompute"]), caching=st.booleans(),
-       budget=st.sampled_from([8, 16, 64]), cpu_blocks=st.sampled_from([0, 6]))
-def test_random_arrivals_aborts_and_finishes_always_drain(events, mode, caching, budget, cpu_blocks):
+@given(
+    events=events,
+    mode=st.sampled_from(["auto", "swap", "recompute"]),
+    caching=st.booleans(),
+    budget=st.sampled_from([8, 16, 64]),
+    cpu_blocks=st.sampled_from([0, 6]),
+)
+def test_random_arrivals_aborts_and_finishes_always_drain(
+    events, mode, caching, budget, cpu_blocks
+):
     from streamkv.core.admission import EngineLimits, InvalidParameter, check_request
 
     bm = make_bm(num_blocks=12, block_size=4, cpu_blocks=cpu_blocks, caching=caching)
     sim = Sim(make_scheduler(bm, budget=budget, max_num_seqs=4, mode=mode))
-    limits = EngineLimits(max_model_len=64, vocab_size=1000, block_size=4, num_kv_blocks=12,
-                          num_swap_blocks=cpu_blocks, usable_kv_blocks=12, max_num_seqs=4,
-                          prefix_caching=caching)
+    limits = EngineLimits(
+        max_model_len=64,
+        vocab_size=1000,
+        block_size=4,
+        num_kv_blocks=12,
+        num_swap_blocks=cpu_blocks,
+        usable_kv_blocks=12,
+        max_num_seqs=4,
+        prefix_caching=caching,
+    )
     live: list[str] = []
     for i, (kind, size, out_len, n) in enumerate(events):
         if kind == "add":

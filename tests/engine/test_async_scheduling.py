@@ -15,16 +15,65 @@ from streamkv.messages import PENDING_TOKEN, SampleResult, StepInput, StepOutput
 PROMPTS = [
     [5, 17, 300, 2, 9, 44, 81, 123, 7, 3, 600, 12, 18],
     [900, 14, 2, 2, 41],
-    [5, 17, 300, 2, 9, 44, 81, 123, 7, 3, 600, 12, 18, 77, 64, 31, 8, 1, 250, 19],  # shares a prefix
-    [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94],
+    [
+        5,
+        17,
+        300,
+        2,
+        9,
+        44,
+        81,
+        123,
+        7,
+        3,
+        600,
+        12,
+        18,
+        77,
+        64,
+        31,
+        8,
+        1,
+        250,
+        19,
+    ],  # shares a prefix
+    [
+        70,
+        71,
+        72,
+        73,
+        74,
+        75,
+        76,
+        77,
+        78,
+        79,
+        80,
+        81,
+        82,
+        83,
+        84,
+        85,
+        86,
+        87,
+        88,
+        89,
+        90,
+        91,
+        92,
+        93,
+        94,
+    ],
 ]
 
 
 def _engines(tiny_llama_dir, **kwargs):
     base = dict(device="cpu", max_model_len=128, num_swap_blocks=0, block_size=4)
     base.update(kwargs)
-    return (LLM(str(tiny_llama_dir), async_scheduling=True, **base),
-            LLM(str(tiny_llama_dir), async_scheduling=False, **base))
+    return (
+        LLM(str(tiny_llama_dir), async_scheduling=True, **base),
+        LLM(str(tiny_llama_dir), async_scheduling=False, **base),
+    )
 
 
 def _run(llm: LLM, params, prompts=PROMPTS):
@@ -62,7 +111,9 @@ def test_eos_and_stop_token_ids(tiny_llama_dir):
     _, off = _engines(tiny_llama_dir, num_kv_blocks=256)
     free = [o[0][0] for o in _run(off, GREEDY)]
     off.shutdown()
-    params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[toks[4]]) for toks in free]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[toks[4]]) for toks in free
+    ]
     got, _ = _same(tiny_llama_dir, params, num_kv_blocks=256)
     assert any(o[0][1] == "stop" and len(o[0][0]) <= 5 for o in got)
 
@@ -81,7 +132,8 @@ def test_stop_strings(tiny_llama_dir):
         got = [o.outputs[0] for o in on.generate(prompts, params)]
         want = [o.outputs[0] for o in off.generate(prompts, params)]
         assert [(c.text, c.token_ids, c.finish_reason) for c in got] == [
-            (c.text, c.token_ids, c.finish_reason) for c in want]
+            (c.text, c.token_ids, c.finish_reason) for c in want
+        ]
         assert all(c.finish_reason == "stop" for c in got)
         assert on.engine.overlapped_steps > 0
     finally:
@@ -92,8 +144,14 @@ def test_stop_strings(tiny_llama_dir):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(tiny_llama_dir, mode):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    _, stats = _same(tiny_llama_dir, params, num_kv_blocks=40, preemption_mode=mode,
-                     num_swap_blocks=64 if mode == "swap" else 0, enable_prefix_caching=False)
+    _, stats = _same(
+        tiny_llama_dir,
+        params,
+        num_kv_blocks=40,
+        preemption_mode=mode,
+        num_swap_blocks=64 if mode == "swap" else 0,
+        enable_prefix_caching=False,
+    )
     assert stats["num_preemptions"] > 0
 
 
@@ -124,7 +182,8 @@ def test_parallel_samples_and_beam_search(tiny_llama_dir):
         assert _run(on, n) == _run(off, n)
         beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
         got, want = (
-            [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:2], beams)] for llm in (on, off)
+            [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:2], beams)]
+            for llm in (on, off)
         )
         assert got == want and len(got[0]) == 3
         on.engine.block_manager.check_no_leaks()
@@ -135,11 +194,24 @@ def test_parallel_samples_and_beam_search(tiny_llama_dir):
 
 def test_penalties_and_seeded_sampling(tiny_llama_dir):
     params = [
-        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, presence_penalty=0.8,
-                       frequency_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0,
+            max_tokens=14,
+            ignore_eos=True,
+            presence_penalty=0.8,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+        ),
         SamplingParams(temperature=1.0, seed=11, max_tokens=14, ignore_eos=True, top_k=20),
-        SamplingParams(temperature=0.9, seed=12, max_tokens=14, ignore_eos=True, top_p=0.8,
-                       repetition_penalty=1.2, logprobs=2),
+        SamplingParams(
+            temperature=0.9,
+            seed=12,
+            max_tokens=14,
+            ignore_eos=True,
+            top_p=0.8,
+            repetition_penalty=1.2,
+            logprobs=2,
+        ),
         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, min_tokens=6),
     ]
     got, _ = _same(tiny_llama_dir, params, num_kv_blocks=256)
@@ -184,7 +256,13 @@ def test_max_model_len_ends_without_an_extra_step(tiny_llama_dir):
 
 
 def test_flag_off_is_the_synchronous_engine(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0, async_scheduling=False)
+    llm = LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        num_kv_blocks=64,
+        num_swap_blocks=0,
+        async_scheduling=False,
+    )
     try:
         engine = llm.engine
         engine.add_request("a", None, GREEDY, prompt_token_ids=PROMPTS[0])
@@ -215,8 +293,13 @@ class _RecordingExecutor(Executor):
     def execute(self, step: StepInput) -> StepOutput:
         for s in step.seqs:
             assert s.token_ids[0] != PENDING_TOKEN or s.seq_id in self.last
-        out = StepOutput({s.seq_id: SampleResult([1000 + (7 * s.seq_id + s.start_pos) % 500], [-1.0])
-                          for s in step.seqs if s.sample})
+        out = StepOutput(
+            {
+                s.seq_id: SampleResult([1000 + (7 * s.seq_id + s.start_pos) % 500], [-1.0])
+                for s in step.seqs
+                if s.sample
+            }
+        )
         self.last = set(out.results)
         return out
 
@@ -238,8 +321,12 @@ class _RecordingExecutor(Executor):
 @pytest.mark.parametrize("on", [True, False])
 def test_the_next_step_is_submitted_before_this_ones_result_is_read(on):
     executor = _RecordingExecutor()
-    engine = LLMEngine(engine_config(None, device="cpu", num_kv_blocks=256, num_swap_blocks=0,
-                                     async_scheduling=on), executor)
+    engine = LLMEngine(
+        engine_config(
+            None, device="cpu", num_kv_blocks=256, num_swap_blocks=0, async_scheduling=on
+        ),
+        executor,
+    )
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     for i, p in enumerate(PROMPTS[:2]):
         engine.add_request(str(i), None, params, prompt_token_ids=p)
@@ -252,7 +339,10 @@ def test_the_next_step_is_submitted_before_this_ones_result_is_read(on):
         # submit 0, submit 1, result 0, submit 2, result 1, ...: step N+1 was handed over
         # while step N's samples were unread, its decode inputs pending on the device.
         assert executor.calls[:3] == [("submit", 0), ("submit", 1), ("result", 0)]
-        assert all(executor.calls.index(("submit", k + 1)) < executor.calls.index(("result", k)) for k in range(n - 1))
+        assert all(
+            executor.calls.index(("submit", k + 1)) < executor.calls.index(("result", k))
+            for k in range(n - 1)
+        )
         assert all(s.token_ids == [PENDING_TOKEN] for s in executor.inputs[1].seqs)
     else:
         assert executor.calls == [(c, k) for k in range(n) for c in ("submit", "result")]

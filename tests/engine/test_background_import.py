@@ -49,7 +49,9 @@ def test_a_missing_module_raises_where_it_is_used():
 
 def test_the_manager_imports_xgrammar_only_when_it_could_use_it():
     pytest.importorskip("xgrammar")
-    assert StructuredOutputManager(None, 1000, frozenset({2})).xgrammar is None  # no tokenizer: no grammars
+    assert (
+        StructuredOutputManager(None, 1000, frozenset({2})).xgrammar is None
+    )  # no tokenizer: no grammars
     manager = StructuredOutputManager(object(), 1000, frozenset({2}))
     assert manager.xgrammar.started and manager.xgrammar.get().__name__ == "xgrammar"
 
@@ -58,10 +60,13 @@ def test_a_process_that_exits_during_the_import_lets_it_finish(tmp_path):
     """The import thread is not stopped halfway at interpreter exit (native extensions abort
     the process then): the module's last line runs before the process ends."""
     (tmp_path / "streamkv_exit_probe.py").write_text(
-        "import pathlib, time\ntime.sleep(0.5)\npathlib.Path(__file__).with_suffix('.done').write_text('ok')\n")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from streamkv.engine.background_import import BackgroundImport; "
-            "BackgroundImport('streamkv_exit_probe')")
+        "import pathlib, time\ntime.sleep(0.5)\npathlib.Path(__file__).with_suffix('.done').write_text('ok')\n"
+    )
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from streamkv.engine.background_import import BackgroundImport; "
+        "BackgroundImport('streamkv_exit_probe')"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], timeout=60)
     assert done.returncode == 0
     assert (tmp_path / "streamkv_exit_probe.done").read_text() == "ok"

@@ -16,13 +16,17 @@ PROMPT = [5, 17, 300, 2, 41, 9]
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    engine = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0, max_model_len=128)
+    engine = LLM(
+        str(tiny_llama_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0, max_model_len=128
+    )
     yield engine
     engine.shutdown()
 
 
 def _beams(llm, **kwargs):
-    params = SamplingParams(n=3, best_of=3, use_beam_search=True, temperature=0, ignore_eos=True, **kwargs)
+    params = SamplingParams(
+        n=3, best_of=3, use_beam_search=True, temperature=0, ignore_eos=True, **kwargs
+    )
     return llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0].outputs
 
 
@@ -57,7 +61,11 @@ def test_logprobs_are_those_of_the_chosen_tokens_with_the_top_ones(llm):
             ranked = sorted((lp.rank, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
             assert [r for r, _ in ranked][:2] == [1, 2]
             assert ranked[0][1] >= ranked[1][1]
-        assert math.isclose(sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs)), o.cumulative_logprob,
-                            rel_tol=1e-5, abs_tol=1e-5)
+        assert math.isclose(
+            sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs)),
+            o.cumulative_logprob,
+            rel_tol=1e-5,
+            abs_tol=1e-5,
+        )
     # Asking for logprobs changes no beam.
     assert [o.token_ids for o in outs] == [o.token_ids for o in _beams(llm, max_tokens=6)]

@@ -36,10 +36,17 @@ def test_one_generate_call_with_a_common_system_prompt_computes_it_once(tiny_lla
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     runs = {}
     for caching in (True, False):
-        llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0,
-                  enable_prefix_caching=caching)
+        llm = LLM(
+            str(tiny_llama_dir),
+            device="cpu",
+            num_kv_blocks=64,
+            num_swap_blocks=0,
+            enable_prefix_caching=caching,
+        )
         try:
-            runs[caching] = [o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=ids)]
+            runs[caching] = [
+                o.outputs[0].token_ids for o in llm.generate(None, params, prompt_token_ids=ids)
+            ]
             if caching:
                 assert llm.stats()["prefix_cache_hits"] == 3 * 96
             llm.engine.block_manager.check_no_leaks()

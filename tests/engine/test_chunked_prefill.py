@@ -24,11 +24,22 @@ def hf_tiny(tiny_llama_dir):
 @pytest.mark.parametrize("budget", [16, 64])
 def test_chunked_prefill_matches_transformers_under_preemption(tiny_llama_dir, hf_tiny, budget):
     # 24 blocks of 8 tokens: the batch needs ~400 slots at its peak, so requests are preempted.
-    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=8, num_kv_blocks=24, num_swap_blocks=0,
-              preemption_mode="recompute", max_num_batched_tokens=budget, max_num_seqs=16, max_model_len=256)
+    llm = LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=24,
+        num_swap_blocks=0,
+        preemption_mode="recompute",
+        max_num_batched_tokens=budget,
+        max_num_seqs=16,
+        max_model_len=256,
+    )
     try:
         ids = prompts(1000, lengths=LENGTHS)
-        ids.append(ids[5][:64] + ids[0])  # shares 8 full blocks with a longer prompt: a prefix-cache hit
+        ids.append(
+            ids[5][:64] + ids[0]
+        )  # shares 8 full blocks with a longer prompt: a prefix-cache hit
         result = greedy_compare(hf_tiny, llm, ids, max_tokens=24)
         assert result.exact >= len(ids) - 1, result
         stats = llm.stats()
@@ -47,16 +58,30 @@ def test_one_token_budget_decodes_first_then_prompt_chunks_up_to_the_budget(tiny
 
     budget = 128
     ids = prompts(1000, lengths=(120, 90, 110, 100) * 8)
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + 7 * (i % 5), ignore_eos=True) for i in range(len(ids))]
-    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=8, num_kv_blocks=800, num_swap_blocks=0,
-              max_num_batched_tokens=budget, max_num_seqs=16, max_model_len=256, enable_prefix_caching=False)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 7 * (i % 5), ignore_eos=True)
+        for i in range(len(ids))
+    ]
+    llm = LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=800,
+        num_swap_blocks=0,
+        max_num_batched_tokens=budget,
+        max_num_seqs=16,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
     try:
         engine, seen = llm.engine, []
         schedule = engine.scheduler.schedule
 
         def spy():
             decoding = sum(1 for g in engine.scheduler.running if decode_rows(g))
-            waiting = bool(engine.scheduler.waiting) or any(decode_rows(g) is None for g in engine.scheduler.running)
+            waiting = bool(engine.scheduler.waiting) or any(
+                decode_rows(g) is None for g in engine.scheduler.running
+            )
             out = schedule()
             seen.append((decoding, waiting, out))
             return out

@@ -47,17 +47,26 @@ def test_backend_and_wrapper_decode_the_same_stream(tok):
 
 # -- stop-string hold-back ----------------------------------------------------------------
 def _holdback_reference(text: str, stops: list[str]) -> int:
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])), default=0)
+    return max(
+        (k for s in stops for k in range(min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+        default=0,
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text("ab\n", max_size=14), st.lists(st.text("ab\n", min_size=1, max_size=8), min_size=1, max_size=3))
+@given(
+    st.text("ab\n", max_size=14),
+    st.lists(st.text("ab\n", min_size=1, max_size=8), min_size=1, max_size=3),
+)
 def test_holdback_is_the_longest_suffix_that_begins_a_stop_string(text, stops):
     assert holdback(text, stops) == _holdback_reference(text, stops)
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.text("ab", max_size=40), st.lists(st.text("ab", min_size=1, max_size=90), min_size=1, max_size=3))
+@given(
+    st.text("ab", max_size=40),
+    st.lists(st.text("ab", min_size=1, max_size=90), min_size=1, max_size=3),
+)
 def test_emitted_text_only_grows(text, stops):
     """What the stream shows (text minus its hold-back) never shrinks as text is appended,
     for short stop strings (exact) and long ones (len - 1 held) alike."""
@@ -81,8 +90,8 @@ def test_holdback_cost_does_not_grow_with_stop_or_text_length():
     random.seed(0)
     words = "the sea is calm tonight and the tide is full moon lies fair upon straits".split()
     prose = " ".join(random.choice(words) for _ in range(4000))
-    short = [prose[i:i + 8] for i in range(0, 32 * 8, 8)]
-    long = [prose[i:i + 1024] for i in range(0, 32 * 1024, 1024)]
+    short = [prose[i : i + 8] for i in range(0, 32 * 8, 8)]
+    long = [prose[i : i + 1024] for i in range(0, 32 * 1024, 1024)]
     base = _cost(prose[:16_000], short)
     assert _cost(prose[:16_000], long) < 5 * base + 1e-4
     assert _cost(prose, short) < 5 * base + 1e-4  # 4x the text, same cost
@@ -107,7 +116,7 @@ def _reference_stream(tok, prompt: list[int], output: list[int], skip_special: b
         tokens.append(t)
         prefix, full = decode(tokens[prefix_offset:read_offset]), decode(tokens[prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            pieces.append(full[len(prefix):])
+            pieces.append(full[len(prefix) :])
             prefix_offset, read_offset = read_offset, len(tokens)
         else:
             pieces.append("")
@@ -117,8 +126,12 @@ def _reference_stream(tok, prompt: list[int], output: list[int], skip_special: b
 def _random_tokens(rng: random.Random, tok, n: int) -> list[int]:
     """Tokens that split multi-byte characters (byte pieces), special ids, real words."""
     words = tok(TEXT).input_ids
-    pool = [lambda: rng.randrange(0, 300), lambda: rng.choice(tok.all_special_ids),
-            lambda: rng.randrange(len(tok)), lambda: rng.choice(words)]
+    pool = [
+        lambda: rng.randrange(0, 300),
+        lambda: rng.choice(tok.all_special_ids),
+        lambda: rng.randrange(len(tok)),
+        lambda: rng.choice(words),
+    ]
     return [rng.choice(pool)() for _ in range(n)]
 
 

@@ -20,9 +20,14 @@ def test_infeasible_request_is_refused_and_the_engine_goes_on(llm):
     ok = tok.encode("The capital of France is")
     too_long = [tok.encode("hello")[0]] * 2000  # over max_model_len
     with pytest.raises(ValueError, match="maximum context length") as info:
-        llm.generate(prompt_token_ids=[ok, too_long, ok], sampling_params=SamplingParams(temperature=0, max_tokens=8))
+        llm.generate(
+            prompt_token_ids=[ok, too_long, ok],
+            sampling_params=SamplingParams(temperature=0, max_tokens=8),
+        )
     assert info.value.param == "prompt"
-    outs = llm.generate(prompt_token_ids=[ok, ok], sampling_params=SamplingParams(temperature=0, max_tokens=8))
+    outs = llm.generate(
+        prompt_token_ids=[ok, ok], sampling_params=SamplingParams(temperature=0, max_tokens=8)
+    )
     for out in outs:
         assert out.error is None and out.outputs[0].finish_reason == "length"
         assert len(out.outputs[0].token_ids) == 8
@@ -80,7 +85,9 @@ def test_stop_string_is_trimmed_and_streamed_text_never_shows_it(llm):
 def test_incremental_text_equals_full_decode_for_multibyte_output(llm):
     tok = llm.get_tokenizer()
     prompt = "Translate to Chinese and add emoji: I love the sunny beach 🌞🏖️. Answer:"
-    out = llm.generate(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True))[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)
+    )[0]
     comp = out.outputs[0]
     assert comp.text == tok.decode(comp.token_ids, skip_special_tokens=True)
     assert "\ufffd" not in comp.text
@@ -95,12 +102,16 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     )
     assert batch[0].outputs[0].token_ids == alone
     assert batch[2].outputs[0].token_ids == alone
-    other = llm.generate("Tell me a story", SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True))
+    other = llm.generate(
+        "Tell me a story", SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True)
+    )
     assert other[0].outputs[0].token_ids != alone
 
 
 def test_min_tokens_and_logprobs(llm):
-    out = llm.generate("Hi", SamplingParams(temperature=0, min_tokens=30, max_tokens=30, logprobs=3))[0].outputs[0]
+    out = llm.generate(
+        "Hi", SamplingParams(temperature=0, min_tokens=30, max_tokens=30, logprobs=3)
+    )[0].outputs[0]
     assert len(out.token_ids) == 30
     assert len(out.logprobs) == 30
     for tok, lp in zip(out.token_ids, out.logprobs):
@@ -110,7 +121,11 @@ def test_min_tokens_and_logprobs(llm):
 
 def test_abort_frees_blocks(llm):
     engine = llm.engine
-    engine.add_request("to-abort", "Write a very long essay about the sea.", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.add_request(
+        "to-abort",
+        "Write a very long essay about the sea.",
+        SamplingParams(max_tokens=200, ignore_eos=True),
+    )
     for _ in range(3):
         engine.step()
     assert engine.block_manager.device.num_free < engine.block_manager.device.num_blocks
@@ -123,9 +138,7 @@ def test_finished_only_steps_return_the_same_final_outputs(llm):
     # LLM.generate steps with finished_only=True; streaming consumers take every output.
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in ("One, two,", "The sky is", "def f(x):")]
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, stop=["\n\n"]) for n in (3, 9, 6)
-    ]
+    params = [SamplingParams(temperature=0, max_tokens=n, stop=["\n\n"]) for n in (3, 9, 6)]
     engine = llm.engine
     finals: dict[str, dict] = {}
     for mode in (False, True):
@@ -155,13 +168,21 @@ def test_token_ids_past_the_vocabulary_are_refused_alone(llm):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=bad)
     # A top_k past the vocabulary is no filter at all, not an error.
-    big_k = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, top_k=10**6, seed=1, ignore_eos=True))
+    big_k = llm.generate(
+        prompt_token_ids=[[5, 6, 7]],
+        sampling_params=SamplingParams(max_tokens=3, top_k=10**6, seed=1, ignore_eos=True),
+    )
     assert len(big_k[0].outputs[0].token_ids) == 3
-    assert len(llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=ok)[0].outputs[0].token_ids) == 3
+    assert (
+        len(llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=ok)[0].outputs[0].token_ids)
+        == 3
+    )
     llm.engine.block_manager.check_no_leaks()
 
 
 def test_logit_bias_offline(llm):
-    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(
-        temperature=0, max_tokens=4, logit_bias={42: 100.0}))
+    out = llm.generate(
+        prompt_token_ids=[[5, 6, 7]],
+        sampling_params=SamplingParams(temperature=0, max_tokens=4, logit_bias={42: 100.0}),
+    )
     assert out[0].outputs[0].token_ids == [42, 42, 42, 42]

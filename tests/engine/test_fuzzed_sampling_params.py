@@ -34,7 +34,9 @@ _params = st.fixed_dictionaries(
         "presence_penalty": st.sampled_from([-2.0, 0.0, 1.5]),
         "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
         "repetition_penalty": st.sampled_from([0.5, 1.0, 2.0]),
-        "logit_bias": st.dictionaries(_ids, st.sampled_from([-100.0, -1.0, 0.5, 100.0]), max_size=3),
+        "logit_bias": st.dictionaries(
+            _ids, st.sampled_from([-100.0, -1.0, 0.5, 100.0]), max_size=3
+        ),
         "max_tokens": st.integers(1, 4),
     },
 )
@@ -42,8 +44,13 @@ _params = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    engine = LLM(str(tiny_llama(vocab_size=VOCAB)), device="cpu", num_kv_blocks=128,
-                 num_swap_blocks=0, max_model_len=128)
+    engine = LLM(
+        str(tiny_llama(vocab_size=VOCAB)),
+        device="cpu",
+        num_kv_blocks=128,
+        num_swap_blocks=0,
+        max_model_len=128,
+    )
     yield engine
     engine.shutdown()
 
@@ -53,7 +60,9 @@ def control_tokens(llm):
     return llm.generate(prompt_token_ids=[PROMPT], sampling_params=CONTROL)[0].outputs[0].token_ids
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(kwargs=_params, with_beams=st.booleans())
 def test_a_request_never_fails_its_batch(llm, control_tokens, kwargs, with_beams):
     if with_beams:
@@ -70,7 +79,9 @@ def test_a_request_never_fails_its_batch(llm, control_tokens, kwargs, with_beams
     else:
         fuzzed = outs[0]
         assert fuzzed.error is None and fuzzed.finished
-        assert 1 <= len(fuzzed.outputs) and all(len(c.token_ids) <= params.max_tokens for c in fuzzed.outputs)
+        assert 1 <= len(fuzzed.outputs) and all(
+            len(c.token_ids) <= params.max_tokens for c in fuzzed.outputs
+        )
         assert all(0 <= t < VOCAB for c in fuzzed.outputs for t in c.token_ids)
     assert outs[1].outputs[0].token_ids == control_tokens
     llm.engine.block_manager.check_no_leaks()

@@ -54,7 +54,10 @@ def _check(outs, references, label):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_batch_matches_transformers(make_llm, prompts_ids, references, block_size):
     llm = make_llm(block_size=block_size, num_kv_blocks=16384 // block_size, num_swap_blocks=0)
-    outs = llm.generate(prompt_token_ids=prompts_ids, sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    outs = llm.generate(
+        prompt_token_ids=prompts_ids,
+        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW),
+    )
     for out in outs:
         assert out.outputs[0].finish_reason in ("stop", "length")
     _check(outs, references, f"block_size={block_size}")
@@ -74,7 +77,10 @@ def test_other_block_sizes_match_transformers(prompts_ids, references, block_siz
     ids = [prompts_ids[i] for i in _SHORT_SET]
     refs = [(references[i][0][:_SHORT_NEW], references[i][1][:_SHORT_NEW]) for i in _SHORT_SET]
     try:
-        outs = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=_SHORT_NEW))
+        outs = llm.generate(
+            prompt_token_ids=ids,
+            sampling_params=SamplingParams(temperature=0, max_tokens=_SHORT_NEW),
+        )
         _check(outs, refs, f"block_size={block_size}")
         llm.engine.block_manager.check_no_leaks()
     finally:
@@ -87,7 +93,10 @@ def test_preemption_keeps_greedy_outputs(make_llm, prompts_ids, references, mode
     # request alone needs ~42 blocks), so running sequences must be preempted as they grow.
     llm = make_llm(block_size=16, num_kv_blocks=56, num_swap_blocks=56, preemption_mode=mode)
     before = llm.stats()["num_preemptions"]
-    outs = llm.generate(prompt_token_ids=prompts_ids, sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    outs = llm.generate(
+        prompt_token_ids=prompts_ids,
+        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW),
+    )
     stats = llm.stats()
     assert stats["num_preemptions"] > before
     if mode == "swap":

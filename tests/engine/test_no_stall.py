@@ -33,17 +33,35 @@ def _drive(engine, late: tuple[int, str, list[int], SamplingParams] | None = Non
 # (tests/core/test_scheduler.py), where it costs no model.
 @pytest.mark.parametrize("mode, swap_blocks", [("recompute", 0), ("auto", 0)])
 def test_preempted_parallel_sampling_group_is_readmitted(model_dir, mode, swap_blocks):
-    llm = LLM(str(model_dir), device="cpu", block_size=8, num_kv_blocks=16, num_swap_blocks=swap_blocks,
-              preemption_mode=mode, max_model_len=128, enable_prefix_caching=False)
+    llm = LLM(
+        str(model_dir),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=16,
+        num_swap_blocks=swap_blocks,
+        preemption_mode=mode,
+        max_model_len=128,
+        enable_prefix_caching=False,
+    )
     try:
         engine = llm.engine
-        engine.add_request("Y", None, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
-                           prompt_token_ids=list(range(3, 19)))
-        engine.add_request("X", None, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True),
-                           prompt_token_ids=list(range(100, 148)))
+        engine.add_request(
+            "Y",
+            None,
+            SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
+            prompt_token_ids=list(range(3, 19)),
+        )
+        engine.add_request(
+            "X",
+            None,
+            SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True),
+            prompt_token_ids=list(range(100, 148)),
+        )
         z = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         done = _drive(engine, (60, "Z", list(range(500, 510)), z))
-        assert set(done) == {"X", "Y", "Z"}, f"unfinished after {MAX_STEPS} steps: {set('XYZ') - set(done)}"
+        assert set(done) == {"X", "Y", "Z"}, (
+            f"unfinished after {MAX_STEPS} steps: {set('XYZ') - set(done)}"
+        )
         for rid, n, length in (("X", 4, 12), ("Y", 1, 80), ("Z", 1, 4)):
             assert done[rid].error is None
             assert [len(c.token_ids) for c in done[rid].outputs] == [length] * n
@@ -54,11 +72,20 @@ def test_preempted_parallel_sampling_group_is_readmitted(model_dir, mode, swap_b
 
 
 def test_best_of_over_max_num_seqs_is_refused(model_dir):
-    llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0, max_num_seqs=2, max_model_len=128)
+    llm = LLM(
+        str(model_dir),
+        device="cpu",
+        num_kv_blocks=64,
+        num_swap_blocks=0,
+        max_num_seqs=2,
+        max_model_len=128,
+    )
     try:
         engine = llm.engine
         with pytest.raises(ValueError, match="max_num_seqs") as info:
-            engine.add_request("B", None, SamplingParams(best_of=3, max_tokens=4), prompt_token_ids=[5, 6, 7])
+            engine.add_request(
+                "B", None, SamplingParams(best_of=3, max_tokens=4), prompt_token_ids=[5, 6, 7]
+            )
             _drive(engine)  # on the old code: bounded, where LLM.generate spun forever
         assert getattr(info.value, "param", None) == "best_of"
         assert not engine.has_unfinished_requests()

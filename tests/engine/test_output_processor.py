@@ -19,18 +19,26 @@ def _setup():
     bm = make_bm(num_blocks=16, block_size=4)
     sched = make_scheduler(bm, budget=64)
     ids = itertools.count(100)
-    proc = OutputProcessor(bm, sched.free_finished_seqs, lambda: next(ids), 12, None, frozenset({EOS}))
+    proc = OutputProcessor(
+        bm, sched.free_finished_seqs, lambda: next(ids), 12, None, frozenset({EOS})
+    )
     return bm, sched, proc
 
 
 def test_parallel_samples_fork_share_and_free_through_the_given_parts():
     bm, sched, proc = _setup()
-    group = SequenceGroup("r", [Sequence(0, [5, 6, 7, 8, 9])], SamplingParams(n=2, temperature=1.0, max_tokens=None))
+    group = SequenceGroup(
+        "r", [Sequence(0, [5, 6, 7, 8, 9])], SamplingParams(n=2, temperature=1.0, max_tokens=None)
+    )
     sched.add(group)
     out = sched.schedule()
     proc.process(out, StepOutput({0: SampleResult([11, 12], [-0.5, -1.0])}))
     child = group.seqs[1]
-    assert child.seq_id == 100 and child.output_token_ids == [12] and group.seqs[0].output_token_ids == [11]
+    assert (
+        child.seq_id == 100
+        and child.output_token_ids == [12]
+        and group.seqs[0].output_token_ids == [11]
+    )
     assert bm.tables[0][0] == bm.tables[100][0] and bm.device.ref_counts[bm.tables[0][0]] == 2
     # The child samples EOS: it finishes and the scheduler's free function drops its blocks.
     out = sched.schedule()
@@ -46,12 +54,23 @@ def test_parallel_samples_fork_share_and_free_through_the_given_parts():
 
 def test_beam_search_forks_with_the_given_block_manager_and_ids():
     bm, sched, proc = _setup()
-    params = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(
+        n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=3, ignore_eos=True
+    )
     group = SequenceGroup("b", [Sequence(0, [5, 6, 7])], params, beam_state=BeamState())
     sched.add(group)
     out = sched.schedule()
     # One beam, two continuations: it forks once (a new id from the given source).
-    proc.process(out, StepOutput({0: SampleResult([20], [-0.1], candidates=[(20, -0.1), (21, -0.2), (22, -3.0), (23, -4.0)])}))
+    proc.process(
+        out,
+        StepOutput(
+            {
+                0: SampleResult(
+                    [20], [-0.1], candidates=[(20, -0.1), (21, -0.2), (22, -3.0), (23, -4.0)]
+                )
+            }
+        ),
+    )
     assert sorted(s.seq_id for s in group.seqs) == [0, 100]
     assert sorted(s.output_token_ids[0] for s in group.seqs) == [20, 21]
     assert bm.tables[0][0] == bm.tables[100][0]

@@ -22,7 +22,9 @@ def test_prefixes_are_carried_over_a_restart_under_their_ids(tiny_llama_dir):
         assert carried[first].token_ids == tuple(range(3, 27))
         # A prefix registered after the restart takes a fresh id.
         assert register_prefix(new.engine, list(range(100, 116))).prefix_id not in (first, second)
-        out = new.generate(None, SamplingParams(max_tokens=2, temperature=0), prompt_token_ids=[list(range(3, 30))])
+        out = new.generate(
+            None, SamplingParams(max_tokens=2, temperature=0), prompt_token_ids=[list(range(3, 30))]
+        )
         assert len(out[0].outputs[0].token_ids) == 2 and new.reserved_prefixes()[0]["num_uses"] == 1
     finally:
         old.shutdown()

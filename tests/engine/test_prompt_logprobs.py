@@ -12,7 +12,8 @@ from streamkv.sampling_params import InvalidParameter, SamplingParams
 ATOL = 2e-3  # float32 on the CPU: two implementations summing in different orders
 TEXTS = [
     "The capital of France is Paris, and the capital of Italy is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2,
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    * 2,
     "Hi",
 ]
 
@@ -24,7 +25,13 @@ def llm(make_llm):
 
 @pytest.fixture(scope="module")
 def chunked(make_llm):
-    return make_llm(block_size=16, num_kv_blocks=256, num_swap_blocks=0, max_num_batched_tokens=16, max_num_seqs=16)
+    return make_llm(
+        block_size=16,
+        num_kv_blocks=256,
+        num_swap_blocks=0,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +68,15 @@ def _check(entries, ids: list[int], ref: torch.Tensor, k: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_logprobs_equal_a_forward_pass(llm, hf_model, prompts, k):
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k))
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k),
+    )
     for out, ids in zip(outs, prompts):
         _check(out.prompt_logprobs, ids, _reference(hf_model, ids), k)
-    plain = llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=2))
+    plain = llm.generate(
+        prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=2)
+    )
     assert plain[0].prompt_logprobs is None
 
 
@@ -72,13 +84,20 @@ def test_prompt_logprobs_equal_a_forward_pass(llm, hf_model, prompts, k):
 def test_chunked_prefill_and_a_prefix_cache_hit(chunked, hf_model, prompts):
     long = prompts[1]
     bm = chunked.engine.block_manager
-    chunked.generate(prompt_token_ids=[long], sampling_params=SamplingParams(temperature=0, max_tokens=2))
+    chunked.generate(
+        prompt_token_ids=[long], sampling_params=SamplingParams(temperature=0, max_tokens=2)
+    )
     hits = bm.prefix_cache_hits
     # The same prompt again, with prompt logprobs, beside a request that reuses its cache.
-    params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), SamplingParams(temperature=0, max_tokens=3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=3),
+    ]
     outs = chunked.generate(prompt_token_ids=[long, long[:40] + prompts[0]], sampling_params=params)
     assert bm.prefix_cache_hits > hits  # the cache held the prompt's blocks
-    _check(outs[0].prompt_logprobs, long, _reference(hf_model, long), 2)  # 16-token chunks, whole prompt
+    _check(
+        outs[0].prompt_logprobs, long, _reference(hf_model, long), 2
+    )  # 16-token chunks, whole prompt
     assert outs[1].prompt_logprobs is None
 
 
@@ -89,10 +108,15 @@ def test_max_logprobs_caps_both(llm, prompts):
     assert cap == 20
     for name in ("logprobs", "prompt_logprobs"):
         with pytest.raises(InvalidParameter) as e:
-            engine.add_request("too-many", None, SamplingParams(**{name: cap + 1}), prompt_token_ids=prompts[0])
+            engine.add_request(
+                "too-many", None, SamplingParams(**{name: cap + 1}), prompt_token_ids=prompts[0]
+            )
         assert e.value.param == name and str(cap) in str(e.value)
     assert not engine.has_unfinished_requests()
-    out = llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=cap, logprobs=cap))
+    out = llm.generate(
+        prompt_token_ids=prompts[:1],
+        sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=cap, logprobs=cap),
+    )
     assert len(out[0].prompt_logprobs[1]) in (cap, cap + 1)
     with pytest.raises(InvalidParameter):
         SamplingParams(prompt_logprobs=-1)

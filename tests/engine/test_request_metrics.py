@@ -51,7 +51,12 @@ def test_intervals_of_a_request_from_its_engine_times():
     assert one("prefill_time") == pytest.approx(0.75)
     assert one("decode_time") == pytest.approx(1.75)
     assert one("inference_time") == pytest.approx(2.5)
-    assert (one("prompt_tokens"), one("generation_tokens"), one("params_n"), one("params_max_tokens")) == (3, 6, 2, 4)
+    assert (
+        one("prompt_tokens"),
+        one("generation_tokens"),
+        one("params_n"),
+        one("params_max_tokens"),
+    ) == (3, 6, 2, 4)
     it = snap["iteration_tokens"]
     assert sum(it["counts"]) == 2 and it["sum"] == 8  # the empty step is no iteration
 
@@ -65,13 +70,26 @@ def test_engine_stats_feed_the_request_metrics_in_one_pass():
     bm = BlockManager(16, num_device_blocks=8, num_cpu_blocks=0)
     seq = Sequence(0, [1, 2, 3, 4])
     group = SequenceGroup("r", [seq], SamplingParams(max_tokens=1), arrival_time=1.0)
-    stats = EngineStats(bm, SimpleNamespace(running=[], num_preemptions=0, num_swapped_out_blocks=0,
-                                            num_swapped_in_blocks=0, waiting=(), swapped=()))
+    stats = EngineStats(
+        bm,
+        SimpleNamespace(
+            running=[],
+            num_preemptions=0,
+            num_swapped_out_blocks=0,
+            num_swapped_in_blocks=0,
+            waiting=(),
+            swapped=(),
+        ),
+    )
     seq.output_token_ids.append(9)  # what the step's output processing did
     group.first_token_time = group.finished_time = 3.0
     stats.record_step(SchedulerOutput(scheduled=[ScheduledSeq(group, seq, 4)]), started=2.0)
     h = stats.request_metrics.snapshot()
-    assert (h["queue_time"]["sum"], h["prefill_time"]["sum"], h["decode_time"]["sum"]) == (1.0, 1.0, 0.0)
+    assert (h["queue_time"]["sum"], h["prefill_time"]["sum"], h["decode_time"]["sum"]) == (
+        1.0,
+        1.0,
+        0.0,
+    )
     # 4 prompt tokens and the token they sampled (vLLM counts it as generated).
     assert sum(h["iteration_tokens"]["counts"]) == 1 and h["iteration_tokens"]["sum"] == 4 + 1
     assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (4, 1)
@@ -87,8 +105,17 @@ def test_a_requests_first_token_counts_as_generated_once():
     bm = BlockManager(16, num_device_blocks=8, num_cpu_blocks=0)
     seq = Sequence(0, [1, 2, 3])
     group = SequenceGroup("r", [seq], SamplingParams(max_tokens=3), arrival_time=1.0)
-    stats = EngineStats(bm, SimpleNamespace(running=[], num_preemptions=0, num_swapped_out_blocks=0,
-                                            num_swapped_in_blocks=0, waiting=(), swapped=()))
+    stats = EngineStats(
+        bm,
+        SimpleNamespace(
+            running=[],
+            num_preemptions=0,
+            num_swapped_out_blocks=0,
+            num_swapped_in_blocks=0,
+            waiting=(),
+            swapped=(),
+        ),
+    )
     seq.output_token_ids.append(7)
     group.first_token_time = 2.5
     stats.record_step(SchedulerOutput(scheduled=[ScheduledSeq(group, seq, 3)]), started=2.0)

@@ -19,13 +19,22 @@ N = 40
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=8, num_kv_blocks=128, num_swap_blocks=0,
-              max_model_len=256, enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=128,
+        num_swap_blocks=0,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
     yield llm.engine
     llm.shutdown()
 
 
-def _finish(engine, rid: str, ids: list[int], params: SamplingParams, stop_after: int | None = None):
+def _finish(
+    engine, rid: str, ids: list[int], params: SamplingParams, stop_after: int | None = None
+):
     """Run one request; with ``stop_after``, abort it once a sample has that many tokens (the
     fault) and return its output then."""
     engine.add_request(rid, None, params, prompt_token_ids=ids)
@@ -39,14 +48,18 @@ def _finish(engine, rid: str, ids: list[int], params: SamplingParams, stop_after
     raise AssertionError("the request did not finish")
 
 
-def _resume(engine, rid: str, params: SamplingParams, before: RequestOutput, cut: int | None = None):
+def _resume(
+    engine, rid: str, params: SamplingParams, before: RequestOutput, cut: int | None = None
+):
     """Resume ``rid`` from ``before`` as resume_all does and run its parts to the end (with
     ``cut``, until a sample has that many tokens: a second fault). Returns the joined output
     and the parts that were run."""
     parts, resumed = resume(rid, PROMPT, params, before, None)
     assert resumed is not None
     for part in parts:
-        engine.add_request(part.request_id, None, part.params, prompt_token_ids=part.prompt_token_ids)
+        engine.add_request(
+            part.request_id, None, part.params, prompt_token_ids=part.prompt_token_ids
+        )
     for _ in range(1000):
         for out in engine.step():
             joined, ended = resumed.join(out)
@@ -63,16 +76,27 @@ def _resume(engine, rid: str, params: SamplingParams, before: RequestOutput, cut
     raise AssertionError("the resumed request did not finish")
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, seed=1234, max_tokens=N, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=N, ignore_eos=True),
-    # Presence / frequency penalties count outputs only: the earlier outputs stay outputs.
-    SamplingParams(temperature=1.0, seed=5, max_tokens=N, ignore_eos=True, presence_penalty=1.5,
-                   frequency_penalty=0.5, repetition_penalty=1.3),
-    SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, frequency_penalty=1.0),
-    # min_tokens spans the restart point: EOS stays banned until the 30th token overall.
-    SamplingParams(temperature=1.0, seed=99, max_tokens=N, min_tokens=30, logit_bias={2: 8.0}),
-], ids=["seeded", "seeded-top-k-p", "seeded-penalties", "greedy-penalty", "min-tokens"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, seed=1234, max_tokens=N, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=N, ignore_eos=True),
+        # Presence / frequency penalties count outputs only: the earlier outputs stay outputs.
+        SamplingParams(
+            temperature=1.0,
+            seed=5,
+            max_tokens=N,
+            ignore_eos=True,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+        ),
+        SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, frequency_penalty=1.0),
+        # min_tokens spans the restart point: EOS stays banned until the 30th token overall.
+        SamplingParams(temperature=1.0, seed=99, max_tokens=N, min_tokens=30, logit_bias={2: 8.0}),
+    ],
+    ids=["seeded", "seeded-top-k-p", "seeded-penalties", "greedy-penalty", "min-tokens"],
+)
 @pytest.mark.parametrize("cut", [1, 17])
 def test_a_resumed_request_gives_the_uninterrupted_tokens(engine, params, cut):
     expected = _finish(engine, "whole", PROMPT, params).outputs[0]
@@ -87,7 +111,9 @@ def test_a_resumed_request_gives_the_uninterrupted_tokens(engine, params, cut):
 
 
 def test_a_request_resumed_twice_still_follows_its_stream(engine):
-    params = SamplingParams(temperature=1.0, seed=31, max_tokens=N, ignore_eos=True, presence_penalty=1.0)
+    params = SamplingParams(
+        temperature=1.0, seed=31, max_tokens=N, ignore_eos=True, presence_penalty=1.0
+    )
     expected = _finish(engine, "whole", PROMPT, params).outputs[0].token_ids
     first = _finish(engine, "cut", PROMPT, params, stop_after=9)
     second, _ = _resume(engine, "cut", params, first, cut=20)
@@ -102,7 +128,9 @@ def test_resumed_output_tokens_must_leave_a_prompt(engine):
     from streamkv.sampling_params import InvalidParameter
 
     with pytest.raises(InvalidParameter) as e:
-        engine.add_request("bad", None, SamplingParams(resumed_output_tokens=3), prompt_token_ids=[5, 6, 7])
+        engine.add_request(
+            "bad", None, SamplingParams(resumed_output_tokens=3), prompt_token_ids=[5, 6, 7]
+        )
     assert e.value.param == "resumed_output_tokens"
 
 
@@ -120,12 +148,24 @@ def _same(after: RequestOutput, expected: RequestOutput) -> None:
             assert [list(x) for x in a.logprobs] == [list(x) for x in e.logprobs]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=N, ignore_eos=True, logprobs=2),
-    SamplingParams(n=3, temperature=0.9, top_p=0.8, seed=3, max_tokens=N, ignore_eos=True,
-                   presence_penalty=1.0, frequency_penalty=0.4),
-    SamplingParams(n=3, temperature=0, max_tokens=N, ignore_eos=True),
-], ids=["seeded", "seeded-top-p-penalties", "greedy"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=N, ignore_eos=True, logprobs=2),
+        SamplingParams(
+            n=3,
+            temperature=0.9,
+            top_p=0.8,
+            seed=3,
+            max_tokens=N,
+            ignore_eos=True,
+            presence_penalty=1.0,
+            frequency_penalty=0.4,
+        ),
+        SamplingParams(n=3, temperature=0, max_tokens=N, ignore_eos=True),
+    ],
+    ids=["seeded", "seeded-top-p-penalties", "greedy"],
+)
 @pytest.mark.parametrize("cut", [1, 17])
 def test_each_sample_resumes_with_its_uninterrupted_tokens(engine, params, cut):
     expected = _finish(engine, "whole", PROMPT, params)
@@ -135,15 +175,19 @@ def test_each_sample_resumes_with_its_uninterrupted_tokens(engine, params, cut):
     # One request per sample, keeping its index (which keys its seeded stream).
     assert [p.request_id for p in parts] == ["cut#sample-0", "cut#sample-1", "cut#sample-2"]
     assert [(p.params.n, p.params.best_of, p.params.resumed_sample_index) for p in parts] == [
-        (1, 1, 0), (1, 1, 1), (1, 1, 2)]
+        (1, 1, 0),
+        (1, 1, 1),
+        (1, 1, 2),
+    ]
     _same(after, expected)
     engine.block_manager.check_no_leaks()
 
 
 def test_samples_that_had_ended_stay_as_they_were(engine):
     # Token 7 is likely enough that the samples end at different lengths.
-    params = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=N, stop_token_ids=[7],
-                            logit_bias={7: 3.5})
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=21, max_tokens=N, stop_token_ids=[7], logit_bias={7: 3.5}
+    )
     expected = _finish(engine, "whole", PROMPT, params)
     lengths = sorted(len(c.token_ids) for c in expected.outputs)
     assert lengths[0] < lengths[-1], lengths
@@ -156,7 +200,9 @@ def test_samples_that_had_ended_stay_as_they_were(engine):
 
 @pytest.mark.parametrize("n, best_of", [(1, 3), (2, 4)])
 def test_best_of_chooses_among_the_resumed_samples_as_the_engine_does(engine, n, best_of):
-    params = SamplingParams(n=n, best_of=best_of, temperature=1.0, seed=8, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(
+        n=n, best_of=best_of, temperature=1.0, seed=8, max_tokens=24, ignore_eos=True
+    )
     expected = _finish(engine, "whole", PROMPT, params)
     assert len(expected.outputs) == n
     before = _finish(engine, "cut", PROMPT, params, stop_after=10)
@@ -165,8 +211,12 @@ def test_best_of_chooses_among_the_resumed_samples_as_the_engine_does(engine, n,
     assert len(parts) == best_of
     _same(after, expected)
     # The n best by cumulative logprob over every candidate, carried across the restart.
-    candidates = _finish(engine, "all", PROMPT, SamplingParams(n=best_of, temperature=1.0, seed=8, max_tokens=24,
-                                                               ignore_eos=True)).outputs
+    candidates = _finish(
+        engine,
+        "all",
+        PROMPT,
+        SamplingParams(n=best_of, temperature=1.0, seed=8, max_tokens=24, ignore_eos=True),
+    ).outputs
     best = sorted(candidates, key=lambda c: -c.cumulative_logprob)[:n]
     assert [c.token_ids for c in after.outputs] == [c.token_ids for c in best]
     engine.block_manager.check_no_leaks()
@@ -187,7 +237,11 @@ def test_beam_search_and_token_less_requests_start_over(engine):
     before = _finish(engine, "beam", PROMPT, beams, stop_after=3)
     assert any(c.token_ids for c in before.outputs)
     (part,), resumed = resume("beam", PROMPT, beams, before, None)
-    assert resumed is None and (part.request_id, part.prompt_token_ids, part.params) == ("beam", PROMPT, beams)
+    assert resumed is None and (part.request_id, part.prompt_token_ids, part.params) == (
+        "beam",
+        PROMPT,
+        beams,
+    )
     parallel = SamplingParams(n=3, seed=1)
     (part,), resumed = resume("p", PROMPT, parallel, None, None)
     assert resumed is None and part.params is parallel
@@ -200,12 +254,21 @@ def test_the_samples_compute_their_common_prompt_once(engine, tiny_llama_dir):
     expected = _finish(engine, "whole", PROMPT, params)
     before = _finish(engine, "cut", PROMPT, params, stop_after=5)
     assert len({c.token_ids[0] for c in before.outputs}) == 3  # no block shared past the prompt
-    fresh = LLM(str(tiny_llama_dir), device="cpu", block_size=8, num_kv_blocks=128, num_swap_blocks=0,
-                max_model_len=256, enable_prefix_caching=True)
+    fresh = LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=128,
+        num_swap_blocks=0,
+        max_model_len=256,
+        enable_prefix_caching=True,
+    )
     try:
         after, parts = _resume(fresh.engine, "cut", params, before)
         _same(after, expected)
-        shared = len(PROMPT) // 8 * 8  # the prompt's full blocks (the 4th holds each sample's first token)
+        shared = (
+            len(PROMPT) // 8 * 8
+        )  # the prompt's full blocks (the 4th holds each sample's first token)
         assert fresh.engine.stats()["prefix_cache_hits"] == (len(parts) - 1) * shared
     finally:
         fresh.shutdown()

@@ -11,7 +11,10 @@ import torch
 
 from streamkv import LLM, SamplingParams
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @pytest.mark.parametrize("backend", ["inprocess", "mp"])
@@ -22,8 +25,13 @@ def test_shutdown_frees_the_gpu_for_a_second_engine(tiny_llama_dir, backend):
     baseline = torch.cuda.memory_reserved()
     blocks = []
     for _ in range(2):
-        llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.5,
-                  distributed_executor_backend=backend)
+        llm = LLM(
+            str(tiny_llama_dir),
+            device="cuda",
+            dtype="float32",
+            gpu_memory_utilization=0.5,
+            distributed_executor_backend=backend,
+        )
         out = llm.generate(None, params, prompt_token_ids=[[1, 2, 3, 4]])
         assert len(out[0].outputs[0].token_ids) == 8
         blocks.append(llm.stats()["num_kv_blocks"])

@@ -60,4 +60,6 @@ def test_sampled_utilization_and_sharing_match_a_direct_count(seed: int) -> None
     assert stats._util_sum == pytest.approx(util)
     assert stats._saving_sum == pytest.approx(saving)
     assert 0 < util <= 1 and saving > 0  # forks share blocks, so some saving is there
-    assert stats.num_generation_tokens == sum(1 for g in groups for s in g.seqs if s.output_token_ids)
+    assert stats.num_generation_tokens == sum(
+        1 for g in groups for s in g.seqs if s.output_token_ids
+    )

@@ -15,8 +15,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    engine = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0,
-                 max_model_len=128)
+    engine = LLM(
+        str(tiny_llama_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0, max_model_len=128
+    )
     yield engine
     engine.shutdown()
 
@@ -51,13 +52,21 @@ def test_a_failing_step_ends_its_requests_only(llm, poisoned_sampler):
 
 def test_a_request_outside_the_failing_step_carries_on(llm, poisoned_sampler):
     engine = llm.engine
-    engine.add_request("early", None, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                       prompt_token_ids=PROMPT)
+    engine.add_request(
+        "early",
+        None,
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        prompt_token_ids=PROMPT,
+    )
     outs = engine.step()  # "early" runs its prompt alone
     assert [o.request_id for o in outs] == ["early"] and not outs[0].finished
     # "late" arrives with the poison and is scheduled with "early": that step fails both.
-    engine.add_request("late", None, SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=4),
-                       prompt_token_ids=PROMPT)
+    engine.add_request(
+        "late",
+        None,
+        SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=4),
+        prompt_token_ids=PROMPT,
+    )
     outs = {o.request_id: o for o in engine.step()}
     assert set(outs) == {"early", "late"} and all(o.error for o in outs.values())
     engine.add_request("after", None, GREEDY, prompt_token_ids=PROMPT)

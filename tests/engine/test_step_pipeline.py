@@ -25,9 +25,16 @@ def _step(name: str, *, rows: int = 1, runs: bool = True, structured: bool = Fal
     for _ in range(rows):
         params = SamplingParams(temperature=0, max_tokens=8)
         if structured:
-            params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "[0-9]+"})
-        seq = Sequence(next(_ids), [1, 2, 3], output_token_ids=[7], num_computed_tokens=3,
-                       status=SequenceStatus.RUNNING)
+            params = SamplingParams(
+                temperature=0, max_tokens=8, structured_outputs={"regex": "[0-9]+"}
+            )
+        seq = Sequence(
+            next(_ids),
+            [1, 2, 3],
+            output_token_ids=[7],
+            num_computed_tokens=3,
+            status=SequenceStatus.RUNNING,
+        )
         sched.scheduled.append(ScheduledSeq(SequenceGroup(name, [seq], params), seq, 1))
     return InFlight(sched, 0.0, handle=DoneStep(StepOutput(), 0.0) if runs else None)
 
@@ -64,20 +71,32 @@ class _Engine:
 
 
 def _pipeline(engine: _Engine, masks_follow: bool = False) -> StepPipeline:
-    return StepPipeline(engine.launch, engine.apply, engine.build, engine.advance, engine, masks_follow)
+    return StepPipeline(
+        engine.launch, engine.apply, engine.build, engine.advance, engine, masks_follow
+    )
 
 
 def test_each_call_applies_one_step_with_the_next_in_flight_and_builds_its_outputs_in_the_next():
     engine = _Engine(_step("a"), _step("b"), _step("c"))
     pipe = _pipeline(engine)
     assert pipe.step(False, ()) == []
-    assert engine.log == [("launch", "a"), ("advance", "a", True), ("launch", "b"), ("apply", "a", True)]
+    assert engine.log == [
+        ("launch", "a"),
+        ("advance", "a", True),
+        ("launch", "b"),
+        ("apply", "a", True),
+    ]
     assert pipe.inflight is not None and pipe.has_live_step()
     engine.log.clear()
     # b was launched by the call before: this one only advances it and launches c, then
     # builds a's outputs (while b runs) before it waits for b and applies it.
     assert pipe.step(False, ()) == ["a"]
-    assert engine.log == [("advance", "b", True), ("launch", "c"), ("build", "a"), ("apply", "b", True)]
+    assert engine.log == [
+        ("advance", "b", True),
+        ("launch", "c"),
+        ("build", "a"),
+        ("apply", "b", True),
+    ]
     assert pipe.overlapped_steps == 2
 
 
@@ -95,7 +114,8 @@ def test_outputs_go_to_emit_before_the_wait_for_the_step_in_flight():
 def test_a_step_that_does_not_overlap_is_processed_alone():
     engine = _Engine(_step("beam"))
     engine.queue[0].sched.scheduled[0].group.sampling_params = SamplingParams(
-        use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=4)
+        use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=4
+    )
     pipe = _pipeline(engine)
     assert pipe.step(False, ()) == ["beam"]
     assert engine.log == [("launch", "beam"), ("apply", "beam", False), ("build", "beam")]
@@ -105,11 +125,14 @@ def test_a_step_that_does_not_overlap_is_processed_alone():
 def test_outputs_left_to_build_come_first_from_a_step_that_does_not_overlap():
     beam = _step("beam")
     beam.sched.scheduled[0].group.sampling_params = SamplingParams(
-        use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=4)
+        use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=4
+    )
     engine = _Engine(_step("a"), _step("b"), beam)
     pipe = _pipeline(engine)
     pipe.step(False, ())  # a applied, b in flight
-    pipe.inflight.sched.scheduled[0].group.sampling_params = beam.sched.scheduled[0].group.sampling_params
+    pipe.inflight.sched.scheduled[0].group.sampling_params = beam.sched.scheduled[
+        0
+    ].group.sampling_params
     assert pipe.has_live_step()
     engine.log.clear()
     assert pipe.step(False, ()) == ["a", "b"]
@@ -121,7 +144,12 @@ def test_a_successor_with_nothing_to_run_is_processed_at_once():
     engine = _Engine(_step("a"), InFlight(SchedulerOutput(), 0.0))
     pipe = _pipeline(engine)
     assert pipe.step(False, ()) == ["a", "empty"]
-    assert engine.log[-4:] == [("apply", "a", True), ("build", "a"), ("apply", "empty", False), ("build", "empty")]
+    assert engine.log[-4:] == [
+        ("apply", "a", True),
+        ("build", "a"),
+        ("apply", "empty", False),
+        ("build", "empty"),
+    ]
     assert pipe.inflight is None
 
 
@@ -142,8 +170,14 @@ def test_a_step_in_flight_whose_sequences_ended_is_processed_and_replaced():
     assert pipe.has_live_step()  # a's outputs are still to build
     engine.log.clear()
     assert pipe.step(False, ()) == ["a"]
-    assert engine.log == [("apply", "b", False), ("launch", "c"), ("advance", "c", True), ("launch", "d"),
-                          ("build", "a"), ("apply", "c", True)]
+    assert engine.log == [
+        ("apply", "b", False),
+        ("launch", "c"),
+        ("advance", "c", True),
+        ("launch", "d"),
+        ("build", "a"),
+        ("apply", "c", True),
+    ]
 
 
 def test_masks_follow_once_the_step_before_is_processed():
@@ -179,8 +213,13 @@ class _Executor(Executor):
         pass
 
     def execute(self, step: StepInput) -> StepOutput:
-        return StepOutput({s.seq_id: SampleResult([1000 + (7 * s.seq_id + s.start_pos) % 500], [-1.0])
-                           for s in step.seqs if s.sample})
+        return StepOutput(
+            {
+                s.seq_id: SampleResult([1000 + (7 * s.seq_id + s.start_pos) % 500], [-1.0])
+                for s in step.seqs
+                if s.sample
+            }
+        )
 
 
 def test_pending_tokens_are_a_count_that_never_reaches_the_outputs():
@@ -188,8 +227,12 @@ def test_pending_tokens_are_a_count_that_never_reaches_the_outputs():
     sent: list[StepInput] = []
     submit = executor.submit
     executor.submit = lambda step: sent.append(step) or submit(step)
-    engine = LLMEngine(engine_config(None, device="cpu", num_kv_blocks=256, num_swap_blocks=0,
-                                     async_scheduling=True), executor)
+    engine = LLMEngine(
+        engine_config(
+            None, device="cpu", num_kv_blocks=256, num_swap_blocks=0, async_scheduling=True
+        ),
+        executor,
+    )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i in range(3):
         engine.add_request(str(i), None, params, prompt_token_ids=[5 + i, 17, 300, 2])

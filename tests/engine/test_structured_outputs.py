@@ -19,7 +19,10 @@ from streamkv.sampling_params import InvalidParameter, SamplingParams, Structure
 SCHEMAS = {
     "required fields": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0},
+        },
         "required": ["name", "age"],
     },
     "enum": {
@@ -29,15 +32,27 @@ SCHEMAS = {
     },
     "array": {
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
-                                "minItems": 1, "maxItems": 3}},
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 8},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
         "required": ["tags"],
     },
     "nested": {
         "type": "object",
         "properties": {
-            "user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": {"type": "string", "maxLength": 24}},
-                     "required": ["id", "email"]},
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "email": {"type": "string", "maxLength": 24},
+                },
+                "required": ["id", "email"],
+            },
             "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
         },
         "required": ["user", "scores"],
@@ -52,7 +67,9 @@ def llm(make_llm):
 
 
 def _greedy(structured=None, max_tokens=96, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=structured, **kw)
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, structured_outputs=structured, **kw
+    )
 
 
 @pytest.mark.slow
@@ -70,9 +87,18 @@ def test_json_schema_outputs_parse_and_validate(llm):
 @pytest.mark.slow
 def test_json_object_regex_and_choice(llm):
     choices = ["yes", "no", "maybe (later)"]
-    specs = [{"json_object": True}, {"regex": r"[0-9]{3}-[0-9]{4}"}, {"choice": choices},
-             {"grammar": 'root ::= "ab" digit digit? "z"\ndigit ::= [0-9]'}]
-    prompts = ['Return a JSON object with the key "answer" set to yes.\n', "A phone number:", "Will it rain?", "Code:"]
+    specs = [
+        {"json_object": True},
+        {"regex": r"[0-9]{3}-[0-9]{4}"},
+        {"choice": choices},
+        {"grammar": 'root ::= "ab" digit digit? "z"\ndigit ::= [0-9]'},
+    ]
+    prompts = [
+        'Return a JSON object with the key "answer" set to yes.\n',
+        "A phone number:",
+        "Will it rain?",
+        "Code:",
+    ]
     outs = llm.generate(prompts, [_greedy(s, 32) for s in specs])
     texts = [o.outputs[0].text for o in outs]
     assert isinstance(json.loads(texts[0]), dict)
@@ -89,7 +115,10 @@ def test_json_object_regex_and_choice(llm):
 def test_unconstrained_rows_keep_their_greedy_tokens(llm):
     plain = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     alone = llm.generate(plain, _greedy(max_tokens=20))
-    mixed_params = [_greedy(max_tokens=20)] * 3 + [_greedy({"json": SCHEMAS["enum"]}, 32), _greedy({"regex": "[a-z]{5}"})]
+    mixed_params = [_greedy(max_tokens=20)] * 3 + [
+        _greedy({"json": SCHEMAS["enum"]}, 32),
+        _greedy({"regex": "[a-z]{5}"}),
+    ]
     mixed = llm.generate(plain + [PROMPT, "A word:"], mixed_params)
     for a, m in zip(alone, mixed[:3]):
         assert a.outputs[0].token_ids == m.outputs[0].token_ids
@@ -100,7 +129,9 @@ def test_unconstrained_rows_keep_their_greedy_tokens(llm):
 @pytest.mark.slow
 def test_parallel_samples_each_follow_the_schema(llm):
     schema = SCHEMAS["required fields"]
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=64, structured_outputs={"json": schema})
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=7, max_tokens=64, structured_outputs={"json": schema}
+    )
     out = llm.generate([PROMPT], params)[0]
     texts = [c.text for c in out.outputs]
     assert len(texts) == 3
@@ -117,12 +148,20 @@ def test_bad_specs_are_refused_by_name(llm):
             engine.add_request("bad", PROMPT, _greedy(spec))
         assert e.value.param == "structured_outputs" and "cannot be compiled" in str(e.value)
     assert "bad" not in engine.groups and not engine.has_unfinished_requests()
-    for spec in ({}, {"json": "{not json"}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"jsonx": {}}):
+    for spec in (
+        {},
+        {"json": "{not json"},
+        {"regex": "a", "choice": ["a"]},
+        {"choice": []},
+        {"jsonx": {}},
+    ):
         with pytest.raises(InvalidParameter) as e:
             SamplingParams(structured_outputs=spec)
         assert e.value.param == "structured_outputs"
     with pytest.raises(InvalidParameter) as e:
-        SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, structured_outputs={"regex": "a+"})
+        SamplingParams(
+            use_beam_search=True, best_of=2, temperature=0.0, structured_outputs={"regex": "a+"}
+        )
     assert e.value.param == "structured_outputs"
 
 
@@ -142,7 +181,10 @@ def test_forked_matchers_are_independent(llm):
     g = manager.new_grammar(_greedy({"choice": ["red", "blue"]}))
     child = g.fork()
     assert child.mask_bytes() == g.mask_bytes()
-    red, blue = tok.encode("red", add_special_tokens=False), tok.encode("blue", add_special_tokens=False)
+    red, blue = (
+        tok.encode("red", add_special_tokens=False),
+        tok.encode("blue", add_special_tokens=False),
+    )
     assert [g.accept(t) for t in red][-1] is True
     assert not child.matcher.is_terminated()
     assert [child.accept(t) for t in blue][-1] is True
@@ -186,7 +228,10 @@ def test_token_mask_kernel_compiles_for_sm80_and_sm90(tmp_path, monkeypatch):
 @pytest.mark.parametrize("vocab", [49152, 1000])  # a multiple of 32, and a last word half used
 def test_token_mask_kernel_matches_the_cpu_path(vocab):
     allowed, words = _random_masks(5, vocab)
-    for masks in ([w.tobytes() for w in words], [None, words[1], None, words[3].tobytes(), words[4]]):
+    for masks in (
+        [w.tobytes() for w in words],
+        [None, words[1], None, words[3].tobytes(), words[4]],
+    ):
         logits = torch.randn(len(masks), vocab)
         want = logits.clone()
         apply_token_masks(want, masks)  # the numpy path
@@ -229,12 +274,15 @@ def test_staged_masks_upload_once_in_any_row_order():
     want = logits.clone()
     apply_token_masks(want, masks)  # the numpy path, through StagedMask.words
     got = logits.clone()
-    dev_words, dev_rows = upload_staged(staging, picked, [i for i, m in enumerate(masks) if m is not None],
-                                        torch.device("cpu"))
+    dev_words, dev_rows = upload_staged(
+        staging, picked, [i for i, m in enumerate(masks) if m is not None], torch.device("cpu")
+    )
     _ban_like_the_kernel(got, dev_words, dev_rows)
     assert torch.equal(got, want)
     for i, m in enumerate(masks):
-        assert (torch.isfinite(want[i]).numpy() == (allowed[m.row] if m is not None else True)).all()
+        assert (
+            torch.isfinite(want[i]).numpy() == (allowed[m.row] if m is not None else True)
+        ).all()
     staging.fill(300, lambda view: view.fill(-1))  # past the capacity: grown
     assert staging.capacity >= 300 and staging.host.data_ptr() != buffer
 
@@ -273,13 +321,26 @@ def test_bench_shape_dir_has_the_presets_dims_and_the_tokenizers_vocab(tmp_path)
     tokens = json.loads((source / "config.json").read_text())
     out = shaped_model_dir("llama3-8b", source, tmp_path / "shaped")
     config = json.loads((out / "config.json").read_text())
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (4096, 32, 8)
-    assert config["vocab_size"] == tokens["vocab_size"] == 49152 and config["eos_token_id"] == tokens["eos_token_id"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (
+        4096,
+        32,
+        8,
+    )
+    assert (
+        config["vocab_size"] == tokens["vocab_size"] == 49152
+        and config["eos_token_id"] == tokens["eos_token_id"]
+    )
     assert "_source" not in config and config["tie_word_embeddings"] is False
     tokenizer = load_tokenizer(out)
     info = resolve_model_info(ModelConfig(model=str(out)), out, tokenizer)
-    assert info.vocab_size == 49152 and info.num_layers == 32 and tokens["eos_token_id"] in info.eos_token_ids
-    assert tokenizer.encode("{", add_special_tokens=False) == load_tokenizer(source).encode("{", add_special_tokens=False)
+    assert (
+        info.vocab_size == 49152
+        and info.num_layers == 32
+        and tokens["eos_token_id"] in info.eos_token_ids
+    )
+    assert tokenizer.encode("{", add_special_tokens=False) == load_tokenizer(source).encode(
+        "{", add_special_tokens=False
+    )
 
 
 @pytest.mark.slow
@@ -289,11 +350,18 @@ def test_batched_accept_matches_accepting_row_by_row(llm):
     manager, tok = llm.engine.structured, llm.get_tokenizer()
     red = tok.encode("red strawberry milkshake", add_special_tokens=False)
     assert len(red) >= 2
-    rows = [manager.new_grammar(_greedy({"choice": ["red strawberry milkshake", "blue"]})) for _ in range(3)]
+    rows = [
+        manager.new_grammar(_greedy({"choice": ["red strawberry milkshake", "blue"]}))
+        for _ in range(3)
+    ]
     twins = [g.fork() for g in rows]
     for step in range(len(red)):
         # Row 2 takes a token its grammar refuses at the first step: it ends, with a warning.
-        tokens = [red[step], red[step], red[step] if step else tok.encode("blue", add_special_tokens=False)[-1]]
+        tokens = [
+            red[step],
+            red[step],
+            red[step] if step else tok.encode("blue", add_special_tokens=False)[-1],
+        ]
         live = [i for i in range(3) if step == 0 or i != 2]
         got = accept_tokens([rows[i] for i in live], [tokens[i] for i in live])
         assert got == [twins[i].accept(tokens[i]) for i in live]

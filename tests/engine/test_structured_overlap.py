@@ -22,24 +22,34 @@ from streamkv.entrypoints.llm import engine_config
 from streamkv.executor.base import Executor
 from streamkv.messages import MASK_FOLLOWS, SampleResult, StepInput, StepOutput
 
-SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-          "required": ["color", "ok"]}
-NAME = {"type": "object", "properties": {"n": {"type": "string", "maxLength": 6}}, "required": ["n"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+}
+NAME = {
+    "type": "object",
+    "properties": {"n": {"type": "string", "maxLength": 6}},
+    "required": ["n"],
+}
 REGEX = "[0-9]{3}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe (later)"]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_llama):
-    return tiny_llama(tokenizer=True, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2)
+    return tiny_llama(
+        tokenizer=True, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2
+    )
 
 
 def _pair(tiny_dir, **kwargs):
     base = dict(device="cpu", max_model_len=256, num_swap_blocks=0, block_size=4, num_kv_blocks=512)
     base.update(kwargs)
-    return (LLM(str(tiny_dir), async_scheduling=True, overlap_structured=True, **base),
-            LLM(str(tiny_dir), async_scheduling=False, **base))
+    return (
+        LLM(str(tiny_dir), async_scheduling=True, overlap_structured=True, **base),
+        LLM(str(tiny_dir), async_scheduling=False, **base),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +68,24 @@ def _mixed(max_tokens=16, seeded=True):
         SamplingParams(**greedy),
         SamplingParams(**greedy, structured_outputs={"regex": REGEX}),
         SamplingParams(**greedy, structured_outputs={"choice": CHOICES}),
-        SamplingParams(temperature=0.8 if seeded else 0.0, seed=3, max_tokens=max_tokens,
-                       structured_outputs={"json": NAME}),
+        SamplingParams(
+            temperature=0.8 if seeded else 0.0,
+            seed=3,
+            max_tokens=max_tokens,
+            structured_outputs={"json": NAME},
+        ),
         SamplingParams(**greedy, ignore_eos=True),
         SamplingParams(**greedy, structured_outputs={"json": SCHEMA}),
     ]
-    prompts = ["A record:", "Hello there", "Phone:", "Will it rain?", "Name:", "Once upon", "Another record:"]
+    prompts = [
+        "A record:",
+        "Hello there",
+        "Phone:",
+        "Will it rain?",
+        "Name:",
+        "Once upon",
+        "Another record:",
+    ]
     return prompts, params
 
 
@@ -82,7 +104,9 @@ def _check_valid(results, params):
         if spec is None or reason != "stop":
             continue
         if spec.json is not None:
-            jsonschema.validate(json.loads(text), json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
+            jsonschema.validate(
+                json.loads(text), json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            )
         elif spec.regex is not None:
             assert re.fullmatch(spec.regex, text), text
         elif spec.choice is not None:
@@ -106,8 +130,10 @@ def test_structured_only_batch_overlaps(pair):
     # Before masks could follow a step, a step sampling any structured row ran synchronously.
     on, off = pair
     prompts = ["A record:", "Phone:", "Will it rain?"]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=s)
-              for s in ({"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES})]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=s)
+        for s in ({"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES})
+    ]
     before = on.engine.overlapped_steps
     got, want = _run(on, prompts, params), _run(off, prompts, params)
     assert got == want
@@ -134,11 +160,15 @@ def test_structured_steps_run_in_turn_by_default(tiny_dir):
     base = dict(device="cpu", max_model_len=256, num_swap_blocks=0, block_size=4, num_kv_blocks=512)
     llm = LLM(str(tiny_dir), async_scheduling=True, **base)
     try:
-        params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": REGEX})] * 2
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": REGEX})
+        ] * 2
         got = _run(llm, ["Phone:", "Code:"], params)
         assert llm.engine.async_scheduling and llm.engine.overlapped_steps == 0
         _check_valid(got, params)
-        plain = _run(llm, ["Hello there"], [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)])
+        plain = _run(
+            llm, ["Hello there"], [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+        )
         assert len(plain[0][0]) == 12 and llm.engine.overlapped_steps > 0
     finally:
         llm.shutdown()
@@ -149,8 +179,13 @@ def test_structured_steps_run_in_turn_by_default(tiny_dir):
 def test_preemption_mid_flight(tiny_dir, mode):
     # 12 rows in a pool that holds a few: groups are preempted while their token is pending
     # and come back in another order, so each step's rows (and masks) move.
-    on, off = _pair(tiny_dir, num_kv_blocks=24, preemption_mode=mode, enable_prefix_caching=False,
-                    num_swap_blocks=64 if mode == "swap" else 0)
+    on, off = _pair(
+        tiny_dir,
+        num_kv_blocks=24,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+        num_swap_blocks=64 if mode == "swap" else 0,
+    )
     try:
         prompts, params = _mixed(seeded=False)
         prompts, params = prompts + [p + " again" for p in prompts[:5]], params + params[:5]
@@ -199,7 +234,9 @@ def test_masks_follow_to_the_rows_they_name(tiny_dir):
     from streamkv.messages import NewSeq, SeqParams, SeqStep
     from streamkv.worker.worker import Worker
 
-    config = engine_config(str(tiny_dir), device="cpu", num_kv_blocks=32, num_swap_blocks=0, block_size=4)
+    config = engine_config(
+        str(tiny_dir), device="cpu", num_kv_blocks=32, num_swap_blocks=0, block_size=4
+    )
     worker = Worker(config)
     worker.init_cache(32, 0)
     words = -(-49152 // 32)
@@ -219,8 +256,13 @@ def test_masks_follow_to_the_rows_they_name(tiny_dir):
     tokens = {i: r.token_ids[0] for i, r in handle.result().results.items()}
     assert tokens[0] == 77 and tokens[2] == 4321
     # The unmasked row is the greedy token of the same logits run without masks.
-    free = worker.launch(StepInput(seqs=[SeqStep(1, [6, 9, 11], 0, num_kept_blocks=0, new_blocks=[1])],
-                                   finished_ids=[], new_seqs=[]))
+    free = worker.launch(
+        StepInput(
+            seqs=[SeqStep(1, [6, 9, 11], 0, num_kept_blocks=0, new_blocks=[1])],
+            finished_ids=[],
+            new_seqs=[],
+        )
+    )
     assert tokens[1] == free.result().results[1].token_ids[0]
 
 
@@ -273,13 +315,28 @@ def _scripted_run(tiny_dir, executor_cls):
 
     script = load_tokenizer(tiny_dir).encode('{"n": "abc"}', add_special_tokens=False)
     executor = executor_cls(script)
-    engine = LLMEngine(engine_config(str(tiny_dir), device="cpu", num_kv_blocks=256, num_swap_blocks=0,
-                                     async_scheduling=True, overlap_structured=True), executor)
-    engine.add_request("s", "Name:", SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": NAME}))
+    engine = LLMEngine(
+        engine_config(
+            str(tiny_dir),
+            device="cpu",
+            num_kv_blocks=256,
+            num_swap_blocks=0,
+            async_scheduling=True,
+            overlap_structured=True,
+        ),
+        executor,
+    )
+    engine.add_request(
+        "s",
+        "Name:",
+        SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"json": NAME}),
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert outs[-1].outputs[0].text == '{"n": "abc"}' and outs[-1].outputs[0].finish_reason == "stop"
+    assert (
+        outs[-1].outputs[0].text == '{"n": "abc"}' and outs[-1].outputs[0].finish_reason == "stop"
+    )
     return engine, executor, script
 
 
@@ -288,7 +345,9 @@ def test_handles_without_attach_masks_keep_structured_steps_synchronous(tiny_dir
     n = len(executor.inputs)
     assert n == len(script) and engine.overlapped_steps == 0
     assert executor.calls == [(c, k) for k in range(n) for c in ("submit", "result")]
-    assert all(s.token_mask not in (None, MASK_FOLLOWS) for step in executor.inputs for s in step.seqs)
+    assert all(
+        s.token_mask not in (None, MASK_FOLLOWS) for step in executor.inputs for s in step.seqs
+    )
     # The same executor overlaps plain steps: the rule above is about structured rows.
     engine.add_request("p", "Name:", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -314,8 +373,12 @@ class _MaskHandleExecutor(_NoMaskHandleExecutor):
                 assert set(masks) <= follow
                 for seq_id, mask in masks.items():
                     token = out.results[seq_id].token_ids[0]
-                    words = mask.words  # a row of the engine's staging buffer (layers/mask_staging.py)
-                    assert np.frombuffer(words, "<u4")[token // 32] >> (token % 32) & 1, "the mask bans the next token"
+                    words = (
+                        mask.words
+                    )  # a row of the engine's staging buffer (layers/mask_staging.py)
+                    assert np.frombuffer(words, "<u4")[token // 32] >> (token % 32) & 1, (
+                        "the mask bans the next token"
+                    )
 
             def result(self) -> StepOutput:
                 calls.append(("result", n))

@@ -11,21 +11,39 @@ import torch
 from streamkv import LLM
 from tests.engine.test_structured_overlap import _check_valid, _mixed, _run
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @pytest.fixture(scope="module")
 def tiny_cuda_dir(tiny_llama):
     """The CPU tests' tokenizer model with a head size (64) and block size the kernels serve."""
-    return tiny_llama(tokenizer=True, vocab_size=49152, hidden_size=256, intermediate_size=512,
-                      head_dim=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return tiny_llama(
+        tokenizer=True,
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 @pytest.mark.parametrize("case", ["graphs", "eager", "recompute"])
 def test_structured_overlap_equals_synchronous_on_cuda(tiny_cuda_dir, case):
-    base = dict(device="cuda", dtype="float32", max_model_len=256, num_swap_blocks=0, block_size=16,
-                num_kv_blocks=8 if case == "recompute" else 512, enforce_eager=case == "eager",
-                preemption_mode="recompute")
+    base = dict(
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        num_swap_blocks=0,
+        block_size=16,
+        num_kv_blocks=8 if case == "recompute" else 512,
+        enforce_eager=case == "eager",
+        preemption_mode="recompute",
+    )
     prompts, params = _mixed()
     if case == "recompute":  # more rows than 8 blocks hold: sequences are preempted mid-grammar
         prompts, params = prompts + [p + " again" for p in prompts[:5]], params + params[:5]

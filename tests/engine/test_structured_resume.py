@@ -10,8 +10,11 @@ import pytest
 
 from streamkv import LLM, SamplingParams
 
-SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-          "required": ["color", "ok"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+}
 
 pytestmark = pytest.mark.slow  # a tiny model with the embedded tokenizer, grammars compiled: ~10 s
 
@@ -28,15 +31,26 @@ def _run(llm: LLM, rid: str, ids: list[int], params: SamplingParams) -> list[int
 
 @pytest.mark.parametrize("spec", [{"json": SCHEMA}, {"regex": "[0-9]{3}-[0-9]{2}"}])
 def test_a_resumed_structured_request_continues_its_grammar(tiny_llama, spec):
-    path = tiny_llama(tokenizer=True, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    llm = LLM(str(path), device="cpu", max_model_len=256, num_swap_blocks=0, block_size=4, num_kv_blocks=256)
+    path = tiny_llama(
+        tokenizer=True, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2
+    )
+    llm = LLM(
+        str(path),
+        device="cpu",
+        max_model_len=256,
+        num_swap_blocks=0,
+        block_size=4,
+        num_kv_blocks=256,
+    )
     try:
         prompt = llm.engine.tokenizer.encode("A record:")
         params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=spec)
         whole = _run(llm, "whole", prompt, params)
         assert len(whole) >= 4, whole
         k = len(whole) // 2
-        resumed = dataclasses.replace(params, max_tokens=params.max_tokens - k, resumed_output_tokens=k)
+        resumed = dataclasses.replace(
+            params, max_tokens=params.max_tokens - k, resumed_output_tokens=k
+        )
         rest = _run(llm, "resumed", prompt + whole[:k], resumed)
         assert rest == whole[k:]
         llm.engine.block_manager.check_no_leaks()

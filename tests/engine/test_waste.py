@@ -39,8 +39,9 @@ def test_paged_waste_by_hand():
         bm.allocate(seq)
         seq.num_computed_tokens = len(seq.prompt_token_ids)
     stats = _sample(bm, groups)
-    assert stats.waste_shares() == pytest.approx({"token": 11 / 16, "reserved": 3 / 16,
-                                                  "internal": 2 / 16, "external": 0.0})
+    assert stats.waste_shares() == pytest.approx(
+        {"token": 11 / 16, "reserved": 3 / 16, "internal": 2 / 16, "external": 0.0}
+    )
 
 
 def test_contiguous_waste_by_hand():
@@ -58,8 +59,9 @@ def test_contiguous_waste_by_hand():
     assert [bm.runs[g.seqs[0].seq_id].start for g in [x, *groups]] == [0, 3, 12]
     bm.free(x.seqs[0])
     stats = _sample(bm, groups)
-    assert stats.waste_shares() == pytest.approx({"token": 11 / 17, "reserved": 3 / 17,
-                                                  "internal": 2 / 17, "external": 1 / 17})
+    assert stats.waste_shares() == pytest.approx(
+        {"token": 11 / 17, "reserved": 3 / 17, "internal": 2 / 17, "external": 1 / 17}
+    )
 
 
 def test_orca_max_waste_is_mostly_internal():
@@ -69,7 +71,9 @@ def test_orca_max_waste_is_mostly_internal():
     bm.allocate(g.seqs[0])
     g.seqs[0].num_computed_tokens = 6
     shares = _sample(bm, [g]).waste_shares()
-    assert shares == pytest.approx({"token": 6 / 64, "reserved": 2 / 64, "internal": 56 / 64, "external": 0.0})
+    assert shares == pytest.approx(
+        {"token": 6 / 64, "reserved": 2 / 64, "internal": 56 / 64, "external": 0.0}
+    )
 
 
 def test_batched_requests_count_groups_not_sequences():
@@ -77,7 +81,9 @@ def test_batched_requests_count_groups_not_sequences():
     parallel = SequenceGroup("p", [Sequence(0, [1, 2]), Sequence(1, [1, 2])], SamplingParams(n=2))
     single = SequenceGroup("s", [Sequence(2, [1, 2])], SamplingParams())
     stats = EngineStats(bm, SimpleNamespace(running=[]))
-    both = [ScheduledSeq(parallel, s, 1) for s in parallel.seqs] + [ScheduledSeq(single, single.seqs[0], 1)]
+    both = [ScheduledSeq(parallel, s, 1) for s in parallel.seqs] + [
+        ScheduledSeq(single, single.seqs[0], 1)
+    ]
     stats.record_step(SchedulerOutput(scheduled=both))
     stats.record_step(SchedulerOutput(scheduled=both[2:]))
     stats.record_step(SchedulerOutput())  # nothing ran: not a batch
@@ -88,8 +94,15 @@ def _engine(kv_allocation: str, num_kv_blocks: int):
     from streamkv.engine.llm_engine import LLMEngine
     from streamkv.entrypoints.llm import engine_config
 
-    config = engine_config(None, device="cpu", block_size=16, num_kv_blocks=num_kv_blocks,
-                           num_swap_blocks=16, max_model_len=256, enable_prefix_caching=False)
+    config = engine_config(
+        None,
+        device="cpu",
+        block_size=16,
+        num_kv_blocks=num_kv_blocks,
+        num_swap_blocks=16,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
     config.cache.kv_allocation = kv_allocation
     return LLMEngine(config)
 
@@ -100,8 +113,12 @@ def test_baselines_give_paged_outputs_and_waste_more():
     same block tables); the reservation policies hold more memory per token, in the order of
     the paper's Fig 2."""
     prompts = [[5 + i, 17, 300 + 7 * i, 42] * (2 + i) for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(4)]
-    params.append(SamplingParams(temperature=0, n=2, best_of=2, max_tokens=5, ignore_eos=True, seed=1))
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(4)
+    ]
+    params.append(
+        SamplingParams(temperature=0, n=2, best_of=2, max_tokens=5, ignore_eos=True, seed=1)
+    )
     prompts.append([9, 8, 7, 6, 5])
     results, token_share = {}, {}
     for kind in ("paged", "orca-oracle", "orca-max"):  # orca-pow2 sits between: unit tests
@@ -119,7 +136,9 @@ def test_baselines_give_paged_outputs_and_waste_more():
         stats = engine.stats()
         token_share[kind] = stats["kv_token_share"]
         assert stats["kv_waste_samples"] > 0 and stats["avg_batched_requests"] >= 1
-        assert sum(stats[f"kv_{k}_share"] for k in ("token", "reserved", "internal", "external")) == pytest.approx(1.0)
+        assert sum(
+            stats[f"kv_{k}_share"] for k in ("token", "reserved", "internal", "external")
+        ) == pytest.approx(1.0)
         engine.shutdown()
     for kind in ("orca-oracle", "orca-max"):
         assert results[kind] == results["paged"], kind

@@ -24,8 +24,14 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True,
-                            continue_final_message=False, **variables) -> str:
+    def apply_chat_template(
+        self,
+        messages,
+        tokenize=False,
+        add_generation_prompt=True,
+        continue_final_message=False,
+        **variables,
+    ) -> str:
         """Extra template variables show as ``{name=value}`` up front; without a generation
         prompt the conversation closes with ``</>``, unless its last turn is continued."""
         if any(m["role"] == "assistant" for m in messages[:1]):
@@ -38,8 +44,13 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, step_delay: float = 0.002, num_blocks: int = 64, max_model_len: int = 256,
-                 script: str | None = None) -> None:
+    def __init__(
+        self,
+        step_delay: float = 0.002,
+        num_blocks: int = 64,
+        max_model_len: int = 256,
+        script: str | None = None,
+    ) -> None:
         self.step_delay = step_delay
         # With a script, every sample writes its text (one character a step), then stops:
         # a model output on demand (a tool call, say).
@@ -51,12 +62,20 @@ class FakeEngine:
             cache=SimpleNamespace(enable_prefix_caching=False),
         )
         self.block_manager = SimpleNamespace(
-            block_size=16, watermark_blocks=0,
-            device=SimpleNamespace(num_blocks=num_blocks), cpu=SimpleNamespace(num_blocks=0),
+            block_size=16,
+            watermark_blocks=0,
+            device=SimpleNamespace(num_blocks=num_blocks),
+            cpu=SimpleNamespace(num_blocks=0),
         )
         self.limits = EngineLimits(
-            max_model_len=max_model_len, vocab_size=1000, block_size=16, num_kv_blocks=num_blocks,
-            num_swap_blocks=0, usable_kv_blocks=num_blocks, max_num_seqs=8, prefix_caching=False,
+            max_model_len=max_model_len,
+            vocab_size=1000,
+            block_size=16,
+            num_kv_blocks=num_blocks,
+            num_swap_blocks=0,
+            usable_kv_blocks=num_blocks,
+            max_num_seqs=8,
+            prefix_caching=False,
         )
         self.scheduler = SimpleNamespace(waiting=())
         self.requests: dict[str, dict] = {}
@@ -64,13 +83,19 @@ class FakeEngine:
         self.steps = 0
         self.thread_ids: set[int] = set()
 
-    def add_request(self, request_id, prompt, params: SamplingParams, prompt_token_ids=None, arrival_time=None):
+    def add_request(
+        self, request_id, prompt, params: SamplingParams, prompt_token_ids=None, arrival_time=None
+    ):
         self.thread_ids.add(threading.get_ident())
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.requests[request_id] = {"ids": prompt_token_ids, "params": params, "out": [[] for _ in range(params.n)]}
+        self.requests[request_id] = {
+            "ids": prompt_token_ids,
+            "params": params,
+            "out": [[] for _ in range(params.n)],
+        }
 
     def abort_request(self, request_id):
         self.thread_ids.add(threading.get_ident())
@@ -107,24 +132,45 @@ class FakeEngine:
             done = stopped or len(r["out"][0]) >= (p.max_tokens or 8)
             outs = [
                 CompletionOutput(
-                    index=i, text="".join(chr(t) for t in toks), token_ids=list(toks), cumulative_logprob=-1.0,
-                    logprobs=[{t: Logprob(-0.5, 1), 98: Logprob(-1.5, 2)} for t in toks] if p.logprobs is not None else None,
+                    index=i,
+                    text="".join(chr(t) for t in toks),
+                    token_ids=list(toks),
+                    cumulative_logprob=-1.0,
+                    logprobs=[{t: Logprob(-0.5, 1), 98: Logprob(-1.5, 2)} for t in toks]
+                    if p.logprobs is not None
+                    else None,
                     finish_reason=("stop" if stopped else "length") if done else None,
                 )
                 for i, toks in enumerate(r["out"])
             ]
-            outputs.append(RequestOutput(rid, None, r["ids"], outs, finished=done,
-                                         prompt_logprobs=fake_prompt_logprobs(r["ids"]) if p.prompt_logprobs is not None else None))
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    None,
+                    r["ids"],
+                    outs,
+                    finished=done,
+                    prompt_logprobs=fake_prompt_logprobs(r["ids"])
+                    if p.prompt_logprobs is not None
+                    else None,
+                )
+            )
             if done:
                 del self.requests[rid]
         return outputs
 
     def stats(self) -> dict:
         return {
-            "num_running": len(self.requests), "num_waiting": 0, "num_swapped": 0,
-            "num_kv_blocks": 64, "num_free_kv_blocks": 64 - len(self.requests),
-            "num_swap_blocks": 0, "num_free_swap_blocks": 0, "num_preemptions": 0,
-            "num_prompt_tokens": 0, "num_generation_tokens": self.steps,
+            "num_running": len(self.requests),
+            "num_waiting": 0,
+            "num_swapped": 0,
+            "num_kv_blocks": 64,
+            "num_free_kv_blocks": 64 - len(self.requests),
+            "num_swap_blocks": 0,
+            "num_free_swap_blocks": 0,
+            "num_preemptions": 0,
+            "num_prompt_tokens": 0,
+            "num_generation_tokens": self.steps,
         }
 
     def shutdown(self) -> None:
@@ -133,4 +179,6 @@ class FakeEngine:
 
 def fake_prompt_logprobs(ids: list[int]) -> list:
     """Prompt token i scores -i/100 (rank 1), beside token 999 at -5; the first scores nothing."""
-    return [None] + [{t: Logprob(-i / 100, 1), 999: Logprob(-5.0, 2)} for i, t in enumerate(ids) if i > 0]
+    return [None] + [
+        {t: Logprob(-i / 100, 1), 999: Logprob(-5.0, 2)} for i, t in enumerate(ids) if i > 0
+    ]

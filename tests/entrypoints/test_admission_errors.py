@@ -10,8 +10,16 @@ from streamkv.core.admission import EngineLimits, check_request
 from tests.entrypoints.fake_engine import FakeEngine
 from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
 
-LIMITS = EngineLimits(max_model_len=256, vocab_size=1000, block_size=16, num_kv_blocks=16,
-                      num_swap_blocks=0, usable_kv_blocks=16, max_num_seqs=8, prefix_caching=False)
+LIMITS = EngineLimits(
+    max_model_len=256,
+    vocab_size=1000,
+    block_size=16,
+    num_kv_blocks=16,
+    num_swap_blocks=0,
+    usable_kv_blocks=16,
+    max_num_seqs=8,
+    prefix_caching=False,
+)
 
 
 class AdmittingFakeEngine(FakeEngine):
@@ -31,17 +39,45 @@ CASES = [
     # (path, body, param, code)
     ("/v1/completions", {"prompt": [1000]}, "prompt", None),
     ("/v1/completions", {"prompt": [5] * 300}, "prompt", "context_length_exceeded"),
-    ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, "max_tokens", "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 250, "max_tokens": None},
-     "min_tokens", "context_length_exceeded"),
+    (
+        "/v1/completions",
+        {"prompt": [5] * 200, "max_tokens": 100},
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 250, "max_tokens": None},
+        "min_tokens",
+        "context_length_exceeded",
+    ),
     ("/v1/completions", {"prompt": [5] * 4, "n": 9}, "n", None),
     # 16-block pool: 4 samples of 100 own tokens each cannot fit, one can.
-    ("/v1/completions", {"prompt": [5] * 20, "n": 4, "max_tokens": 100}, "n", "context_length_exceeded"),
-    ("/v1/completions", {"prompt": [5] * 4, "stop_token_ids": [5000], "min_tokens": 1}, "stop_token_ids", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, "messages", "context_length_exceeded"),
+    (
+        "/v1/completions",
+        {"prompt": [5] * 20, "n": 4, "max_tokens": 100},
+        "n",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": [5] * 4, "stop_token_ids": [5000], "min_tokens": 1},
+        "stop_token_ids",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x" * 300}]},
+        "messages",
+        "context_length_exceeded",
+    ),
     # Beam search refuses what it cannot honour rather than ignore it.
-    ("/v1/completions", {"prompt": [5], "use_beam_search": True, "best_of": 2, "temperature": 0, "stop": ["x"]},
-     "stop", None),
+    (
+        "/v1/completions",
+        {"prompt": [5], "use_beam_search": True, "best_of": 2, "temperature": 0, "stop": ["x"]},
+        "stop",
+        None,
+    ),
 ]
 
 
@@ -50,5 +86,11 @@ def test_admission_refusals_are_400s_naming_the_parameter(client, path, body, pa
     r = client.post(path, json={"max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
-    assert client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+    assert (error["param"], error["code"], error["type"]) == (
+        param,
+        code,
+        "invalid_request_error",
+    ), error
+    assert (
+        client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+    )

@@ -21,7 +21,9 @@ from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
 def make_client(fake: FakeEngine | None = None, build=None, **config) -> TestClient:
     fake = fake or FakeEngine()
     engine = AsyncEngine(build or (lambda: fake))
-    app = build_app(engine, ServerConfig(model_name="fake", hosts=HostPolicy.build("testserver"), **config))
+    app = build_app(
+        engine, ServerConfig(model_name="fake", hosts=HostPolicy.build("testserver"), **config)
+    )
     return TestClient(app)
 
 
@@ -71,8 +73,13 @@ def test_engine_death_gives_503_not_500_and_asks_the_server_to_exit():
     with make_client(FakeEngine(step_delay=0.01), on_load_failure=exits.set) as c:
         wait_healthy(c)
         streamed: list = []
-        reader = threading.Thread(target=lambda: streamed.append(c.post(
-            "/v1/completions", json={"prompt": "abc", "max_tokens": 10_000, "stream": True})))
+        reader = threading.Thread(
+            target=lambda: streamed.append(
+                c.post(
+                    "/v1/completions", json={"prompt": "abc", "max_tokens": 10_000, "stream": True}
+                )
+            )
+        )
         reader.start()
         time.sleep(0.3)
         r = c.post("/v1/completions", json={"prompt": [CRASH_TOKEN], "max_tokens": 4})
@@ -89,14 +96,24 @@ def test_engine_death_gives_503_not_500_and_asks_the_server_to_exit():
 
 
 def test_streaming_n2_indices_finish_once_and_usage(client):
-    body = {"prompt": "abc", "max_tokens": 5, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "abc",
+        "max_tokens": 5,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events, _ = sse_events(r.text)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     usage = chunks[-1]
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 10,
+        "total_tokens": 13,
+    }
     finishes = {0: 0, 1: 0}
     texts = {0: "", 1: ""}
     for c in chunks[:-1]:
@@ -108,8 +125,13 @@ def test_streaming_n2_indices_finish_once_and_usage(client):
 
 
 def test_chat_stream_first_delta_has_role_and_logprobs(client):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
-            "logprobs": True, "top_logprobs": 1}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
     events, _ = sse_events(client.post("/v1/chat/completions", json=body).text)
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -120,12 +142,18 @@ def test_chat_stream_first_delta_has_role_and_logprobs(client):
 
 
 def test_echo_multiple_prompts_continuous_usage_and_tokenize(client):
-    r = client.post("/v1/completions", json={"prompt": ["ab", [120, 121]], "max_tokens": 2, "echo": True}).json()
+    r = client.post(
+        "/v1/completions", json={"prompt": ["ab", [120, 121]], "max_tokens": 2, "echo": True}
+    ).json()
     assert [c["index"] for c in r["choices"]] == [0, 1]
     assert r["choices"][0]["text"].startswith("ab") and r["choices"][1]["text"].startswith("xy")
     assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
-    body = {"prompt": "abc", "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "prompt": "abc",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     events, _ = sse_events(client.post("/v1/completions", json=body).text)
     usages = [json.loads(e)["usage"]["completion_tokens"] for e in events[:-1]]
     assert usages == sorted(usages) and usages[-1] == 3
@@ -168,14 +196,21 @@ def test_api_key_and_origin():
         wait_healthy(c)
         body = {"prompt": "a", "max_tokens": 1}
         assert c.post("/v1/completions", json=body).status_code == 401
-        assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert (
+            c.post(
+                "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
         auth = {"Authorization": "Bearer s3cret"}
         assert c.post("/v1/completions", json=body, headers=auth).status_code == 200
         evil = {**auth, "Origin": "http://evil.example"}
         assert c.post("/v1/completions", json=body, headers=evil).status_code == 403
         ok = {**auth, "Origin": "http://ok.example"}
         r = c.post("/v1/completions", json=body, headers=ok)
-        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
+        assert (
+            r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
+        )
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
@@ -188,23 +223,72 @@ def test_websocket_protocol_errors_keep_socket_open(client):
         ws.send_json({"type": "cancel", "id": "nothing"})
         assert ws.receive_json()["error"]["code"] == "unknown_id"
         ws.send_json({"type": "chat", "id": "p", "messages": [], "params": {}})
-        assert ws.receive_json() == {"type": "error", "id": "p", "error": {
-            "message": "'messages' must not be empty", "type": "invalid_request_error", "param": "messages", "code": None}}
-        ws.send_json({"type": "chat", "id": 7, "messages": [{"role": "user", "content": "x"}], "params": {"max_tokens": 2}})
+        assert ws.receive_json() == {
+            "type": "error",
+            "id": "p",
+            "error": {
+                "message": "'messages' must not be empty",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": None,
+            },
+        }
+        ws.send_json(
+            {
+                "type": "chat",
+                "id": 7,
+                "messages": [{"role": "user", "content": "x"}],
+                "params": {"max_tokens": 2},
+            }
+        )
         msgs = [ws.receive_json() for _ in range(3)]
         assert [m["type"] for m in msgs] == ["delta", "delta", "done"] and msgs[-1]["id"] == 7
 
 
-_values = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=False, allow_infinity=False),
-                    st.text(max_size=5), st.lists(st.integers(-2, 2000), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
-_fields = ["prompt", "messages", "max_tokens", "temperature", "top_p", "n", "best_of", "stop", "seed", "logprobs",
-           "top_logprobs", "stream", "stream_options", "top_k", "min_p", "presence_penalty", "stop_token_ids",
-           "use_beam_search", "min_tokens", "echo", "model", "logit_bias", "repetition_penalty"]
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=5),
+    st.lists(st.integers(-2, 2000), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+_fields = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "best_of",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "stream_options",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "stop_token_ids",
+    "use_beam_search",
+    "min_tokens",
+    "echo",
+    "model",
+    "logit_bias",
+    "repetition_penalty",
+]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
-       st.dictionaries(st.sampled_from(_fields), _values, max_size=6), st.booleans())
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
+    st.dictionaries(st.sampled_from(_fields), _values, max_size=6),
+    st.booleans(),
+)
 def test_fuzzed_bodies_never_get_a_500(client, path, body, valid_prompt):
     if valid_prompt:
         body.setdefault("prompt", "hello")
@@ -216,8 +300,18 @@ def test_fuzzed_bodies_never_get_a_500(client, path, body, valid_prompt):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize("raw", [b"{", b"\xff\xfe", b"[1, 2]", b'{"prompt": "\\ud800"}', b'{"prompt": NaN}',
-                                 b"[" * 100_000, b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b'{"prompt": "\\ud800"}',
+        b'{"prompt": NaN}',
+        b"[" * 100_000,
+        b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
+    ],
+)
 def test_malformed_bodies_get_400(client, raw):
     r = client.post("/v1/completions", content=raw)
     assert r.status_code == 400, r.text

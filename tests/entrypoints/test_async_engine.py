@@ -83,7 +83,9 @@ def test_cancelled_add_is_aborted_once_accepted():
     async def main():
         engine, fake = await started(FakeEngine(step_delay=0.05))
         busy = await engine.add_request("busy", [1], SamplingParams(max_tokens=10_000))
-        task = asyncio.ensure_future(engine.add_request("gone", [1], SamplingParams(max_tokens=10_000)))
+        task = asyncio.ensure_future(
+            engine.add_request("gone", [1], SamplingParams(max_tokens=10_000))
+        )
         await asyncio.sleep(0)  # queued; the engine thread is inside a 50 ms step
         task.cancel()
         for _ in range(200):
@@ -171,8 +173,14 @@ class DyingEngine(FakeEngine):
 def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_text():
     async def main():
         control, _ = await started(FakeEngine(step_delay=0.001))
-        expected = [o async for o in await control.add_request("c", [5, 6, 7], SamplingParams(max_tokens=40))][-1]
-        expected_n = [o async for o in await control.add_request("cw", [9], SamplingParams(max_tokens=100, n=2))][-1]
+        expected = [
+            o
+            async for o in await control.add_request("c", [5, 6, 7], SamplingParams(max_tokens=40))
+        ][-1]
+        expected_n = [
+            o
+            async for o in await control.add_request("cw", [9], SamplingParams(max_tokens=100, n=2))
+        ][-1]
         await control.stop()
 
         second = DyingEngine(die_at=None, step_delay=0.002)
@@ -187,9 +195,14 @@ def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_t
         async for out in stream:
             texts.append(out.outputs[0].text)
         final = out.outputs[0]
-        assert final.text == expected.outputs[0].text and final.token_ids == expected.outputs[0].token_ids
+        assert (
+            final.text == expected.outputs[0].text
+            and final.token_ids == expected.outputs[0].token_ids
+        )
         assert len(final.logprobs) == 40 and final.finish_reason == "length"
-        assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # the text only grew
+        assert all(
+            b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)
+        )  # the text only grew
         assert out.prompt_token_ids == [5, 6, 7] and engine.ready and not builds
         # n > 1: each sample resumed as a request of its own, joined back in its place.
         samples = [o async for o in parallel]
@@ -197,7 +210,9 @@ def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_t
         assert [c.text for c in samples[-1].outputs] == [c.text for c in expected_n.outputs]
         assert [c.finish_reason for c in samples[-1].outputs] == ["length", "length"]
         assert samples[-1].request_id == "w" and samples[-1].prompt_token_ids == [9]
-        assert {"r", "w#sample-0", "w#sample-1", "x#sample-0"} <= set(second.added) and "w" not in second.added
+        assert {"r", "w#sample-0", "w#sample-1", "x#sample-0"} <= set(
+            second.added
+        ) and "w" not in second.added
         # Aborting such a request aborts every one of its samples in the engine.
         engine.abort("x")
         with pytest.raises(RequestAbortedError):
@@ -215,7 +230,9 @@ def test_dead_worker_is_restarted_and_requests_resume_without_lost_or_repeated_t
 
 def test_restarts_past_the_budget_kill_the_engine():
     async def main():
-        engine = AsyncEngine(lambda: DyingEngine(die_at=1), restarts=RestartBudget(limit=2, window=60))
+        engine = AsyncEngine(
+            lambda: DyingEngine(die_at=1), restarts=RestartBudget(limit=2, window=60)
+        )
         engine.start()
         await engine.wait_ready()
         stream = await engine.add_request("r", [1], SamplingParams(max_tokens=100))

@@ -34,19 +34,45 @@ def test_every_config_field_is_a_flag_with_its_default_and_help():
     assert defaults == {name: f.default for name, (_, f, _) in fields.items()}
     # Parsing nothing gives the dataclasses' own defaults.
     assert engine_config(None, **engine_kwargs(_parser().parse_args([]))) == EngineConfig(
-        ModelConfig(), CacheConfig(), SchedulerConfig())
+        ModelConfig(), CacheConfig(), SchedulerConfig()
+    )
 
 
 def test_flags_reach_the_config():
-    args = _parser().parse_args([
-        "--block-size", "8", "--no-enable-prefix-caching", "-tp", "2", "--max-num-batched-tokens", "512",
-        "--preemption-mode", "swap", "--enforce-eager", "--swap-space", "1.5", "--kv-allocation", "orca-max",
-    ])
+    args = _parser().parse_args(
+        [
+            "--block-size",
+            "8",
+            "--no-enable-prefix-caching",
+            "-tp",
+            "2",
+            "--max-num-batched-tokens",
+            "512",
+            "--preemption-mode",
+            "swap",
+            "--enforce-eager",
+            "--swap-space",
+            "1.5",
+            "--kv-allocation",
+            "orca-max",
+        ]
+    )
     config = engine_config("m", **engine_kwargs(args))
-    assert (config.model.model, config.model.tensor_parallel_size, config.model.enforce_eager) == ("m", 2, True)
-    assert (config.cache.block_size, config.cache.enable_prefix_caching, config.cache.swap_space) == (8, False, 1.5)
+    assert (config.model.model, config.model.tensor_parallel_size, config.model.enforce_eager) == (
+        "m",
+        2,
+        True,
+    )
+    assert (
+        config.cache.block_size,
+        config.cache.enable_prefix_caching,
+        config.cache.swap_space,
+    ) == (8, False, 1.5)
     assert config.cache.kv_allocation == "orca-max"
-    assert (config.scheduler.max_num_batched_tokens, config.scheduler.preemption_mode) == (512, "swap")
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.preemption_mode) == (
+        512,
+        "swap",
+    )
     with pytest.raises(SystemExit):
         _parser().parse_args(["--preemption-mode", "sometimes"])  # choices from the config
 

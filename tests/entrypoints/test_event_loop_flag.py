@@ -20,7 +20,10 @@ def _uvloop_loaded(pid: int) -> bool:
 def test_the_loop_flag_picks_the_event_loop(args, uvloop):
     pytest.importorskip("uvloop")
     with run_server(*args) as server:
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True},
-                       timeout=60)
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 2, "stream": True},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert _uvloop_loaded(server.proc.pid) == uvloop

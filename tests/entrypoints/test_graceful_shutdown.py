@@ -38,8 +38,16 @@ async def sse_events(client: httpx.AsyncClient, body: dict, first: asyncio.Event
 async def ws_messages(port: int, first: asyncio.Event) -> tuple[list[dict], int | None]:
     msgs = []
     async with connect(f"ws://127.0.0.1:{port}/v1/chat/ws") as ws:
-        await ws.send(json.dumps({"type": "chat", "id": 1, "messages": [{"role": "user", "content": "Count:"}],
-                                  "params": {"max_tokens": 900, "ignore_eos": True}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "chat",
+                    "id": 1,
+                    "messages": [{"role": "user", "content": "Count:"}],
+                    "params": {"max_tokens": 900, "ignore_eos": True},
+                }
+            )
+        )
         try:
             while True:
                 msgs.append(json.loads(await ws.recv()))
@@ -50,13 +58,16 @@ async def ws_messages(port: int, first: asyncio.Event) -> tuple[list[dict], int 
 
 def test_sigterm_drains_then_ends_the_rest_with_openai_errors():
     with run_server("--shutdown-timeout", str(DRAIN), "--max-num-seqs", "8") as server:
+
         async def main():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
                 started = [asyncio.Event() for _ in range(3)]
                 long_sse = asyncio.create_task(sse_events(client, LONG, started[0]))
                 ws = asyncio.create_task(ws_messages(server.port, started[1]))
                 plain = asyncio.create_task(client.post("/v1/completions", json=LONG))
-                short = asyncio.create_task(sse_events(client, {"prompt": "Hi", "max_tokens": 2}, started[2]))
+                short = asyncio.create_task(
+                    sse_events(client, {"prompt": "Hi", "max_tokens": 2}, started[2])
+                )
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
                 await asyncio.sleep(0.3)  # the non-streaming request is in the engine by now
                 server.proc.send_signal(signal.SIGTERM)
@@ -64,7 +75,9 @@ def test_sigterm_drains_then_ends_the_rest_with_openai_errors():
                 await asyncio.sleep(0.5)
                 with pytest.raises(ConnectionRefusedError):
                     socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
-                results = await asyncio.wait_for(asyncio.gather(long_sse, ws, plain, short), DRAIN + 30)
+                results = await asyncio.wait_for(
+                    asyncio.gather(long_sse, ws, plain, short), DRAIN + 30
+                )
                 return results, time.monotonic() - t0
 
         (long_events, (msgs, close_code), plain, short_events), took = asyncio.run(main())
@@ -73,10 +86,15 @@ def test_sigterm_drains_then_ends_the_rest_with_openai_errors():
         assert "shutdown: ending 3 request(s) still running" in server.log(), short_events
 
         error = json.loads(long_events[-2])["error"]
-        assert long_events[-1] == "[DONE]" and error["code"] == "server_shutting_down", long_events[-3:]
+        assert long_events[-1] == "[DONE]" and error["code"] == "server_shutting_down", long_events[
+            -3:
+        ]
         assert all("error" not in json.loads(e) for e in long_events[:-2])
         assert took >= DRAIN - 0.5  # it was given its time, not cut at the signal
-        assert short_events[-1] == "[DONE]" and json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+        assert (
+            short_events[-1] == "[DONE]"
+            and json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+        )
         assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down"
         assert msgs[-1]["type"] == "error" and msgs[-1]["error"]["code"] == "server_shutting_down"
         assert close_code == 1012

@@ -26,9 +26,22 @@ CAP = 16
 @pytest.fixture(scope="module")
 def server():
     t = str(TIMEOUT)
-    with run_server("--api-key", KEY, "--max-num-seqs", "1", "--max-queue-len", "4",
-                    "--timeout-request-head", t, "--timeout-request-body", t, "--timeout-keep-alive", t,
-                    "--limit-concurrency", str(CAP)) as s:
+    with run_server(
+        "--api-key",
+        KEY,
+        "--max-num-seqs",
+        "1",
+        "--max-queue-len",
+        "4",
+        "--timeout-request-head",
+        t,
+        "--timeout-request-body",
+        t,
+        "--timeout-keep-alive",
+        t,
+        "--limit-concurrency",
+        str(CAP),
+    ) as s:
         yield s
 
 
@@ -57,17 +70,30 @@ def test_rebinding_request_is_refused_on_http_and_websocket(server):
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers={**AUTH, **evil})
     assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed"
     # The Origin is compared with the allowed hosts, not with whatever Host says.
-    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={**AUTH, "Origin": "http://evil.com"})
+    r = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={**AUTH, "Origin": "http://evil.com"}
+    )
     assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
     for host in ("localhost", f"127.0.0.1:{server.port}", f"localhost:{server.port}"):
-        r = httpx.post(f"{server.url}/v1/completions", json=body, headers={**AUTH, "Host": host}, timeout=60)
+        r = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers={**AUTH, "Host": host}, timeout=60
+        )
         assert r.status_code == 200, (host, r.text)
     own = {"Origin": f"http://localhost:{server.port}", "Host": f"localhost:{server.port}"}
-    assert httpx.post(f"{server.url}/v1/completions", json=body, headers={**AUTH, **own}, timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            f"{server.url}/v1/completions", json=body, headers={**AUTH, **own}, timeout=60
+        ).status_code
+        == 200
+    )
 
-    handshake = (b"GET /v1/chat/ws HTTP/1.1\r\nHost: evil.com\r\nOrigin: http://evil.com\r\n"
-                 b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n")
+    handshake = (
+        b"GET /v1/chat/ws HTTP/1.1\r\nHost: evil.com\r\nOrigin: http://evil.com\r\n"
+        b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\n\r\n"
+    )
     with raw(server, handshake) as s:
         status, err = error_of(read_all(s))
     assert status == 421 and err["code"] == "host_not_allowed"
@@ -101,12 +127,16 @@ def test_idle_and_slowloris_sockets_are_closed_after_the_timeout(server):
     with raw(server, b"GET /health HTTP/1.1\r\n") as s:  # a head that never ends
         took, out = closed_after(s, b"X")
     assert took < TIMEOUT + 2 and (not out or error_of(out)[0] == 408)
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+    )
     with raw(server, head + b"{") as s:  # a body that never ends
         took, out = closed_after(s, b" ")
     assert took < TIMEOUT + 2 and (not out or error_of(out)[1]["code"] == "request_timeout")
-    with raw(server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") as s:  # idle after a response
+    with raw(
+        server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    ) as s:  # idle after a response
         took, out = closed_after(s)
     assert out.startswith(b"HTTP/1.1 200") and took < TIMEOUT + 2
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -127,10 +157,12 @@ def test_connection_cap_answers_json_503(server):
 
 
 def test_protocol_errors_are_openai_json(server):
-    for request in (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n{}",
-                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-                    b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\nzz\r\n",
-                    b"NOT HTTP AT ALL\r\n\r\n"):
+    for request in (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\nzz\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ):
         with raw(server, request) as s:
             status, err = error_of(read_all(s))
         assert status == 400 and err["code"] == "invalid_http_request", request
@@ -138,8 +170,12 @@ def test_protocol_errors_are_openai_json(server):
 
 def test_stop_strings_and_min_tokens_are_bounded(server):
     def post(body: dict) -> httpx.Response:
-        return httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=60,
-                          json={"messages": [{"role": "user", "content": "hi"}], **body})
+        return httpx.post(
+            f"{server.url}/v1/chat/completions",
+            headers=AUTH,
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], **body},
+        )
 
     for stop in (["s"] * 33, ["x" * 1025]):
         r = post({"stop": stop, "max_tokens": 2})
@@ -187,9 +223,12 @@ def test_queue_limit_is_exact_under_a_simultaneous_burst(server):
 
 def test_websocket_subprotocols_and_failed_auths_are_capped(server):
     """Last in this module: it locks this client's address out of the server."""
+
     def handshake(protocols: list[str], key: str | None = None) -> tuple[int, dict]:
-        head = (b"GET /v1/chat/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+        head = (
+            b"GET /v1/chat/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        )
         if protocols:
             head += b"Sec-WebSocket-Protocol: " + ", ".join(protocols).encode() + b"\r\n"
         if key:
@@ -199,9 +238,15 @@ def test_websocket_subprotocols_and_failed_auths_are_capped(server):
 
     status, err = handshake(["streamkv"] + [f"bearer.guess{i}" for i in range(200)])
     assert status == 400 and err["code"] == "too_many_subprotocols"
-    codes = [handshake(["streamkv", "bearer.a", "bearer.b", f"bearer.{KEY}"])[1]["code"]]  # third not tried
-    codes += [httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"}).json()["error"]["code"]
-              for _ in range(12)]
+    codes = [
+        handshake(["streamkv", "bearer.a", "bearer.b", f"bearer.{KEY}"])[1]["code"]
+    ]  # third not tried
+    codes += [
+        httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"}).json()[
+            "error"
+        ]["code"]
+        for _ in range(12)
+    ]
     assert codes[:10] == ["invalid_api_key"] * 10
     assert codes[10:] == ["too_many_auth_failures"] * 3
     r = httpx.get(f"{server.url}/v1/models", headers=AUTH)  # the right key waits too

@@ -69,7 +69,13 @@ def test_long_stop_strings_do_not_slow_other_requests(server):
     rng = random.Random(0)
     stops = ["".join(rng.choice("qxzjkv") for _ in range(1024)) for _ in range(32)]
     # logprobs: a chunk per token even while the stop strings hold the text back.
-    body = {"prompt": "Tell me a long story:", "max_tokens": 300, "ignore_eos": True, "stream": True, "logprobs": 0}
+    body = {
+        "prompt": "Tell me a long story:",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }
 
     async def with_neighbours(client: httpx.AsyncClient, extra: dict) -> float:
         ready = [asyncio.Event() for _ in range(4)]

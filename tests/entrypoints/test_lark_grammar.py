@@ -33,10 +33,17 @@ NAME: /[a-z_]\w*/
 NUM.2: /-?\d+(\.\d+)?/
 """
 CASES = [
-    (JSON_LARK, ['{"a":[1,-2.5e3,"x"]}', "true", "[]", '{"k":{"n":null}}'], ['{"a" 1}', "tru", "[1,]", "'x'"]),
+    (
+        JSON_LARK,
+        ['{"a":[1,-2.5e3,"x"]}', "true", "[]", '{"k":{"n":null}}'],
+        ['{"a" 1}', "tru", "[1,]", "'x'"],
+    ),
     (ASSIGN_LARK, ["x=1,2.5;", "x_1=-3"], ["X=1", "x=", "x=1.", "x = 1"]),
-    ("start: 'ab'i ~ 2..3 | \"a\"..\"c\" ~ 2 | [\"q\"] | foo\n!foo: \"z\"",
-     ["abAB", "aBAbab", "ca", "z", "", "q"], ["abababab", "d", "qq"]),
+    (
+        'start: \'ab\'i ~ 2..3 | "a".."c" ~ 2 | ["q"] | foo\n!foo: "z"',
+        ["abAB", "aBAbab", "ca", "z", "", "q"],
+        ["abababab", "d", "qq"],
+    ),
 ]
 
 
@@ -46,7 +53,9 @@ def compiled(lark: str):
     return xgr.Grammar.from_ebnf(ebnf)
 
 
-@pytest.mark.parametrize("lark, good, bad", CASES, ids=["json", "regex-terminals", "ranges-repeats"])
+@pytest.mark.parametrize(
+    "lark, good, bad", CASES, ids=["json", "regex-terminals", "ranges-repeats"]
+)
 def test_converted_grammar_accepts_exactly_its_language(lark, good, bad):
     grammar = compiled(lark)
     assert all(accepts(grammar, s) for s in good), [s for s in good if not accepts(grammar, s)]
@@ -65,21 +74,24 @@ def test_a_rule_named_root_keeps_the_entry_point():
     assert accepts(xgr.Grammar.from_ebnf(ebnf), "rr")
 
 
-@pytest.mark.parametrize("lark, says", [
-    ('start: WORD\n%import common.WORD\n%ignore " "', "%ignore"),
-    ("start: FOO\n%import mylib.FOO", "common.NAME"),
-    ("start: X\n%import common.NOPE -> X", "common.NOPE"),
-    ("start: missing", "'missing' is not defined"),
-    ('start: "a"\nstart: "b"', "defined twice"),
-    ('"a" | "b"', "expected a rule"),
-    ("start: /^a/", "anchor"),
-    ("start: /(?=a)a/", "lookaround"),
-    ("start: /a/i", "flags"),
-    ("start: /(a)\\1/", "back-references"),
-    ('start: "a" ~ x', "'~' takes a count"),
-    ('start: "ab".."c"', "one-character"),
-    ("", "no rules"),
-])
+@pytest.mark.parametrize(
+    "lark, says",
+    [
+        ('start: WORD\n%import common.WORD\n%ignore " "', "%ignore"),
+        ("start: FOO\n%import mylib.FOO", "common.NAME"),
+        ("start: X\n%import common.NOPE -> X", "common.NOPE"),
+        ("start: missing", "'missing' is not defined"),
+        ('start: "a"\nstart: "b"', "defined twice"),
+        ('"a" | "b"', "expected a rule"),
+        ("start: /^a/", "anchor"),
+        ("start: /(?=a)a/", "lookaround"),
+        ("start: /a/i", "flags"),
+        ("start: /(a)\\1/", "back-references"),
+        ('start: "a" ~ x', "'~' takes a count"),
+        ('start: "ab".."c"', "one-character"),
+        ("", "no rules"),
+    ],
+)
 def test_bad_grammars_say_why(lark, says):
     with pytest.raises(LarkError, match=None) as e:
         lark_to_ebnf(lark)
@@ -94,13 +106,19 @@ def test_regex_terminal_translation():
 
 @pytest.mark.parametrize("field", ["structured_outputs", "guided_grammar"])
 def test_requests_carry_the_converted_grammar(field):
-    body = {"structured_outputs": {"grammar": ASSIGN_LARK}} if field == "structured_outputs" \
+    body = (
+        {"structured_outputs": {"grammar": ASSIGN_LARK}}
+        if field == "structured_outputs"
         else {"guided_grammar": ASSIGN_LARK}
+    )
     req = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body})
     so = req.params().structured_outputs
     assert so.kind == "grammar" and so.grammar == lark_to_ebnf(ASSIGN_LARK)
     ebnf = 'root ::= "a" | "b"'
-    req = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "guided_grammar": ebnf})
+    req = validate(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "hi"}], "guided_grammar": ebnf},
+    )
     assert req.params().structured_outputs.grammar == ebnf  # EBNF passes through untouched
 
 
@@ -112,18 +130,27 @@ def client():
 
 
 def test_a_lark_grammar_is_served(client):
-    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "guided_grammar": JSON_LARK})
+    r = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "guided_grammar": JSON_LARK}
+    )
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
-    ({"guided_grammar": 'start: "a"\n%ignore " "'}, "guided_grammar"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
+        ({"guided_grammar": 'start: "a"\n%ignore " "'}, "guided_grammar"),
+    ],
+)
 def test_a_bad_lark_grammar_is_a_400_naming_the_field(client, body, param):
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
+    r = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body}
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and "Lark grammar" in error["message"], error
     with pytest.raises(APIError):
-        validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body}).params()
+        validate(
+            ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body}
+        ).params()

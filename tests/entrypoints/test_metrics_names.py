@@ -46,19 +46,86 @@ VLLM_METRICS = {
 }
 # vLLM's bucket bounds (loggers.py), for the histograms whose bounds do not depend on max_model_len.
 VLLM_BUCKETS = {
-    "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-                                         1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
-    "vllm:inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
-    "vllm:e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                                         40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "vllm:time_to_first_token_seconds": [
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+        2560.0,
+    ],
+    "vllm:inter_token_latency_seconds": [
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+    ],
+    "vllm:e2e_request_latency_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+        120.0,
+        240.0,
+        480.0,
+        960.0,
+        1920.0,
+        7680.0,
+    ],
     "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
     "vllm:request_params_n": [1, 2, 5, 10, 20],
     # 1-2-5 up to max_model_len (1024 here)
     "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
 }
-STREAMKV_EXTRAS = ("streamkv:kv_memory_share", "streamkv:kv_memory_samples", "streamkv:cpu_cache_usage_perc",
-                   "streamkv:event_loop_lag_seconds", "streamkv:batched_requests_avg")
+STREAMKV_EXTRAS = (
+    "streamkv:kv_memory_share",
+    "streamkv:kv_memory_samples",
+    "streamkv:cpu_cache_usage_perc",
+    "streamkv:event_loop_lag_seconds",
+    "streamkv:batched_requests_avg",
+)
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -67,8 +134,13 @@ def scraped():
     """Families after a chat and a two-sample completion, and what the client was told."""
     with run_server() as server:
         usage = []
-        for body, path in (({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}, "chat/completions"),
-                           ({"prompt": "The sky is", "max_tokens": 2, "n": 2, "temperature": 0.8}, "completions")):
+        for body, path in (
+            (
+                {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+                "chat/completions",
+            ),
+            ({"prompt": "The sky is", "max_tokens": 2, "n": 2, "temperature": 0.8}, "completions"),
+        ):
             r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=120)
             assert r.status_code == 200, r.text
             usage.append(r.json()["usage"])
@@ -88,12 +160,18 @@ def test_every_vllm_metric_is_exported_with_vllms_labels(scraped):
         assert family.samples, name
         for sample in family.samples:
             if name == "vllm:cache_config_info":
-                assert {"block_size", "num_gpu_blocks", "num_cpu_blocks", "engine"} <= set(sample.labels)
+                assert {"block_size", "num_gpu_blocks", "num_cpu_blocks", "engine"} <= set(
+                    sample.labels
+                )
             else:
-                assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0", sample
+                assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0", (
+                    sample
+                )
     for name in STREAMKV_EXTRAS:
         assert name in families, name
-    assert not [n for n in families if n.startswith("streamkv:num_requests")]  # no duplicates of vLLM's
+    assert not [
+        n for n in families if n.startswith("streamkv:num_requests")
+    ]  # no duplicates of vLLM's
 
 
 @pytest.mark.slow
@@ -109,8 +187,11 @@ def test_values_agree_with_what_the_client_was_told(scraped):
     families, usage = scraped
 
     def value(name: str, suffix: str = "", **labels) -> float:
-        return sum(s.value for s in families[name].samples
-                   if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for s in families[name].samples
+            if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     prompt = sum(u["prompt_tokens"] for u in usage)
     completion = sum(u["completion_tokens"] for u in usage)
@@ -120,15 +201,21 @@ def test_values_agree_with_what_the_client_was_told(scraped):
     assert value("vllm:prompt_tokens", "_total") >= prompt  # recomputation would add to it
     assert value("vllm:request_params_n", "_sum") == 3  # n=1 and n=2
     assert value("vllm:request_params_max_tokens", "_sum") == 5
-    assert value("vllm:request_success", "_total", finished_reason="length") + \
-        value("vllm:request_success", "_total", finished_reason="stop") == 2
+    assert (
+        value("vllm:request_success", "_total", finished_reason="length")
+        + value("vllm:request_success", "_total", finished_reason="stop")
+        == 2
+    )
     assert value("vllm:time_to_first_token_seconds", "_count") == 2
     assert value("vllm:e2e_request_latency_seconds", "_count") == 2
     assert value("vllm:prefix_cache_queries", "_total") >= prompt
     # The request intervals add up: queue + inference = arrival to last token, inference =
     # prefill + decode (engine-side clocks, summed over both requests).
     inference = value("vllm:request_inference_time_seconds", "_sum")
-    assert inference == pytest.approx(value("vllm:request_prefill_time_seconds", "_sum")
-                                      + value("vllm:request_decode_time_seconds", "_sum"), rel=1e-6)
+    assert inference == pytest.approx(
+        value("vllm:request_prefill_time_seconds", "_sum")
+        + value("vllm:request_decode_time_seconds", "_sum"),
+        rel=1e-6,
+    )
     assert 0 < inference <= value("vllm:e2e_request_latency_seconds", "_sum")
     assert value("vllm:kv_cache_usage_perc") == 0  # idle: every block free again

@@ -20,5 +20,11 @@ def test_observe_many_equals_repeated_observe():
     for bound in ("0.01", "0.1", "1.0", "+Inf"):
         labels = {"m": "x", "le": bound}
         assert many.get_sample_value("h_bucket", labels) == one.get_sample_value("h_bucket", labels)
-    assert many.get_sample_value("h_count", {"m": "x"}) == one.get_sample_value("h_count", {"m": "x"}) == 17
-    assert many.get_sample_value("h_sum", {"m": "x"}) == pytest.approx(one.get_sample_value("h_sum", {"m": "x"}))
+    assert (
+        many.get_sample_value("h_count", {"m": "x"})
+        == one.get_sample_value("h_count", {"m": "x"})
+        == 17
+    )
+    assert many.get_sample_value("h_sum", {"m": "x"}) == pytest.approx(
+        one.get_sample_value("h_sum", {"m": "x"})
+    )

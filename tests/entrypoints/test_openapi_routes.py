@@ -50,24 +50,33 @@ def test_request_bodies_are_the_request_models(client):
     schemas = doc["components"]["schemas"]
 
     def body(method: str, path: str) -> str:
-        ref = doc["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        ref = doc["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"][
+            "$ref"
+        ]
         assert ref.rsplit("/", 1)[-1] in schemas
         return ref.rsplit("/", 1)[-1]
 
     assert body("post", "/v1/chat/completions") == "ChatCompletionRequest"
     assert body("post", "/v1/completions") == "CompletionRequest"
-    assert body("post", "/tokenize") == "TokenizeRequest" and body("post", "/detokenize") == "DetokenizeRequest"
+    assert (
+        body("post", "/tokenize") == "TokenizeRequest"
+        and body("post", "/detokenize") == "DetokenizeRequest"
+    )
     # The batch body is the chat request's schema with messages a list of conversations.
     batch = schemas[body("post", "/v1/chat/completions/batch")]
     chat = schemas["ChatCompletionRequest"]
     assert batch["properties"]["messages"]["items"] == chat["properties"]["messages"]
     assert set(batch["properties"]) == set(chat["properties"])
-    assert {"$ref": "#/components/schemas/ChatCompletionRequest"} in schemas[body("post", "/invocations")]["oneOf"]
+    assert {"$ref": "#/components/schemas/ChatCompletionRequest"} in schemas[
+        body("post", "/invocations")
+    ]["oneOf"]
     assert "prompt" in schemas[body("post", "/v1/prefixes")]["properties"]
     # Open routes say so; the others answer an OpenAI error without the key.
     assert doc["paths"]["/health"]["get"]["security"] == []
     assert "security" not in doc["paths"]["/v1/models"]["get"]
-    assert doc["paths"]["/v1/prefixes/{prefix_id}"]["delete"]["parameters"][0]["name"] == "prefix_id"
+    assert (
+        doc["paths"]["/v1/prefixes/{prefix_id}"]["delete"]["parameters"][0]["name"] == "prefix_id"
+    )
     assert "request_id" in doc["paths"]["/v1/chat/ws"]["get"]["description"]
 
 

@@ -28,8 +28,13 @@ def wheel(tmp_path_factory) -> tuple[Path, str]:
     for name in ("streamkv", "web", "kernels_cu"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     code = f"from setuptools import build_meta; print(build_meta.build_wheel({str(out)!r}))"
-    r = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=src, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return out / r.stdout.strip().splitlines()[-1], r.stdout + r.stderr
 
@@ -38,15 +43,20 @@ def test_wheel_ships_the_page_the_kernels_and_the_presets(wheel):
     names = set(zipfile.ZipFile(wheel[0]).namelist())
     for page in ("index.html", "app.js", "style.css", "transport.js"):
         assert f"streamkv/web/{page}" in names, page
-    assert {f"streamkv/kernels_cu/{p.name}" for p in (ROOT / "kernels_cu").iterdir()
-            if p.suffix in (".cu", ".cuh")} <= names
+    assert {
+        f"streamkv/kernels_cu/{p.name}"
+        for p in (ROOT / "kernels_cu").iterdir()
+        if p.suffix in (".cu", ".cuh")
+    } <= names
     assert "streamkv/models/presets/llama3-8b/config.json" in names
 
 
 def test_build_has_no_deprecation_warning_and_a_pep639_licence(wheel):
     path, log = wheel
     assert "Deprecat" not in log, log
-    meta = zipfile.ZipFile(path).read(f"{path.name.split('-')[0]}-{path.name.split('-')[1]}.dist-info/METADATA")
+    meta = zipfile.ZipFile(path).read(
+        f"{path.name.split('-')[0]}-{path.name.split('-')[1]}.dist-info/METADATA"
+    )
     assert b"License-Expression: Apache-2.0" in meta
 
 
@@ -56,10 +66,16 @@ def test_server_finds_the_page_installed_and_in_the_checkout(wheel, tmp_path):
     code = "from streamkv.entrypoints.server import WEB_DIR; print(WEB_DIR)"
     # Run outside the checkout with the unpacked wheel first on the path: it must not need the repo.
     env = {**os.environ, "PYTHONPATH": str(site)}
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip().splitlines()[-1]) == site / "streamkv" / "web"
     from streamkv.entrypoints.server import WEB_DIR
 
     assert WEB_DIR is not None and (WEB_DIR / "index.html").is_file()
-

@@ -15,17 +15,24 @@ from streamkv.entrypoints.llm import build_engine, engine_config
 from streamkv.entrypoints.security import HostPolicy
 from streamkv.entrypoints.server import ServerConfig, build_app
 
-pytestmark = pytest.mark.slow  # the embedded model behind a real app: tens of seconds on a loaded CPU
+pytestmark = (
+    pytest.mark.slow
+)  # the embedded model behind a real app: tens of seconds on a loaded CPU
 
-SYSTEM = "You are a helpful assistant who answers in one short sentence, politely and plainly.\n" * 2
+SYSTEM = (
+    "You are a helpful assistant who answers in one short sentence, politely and plainly.\n" * 2
+)
 
 
 @pytest.fixture(scope="module")
 def client():
-    config = engine_config(None, device="cpu", block_size=16, num_kv_blocks=96, num_swap_blocks=0,
-                           max_model_len=512)
+    config = engine_config(
+        None, device="cpu", block_size=16, num_kv_blocks=96, num_swap_blocks=0, max_model_len=512
+    )
     engine = AsyncEngine(lambda: build_engine(config))
-    app = build_app(engine, ServerConfig(model_name="m", hosts=HostPolicy.build("testserver"), web_dir=None))
+    app = build_app(
+        engine, ServerConfig(model_name="m", hosts=HostPolicy.build("testserver"), web_dir=None)
+    )
     with TestClient(app) as c:
         for _ in range(1200):
             if c.get("/health").status_code == 200:
@@ -62,7 +69,10 @@ def test_register_use_list_and_delete(client):
     # The same text again is the same prefix.
     assert c.post("/v1/prefixes", json={"prompt": SYSTEM}).json()["id"] == prefix["id"]
     before = engine.stats["num_prompt_tokens"]
-    r = c.post("/v1/completions", json={"model": "m", "prompt": SYSTEM + "What is two plus two?", "max_tokens": 2})
+    r = c.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": SYSTEM + "What is two plus two?", "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
     listed = c.get("/v1/prefixes").json()
     assert listed["object"] == "list" and [p["id"] for p in listed["data"]] == [prefix["id"]]
@@ -90,16 +100,19 @@ def test_register_by_token_ids(client):
     assert c.delete(f"/v1/prefixes/{body['id']}").status_code == 200
 
 
-@pytest.mark.parametrize("body, param", [
-    ({}, "prompt"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": "short"}, "prompt"),  # under one whole block
-    ({"prompt": [10**9] * 20}, "prompt"),  # outside the vocabulary
-    ({"prompt": "x", "add_special_tokens": 1}, "add_special_tokens"),
-    ({"prompt": "x", "temperature": 0}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": "short"}, "prompt"),  # under one whole block
+        ({"prompt": [10**9] * 20}, "prompt"),  # outside the vocabulary
+        ({"prompt": "x", "add_special_tokens": 1}, "add_special_tokens"),
+        ({"prompt": "x", "temperature": 0}, "temperature"),
+    ],
+)
 def test_bad_input_is_an_openai_400(client, body, param):
     c, _ = client
     r = c.post("/v1/prefixes", json=body)
@@ -113,5 +126,10 @@ def test_unknown_id_is_a_404_and_the_server_keeps_serving(client):
     r = c.delete("/v1/prefixes/pfx-404")
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "prefix_not_found"
-    assert c.post("/v1/prefixes", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    assert (
+        c.post(
+            "/v1/prefixes", content=b"{not json", headers={"content-type": "application/json"}
+        ).status_code
+        == 400
+    )
     assert c.get("/health").status_code == 200

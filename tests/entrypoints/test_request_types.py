@@ -16,10 +16,18 @@ CHAT = [{"role": "user", "content": "hi"}]
 COERCIBLE = [
     ("/v1/chat/completions", {"logprobs": "true"}, "logprobs"),
     ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),
-    ("/v1/completions", {"max_tokens": True}, "max_tokens"),  # pydantic's lax int takes a bool, as vLLM's
+    (
+        "/v1/completions",
+        {"max_tokens": True},
+        "max_tokens",
+    ),  # pydantic's lax int takes a bool, as vLLM's
     ("/v1/completions", {"temperature": "0.5"}, "temperature"),
     ("/v1/completions", {"seed": 7.0}, "seed"),
-    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    (
+        "/v1/completions",
+        {"stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+    ),
 ]
 # Refused whatever the mode: vLLM refuses them too.
 NEVER = [
@@ -74,7 +82,10 @@ def test_uncoercible_types_are_refused_in_both_modes(request, mode, path, extra,
 
 
 def test_coerced_values_reach_the_request():
-    req = validate(ChatCompletionRequest, _body("/v1/chat/completions", {"logprobs": "true", "max_tokens": "5"}))
+    req = validate(
+        ChatCompletionRequest,
+        _body("/v1/chat/completions", {"logprobs": "true", "max_tokens": "5"}),
+    )
     assert req.logprobs is True and req.max_tokens == 5
     req = validate(CompletionRequest, {"prompt": "hi", "echo": "yes", "n": "2"})
     assert req.echo is True and req.n == 2
@@ -89,7 +100,9 @@ def test_validate_takes_strictness_explicitly():
 def test_the_websocket_follows_the_apps_setting(strict, lax):
     for client, ok in ((lax, True), (strict, False)):
         with client.websocket_connect("/v1/chat/ws") as ws:
-            ws.send_json({"type": "chat", "id": "a", "messages": CHAT, "params": {"max_tokens": "2"}})
+            ws.send_json(
+                {"type": "chat", "id": "a", "messages": CHAT, "params": {"max_tokens": "2"}}
+            )
             kinds = set()
             while not kinds & {"done", "error"}:
                 kinds.add(ws.receive_json()["type"])

@@ -17,8 +17,10 @@ import pytest
 
 from load_tests.local_server import free_port, serve_command, stop_process
 
-READY = re.compile(r"ready: http://127\.0\.0\.1:(\d+) \(model (\S+), (\d+) KV blocks of (\d+) tokens, "
-                   r"max context (\d+)\)")
+READY = re.compile(
+    r"ready: http://127\.0\.0\.1:(\d+) \(model (\S+), (\d+) KV blocks of (\d+) tokens, "
+    r"max context (\d+)\)"
+)
 
 
 @pytest.mark.slow
@@ -26,10 +28,28 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="streamkv-startup-", suffix=".log", delete=False)
     # No --num-swap-blocks: the CPU default (no swap pool) is under test too.
-    cmd = serve_command(port, ["--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512",
-                               "--log-stats-interval", "0.3", "--preemption-mode", "swap"], log_level="INFO")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    cmd = serve_command(
+        port,
+        [
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "128",
+            "--max-model-len",
+            "512",
+            "--log-stats-interval",
+            "0.3",
+            "--preemption-mode",
+            "swap",
+        ],
+        log_level="INFO",
+    )
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     url, statuses = f"http://127.0.0.1:{port}", []
 
     def text() -> str:
@@ -60,13 +80,21 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
             time.sleep(0.05)
         # The line is written: a chat succeeds at once.
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=120,
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 200, r.text
         assert 503 in statuses, statuses  # it listened while loading, and said so
         port_s, model, blocks, block_size, context = ready.groups()
         assert (int(port_s), model, int(blocks), int(block_size), int(context)) == (
-            port, "SmolLM2-135M-Instruct", 128, 16, 512)
+            port,
+            "SmolLM2-135M-Instruct",
+            128,
+            16,
+            512,
+        )
         out = text()
         assert out.count("ready: ") == 1
         assert "Uvicorn running on" not in out and f"listening on http://127.0.0.1:{port}" in out
@@ -79,8 +107,11 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
         while "streamkv.stats: prompt" not in text() and time.monotonic() < deadline:
             time.sleep(0.1)
         line = next(ln for ln in text().splitlines() if "streamkv.stats: prompt" in ln)
-        assert re.search(r"prompt [\d.]+ tok/s, generation [\d.]+ tok/s \| running \d+, waiting \d+, swapped \d+ "
-                         r"reqs \| KV cache [\d.]+% used \| prefix-cache hit rate ([\d.]+%|-)", line), line
+        assert re.search(
+            r"prompt [\d.]+ tok/s, generation [\d.]+ tok/s \| running \d+, waiting \d+, swapped \d+ "
+            r"reqs \| KV cache [\d.]+% used \| prefix-cache hit rate ([\d.]+%|-)",
+            line,
+        ), line
     finally:
         stop_process(proc)
         out = text()
@@ -99,7 +130,9 @@ def test_a_long_start_up_step_says_it_is_still_working(caplog):
             pass
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "converting the tokenizer…" and lines.count("a quick step…") == 1
-    assert any(re.fullmatch(r"still converting the tokenizer \(\d s\)", line) for line in lines), lines
+    assert any(re.fullmatch(r"still converting the tokenizer \(\d s\)", line) for line in lines), (
+        lines
+    )
     assert not any("a quick step: done" in line for line in lines)  # said only when it took a while
     caplog.clear()
     with caplog.at_level("INFO", logger="streamkv.models.loader"):
@@ -113,8 +146,13 @@ def test_a_long_start_up_step_says_it_is_still_working(caplog):
 def run_to_exit(args: list[str], timeout: float) -> tuple[int, str, float]:
     """``streamkv serve ARGS`` until it exits by itself: (status, output, seconds)."""
     t0 = time.monotonic()
-    r = subprocess.run(serve_command(free_port(), args, log_level="INFO"), capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    r = subprocess.run(
+        serve_command(free_port(), args, log_level="INFO"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
 
 
@@ -124,21 +162,33 @@ def test_a_port_in_use_fails_at_once_before_loading():
         taken.listen()
         port = taken.getsockname()[1]
         t0 = time.monotonic()
-        r = subprocess.run(serve_command(port, ["--device", "cpu"], log_level="INFO"), capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            serve_command(port, ["--device", "cpu"], log_level="INFO"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         took = time.monotonic() - t0
     out = r.stdout + r.stderr
     assert r.returncode != 0
-    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in out and "--port" in out, out
+    assert (
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in out
+        and "--port" in out
+    ), out
     assert "loading the model" not in out and "Traceback" not in out, out
     assert took < 20, took  # the interpreter and imports only, no model load
 
 
 @pytest.mark.slow
 def test_a_kv_pool_smaller_than_one_request_refuses_to_start_naming_the_flags():
-    status, out, _ = run_to_exit(["--device", "cpu", "--num-kv-blocks", "16", "--max-model-len", "1024"], 300)
+    status, out, _ = run_to_exit(
+        ["--device", "cpu", "--num-kv-blocks", "16", "--max-model-len", "1024"], 300
+    )
     assert status == 1, out
-    assert "the KV cache holds 256 tokens (16 blocks of 16), less than one request of the max context 1024" in out
+    assert (
+        "the KV cache holds 256 tokens (16 blocks of 16), less than one request of the max context 1024"
+        in out
+    )
     assert "--max-model-len" in out and "--num-kv-blocks" in out
     assert "ready: " not in out and "Traceback" not in out and "leaked" not in out, out
 
@@ -147,9 +197,16 @@ def test_a_kv_pool_smaller_than_one_request_refuses_to_start_naming_the_flags():
 def test_ctrl_c_says_what_it_waits_for_and_a_second_one_exits_at_once_quietly(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(serve_command(port, ["--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512"],
-                                         log_level="INFO"),
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.Popen(
+        serve_command(
+            port,
+            ["--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512"],
+            log_level="INFO",
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     text = lambda: (tmp_path / "serve.log").read_text(errors="replace")  # noqa: E731
     url = f"http://127.0.0.1:{port}"
     try:
@@ -167,7 +224,10 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_exits_at_once_quietly(tm
             while "shutting down" not in text():
                 assert time.monotonic() < deadline, text()
                 time.sleep(0.05)
-            assert "waiting up to 30 s for 1 running request(s) to finish (Ctrl-C again to stop at once)" in text()
+            assert (
+                "waiting up to 30 s for 1 running request(s) to finish (Ctrl-C again to stop at once)"
+                in text()
+            )
             t0 = time.monotonic()
             proc.send_signal(signal.SIGINT)
             status = proc.wait(timeout=10)
@@ -185,9 +245,25 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_exits_at_once_quietly(tm
 def test_one_ctrl_c_drains_then_ends_what_is_left_and_exits_quietly(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(serve_command(port, ["--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512",
-                                                 "--shutdown-timeout", "1"], log_level="INFO"),
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.Popen(
+        serve_command(
+            port,
+            [
+                "--device",
+                "cpu",
+                "--num-kv-blocks",
+                "128",
+                "--max-model-len",
+                "512",
+                "--shutdown-timeout",
+                "1",
+            ],
+            log_level="INFO",
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     text = lambda: (tmp_path / "serve.log").read_text(errors="replace")  # noqa: E731
     try:
         deadline = time.monotonic() + 300
@@ -195,7 +271,9 @@ def test_one_ctrl_c_drains_then_ends_what_is_left_and_exits_quietly(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, text()
             time.sleep(0.1)
         body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60
+        ) as r:
             lines = r.iter_lines()
             next(lines)
             proc.send_signal(signal.SIGINT)

@@ -29,12 +29,19 @@ def test_error_format(fmt):
             assert err["type"] == "invalid_request_error" and not isinstance(err["code"], int)
         r = c.post("/v1/completions", json={"prompt": "hi", "model": "no-such-model"})
         assert r.status_code == 404
-        assert r.json()["error"]["type"] == ("NotFoundError" if fmt == "vllm" else "not_found_error")
+        assert r.json()["error"]["type"] == (
+            "NotFoundError" if fmt == "vllm" else "not_found_error"
+        )
 
 
 def test_vllm_error_type_names():
     assert [vllm_error_type(s) for s in (400, 404, 429, 500, 503)] == [
-        "BadRequestError", "NotFoundError", "TooManyRequestsError", "InternalServerError", "ServiceUnavailableError"]
+        "BadRequestError",
+        "NotFoundError",
+        "TooManyRequestsError",
+        "InternalServerError",
+        "ServiceUnavailableError",
+    ]
 
 
 class PlainTemplate:
@@ -51,7 +58,11 @@ class PlainTemplate:
 
 def test_tools_system_prompt_can_be_left_out():
     messages = [ChatMessage(role="user", content="weather?")]
-    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {}}})]
+    tools = [
+        Tool.model_validate(
+            {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+        )
+    ]
     tok = PlainTemplate()
     with_tools = "".join(map(chr, render_chat(tok, messages, True, False, tools)))
     without = "".join(map(chr, render_chat(tok, messages, True, False, tools, tools_prompt=False)))

@@ -25,8 +25,18 @@ CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 @pytest.fixture(scope="module")
 def server():
-    with run_server("--api-key", KEY, "--allowed-origins", ALLOWED, "--max-num-seqs", "2",
-                    "--max-queue-len", "2", "--max-request-body-bytes", "65536") as s:
+    with run_server(
+        "--api-key",
+        KEY,
+        "--allowed-origins",
+        ALLOWED,
+        "--max-num-seqs",
+        "2",
+        "--max-queue-len",
+        "2",
+        "--max-request-body-bytes",
+        "65536",
+    ) as s:
         yield s
 
 
@@ -35,8 +45,14 @@ def ws_url(server) -> str:
 
 
 def chat(mid, max_tokens: int, **params) -> str:
-    return json.dumps({"type": "chat", "id": mid, "messages": CHAT,
-                       "params": {"max_tokens": max_tokens, "temperature": 0, **params}})
+    return json.dumps(
+        {
+            "type": "chat",
+            "id": mid,
+            "messages": CHAT,
+            "params": {"max_tokens": max_tokens, "temperature": 0, **params},
+        }
+    )
 
 
 async def until_done(ws, mid) -> tuple[str, dict]:
@@ -56,13 +72,19 @@ def test_api_key_on_http(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert (
+            c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens
+            == 2
+        )
         with pytest.raises(openai.APIStatusError) as info:
             c.completions.create(model=MODEL, prompt="word " * 20_000, max_tokens=2)
         assert info.value.status_code == 413
     assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                   headers={**AUTH, "Origin": "http://evil.example"})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2},
+        headers={**AUTH, "Origin": "http://evil.example"},
+    )
     assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
 
 
@@ -78,9 +100,12 @@ def test_websocket_handshake_checks_key_and_origin(server):
         assert await rejected(additional_headers={"Authorization": "Bearer nope"}) == 401
         assert await rejected(additional_headers=AUTH, origin="http://evil.example") == 403
         own = f"http://127.0.0.1:{server.port}"
-        for kw in (dict(additional_headers=AUTH), dict(additional_headers=AUTH, origin=ALLOWED),
-                   dict(additional_headers=AUTH, origin=own),
-                   dict(subprotocols=["streamkv", f"bearer.{KEY}"], origin=own)):
+        for kw in (
+            dict(additional_headers=AUTH),
+            dict(additional_headers=AUTH, origin=ALLOWED),
+            dict(additional_headers=AUTH, origin=own),
+            dict(subprotocols=["streamkv", f"bearer.{KEY}"], origin=own),
+        ):
             async with connect(ws_url(server), **kw) as ws:
                 await ws.send(chat("h", 2))
                 _, done = await until_done(ws, "h")
@@ -93,14 +118,18 @@ def test_websocket_handshake_checks_key_and_origin(server):
 
 def test_websocket_chat_matches_http_and_runs_two_at_once(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        expected = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+        expected = c.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=6, temperature=0
+        )
 
     async def main():
         async with connect(ws_url(server), additional_headers=AUTH) as ws:
             await ws.send(chat("one", 6))
             text, done = await until_done(ws, "one")
             assert text == expected.choices[0].message.content
-            assert done["finish_reason"] == "length" and done["usage"] == expected.usage.model_dump(exclude_none=True)
+            assert done["finish_reason"] == "length" and done["usage"] == expected.usage.model_dump(
+                exclude_none=True
+            )
             await ws.send(chat("a", 6))
             await ws.send(chat("b", 6))
             texts, order = {"a": "", "b": ""}, []
@@ -140,7 +169,12 @@ def test_queue_limit_gives_429_with_retry_after(server):
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as client:
-            body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            body = {
+                "prompt": "Count slowly:",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
             ctxs = [client.stream("POST", "/v1/completions", json=body) for _ in range(4)]
             readers = []  # held: a line iterator that is garbage-collected closes its response
             for i, ctx in enumerate(ctxs):
@@ -151,7 +185,9 @@ def test_queue_limit_gives_429_with_retry_after(server):
                     while not (await readers[-1].__anext__()).startswith("data: {"):
                         pass
             try:
-                async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=30) as c:
+                async with openai.AsyncOpenAI(
+                    base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=30
+                ) as c:
                     with pytest.raises(openai.RateLimitError) as info:
                         await c.completions.create(model=MODEL, prompt="One more", max_tokens=2)
                 assert info.value.response.headers["retry-after"] == "1"

@@ -59,7 +59,9 @@ def test_params_request_id_names_the_generation_as_on_http(client, fake):
             msgs = run_chat(ws, "b", {"max_tokens": 2, "request_id": f"web-{token}-7"})
     finally:
         del fake.add_request
-    assert msgs[0]["request_id"] == f"chatcmpl-web-{token}-7" and seen == [f"chatcmpl-web-{token}-7"]
+    assert msgs[0]["request_id"] == f"chatcmpl-web-{token}-7" and seen == [
+        f"chatcmpl-web-{token}-7"
+    ]
     # The KV view shows the row as the viewer's own to the page holding the token, anonymous to others.
     row = {"request_id": msgs[0]["request_id"], "seqs": [{"seq_id": 3, "table": [1]}]}
     assert _Viewer(token)._row(row)["own"] is True
@@ -67,10 +69,15 @@ def test_params_request_id_names_the_generation_as_on_http(client, fake):
 
 
 def test_bad_params_leave_a_warning_in_the_log(client, caplog):
-    with caplog.at_level(logging.WARNING, logger=LOGGER), client.websocket_connect("/v1/chat/ws") as ws:
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        client.websocket_connect("/v1/chat/ws") as ws,
+    ):
         msgs = run_chat(ws, "c", {"temperature": "hot"})
     assert msgs[0]["type"] == "error" and msgs[0]["error"]["param"] == "temperature"
-    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING
+    ]
     assert len(lines) == 1 and "'c'" in lines[0] and "temperature" in lines[0] and "400" in lines[0]
 
 
@@ -78,10 +85,16 @@ def test_an_engine_error_leaves_a_warning_with_the_request_id(caplog):
     with make_client(FakeEngine()) as c, caplog.at_level(logging.WARNING, logger=LOGGER):
         wait_healthy(c)
         with c.websocket_connect("/v1/chat/ws") as ws:
-            msgs = run_chat(ws, "d", {"max_tokens": 4, "request_id": "crash-1"},
-                            [{"role": "user", "content": chr(CRASH_TOKEN)}])
+            msgs = run_chat(
+                ws,
+                "d",
+                {"max_tokens": 4, "request_id": "crash-1"},
+                [{"role": "user", "content": chr(CRASH_TOKEN)}],
+            )
     error = msgs[-1]
     assert error["type"] == "error" and error["error"]["type"] == "service_unavailable_error"
     assert msgs[0]["request_id"] == "chatcmpl-crash-1"  # the first message, whatever its type
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert any("'d'" in line and "chatcmpl-crash-1" in line and "503" in line for line in lines), lines
+    assert any("'d'" in line and "chatcmpl-crash-1" in line and "503" in line for line in lines), (
+        lines
+    )

@@ -58,7 +58,9 @@ def stream_with_fault(server, fault: signal.Signals) -> tuple[str, list[dict], l
 
     poller = threading.Thread(target=poll, daemon=True)
     stall, last = 0.0, time.monotonic()
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**BODY, "stream": True}, timeout=300) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**BODY, "stream": True}, timeout=300
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -79,7 +81,9 @@ def stream_with_fault(server, fault: signal.Signals) -> tuple[str, list[dict], l
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
 def test_worker_fault_mid_stream_is_recovered_with_the_same_text(server, fault):
-    expected = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=300).json()["choices"][0]["text"]
+    expected = httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=300).json()["choices"][
+        0
+    ]["text"]
     before = worker_pids(server.proc.pid)
     text, chunks, health, stall = stream_with_fault(server, fault)
     assert text == expected
@@ -89,7 +93,12 @@ def test_worker_fault_mid_stream_is_recovered_with_the_same_text(server, fault):
     # The stall covers detection (at once for SIGKILL, the 5 s heartbeat timeout for SIGSTOP),
     # starting a worker and loading the model again, and recomputing the prompt.
     assert stall < 120
-    assert httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=300).json()["choices"][0]["text"] == expected
+    assert (
+        httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=300).json()["choices"][0][
+            "text"
+        ]
+        == expected
+    )
 
 
 # -- stop strings across the restart point (engine/recovery.py, no server) -----------------
@@ -103,9 +112,13 @@ class CharTokenizer:
 PROMPT_IDS = [ord(c) for c in "Q: "]
 
 
-def output(text: str, shown: str | None = None, finish: str | None = None, stop=None) -> RequestOutput:
+def output(
+    text: str, shown: str | None = None, finish: str | None = None, stop=None
+) -> RequestOutput:
     """A request's cumulative output: ``text``'s tokens, ``shown`` its (held-back) text."""
-    c = CompletionOutput(0, text if shown is None else shown, [ord(ch) for ch in text], 0.0, None, finish, stop)
+    c = CompletionOutput(
+        0, text if shown is None else shown, [ord(ch) for ch in text], 0.0, None, finish, stop
+    )
     return RequestOutput("r", None, PROMPT_IDS, [c], finish is not None)
 
 
@@ -130,8 +143,11 @@ def test_a_stop_string_straddling_the_restart_ends_the_spliced_stream():
     assert c.token_ids == [ord(ch) for ch in "the END"]
     assert ended == ["r"]  # the caller aborts the resumed request
     assert joiner.join(output("Dx")) == (None, [])  # a later output of it is stale
-    with_stop = resumed("the EN", SamplingParams(max_tokens=40, stop=["END"], include_stop_str_in_output=True),
-                        shown="the ")
+    with_stop = resumed(
+        "the EN",
+        SamplingParams(max_tokens=40, stop=["END"], include_stop_str_in_output=True),
+        shown="the ",
+    )
     assert with_stop.join(output("D"))[0].outputs[0].text == "the END"
 
 
@@ -139,12 +155,19 @@ def test_stops_that_do_not_straddle_are_left_to_the_engines():
     params = SamplingParams(max_tokens=40, stop=["END", "xyz"])
     joiner = resumed("the E", params, shown="the ")
     # "E" turned out not to begin END: released; a new tail that could begin one is held.
-    out, _ = joiner.join(output("Nx", shown="Nx"))  # "the ENx": neither stop, but "x" may begin "xyz"
+    out, _ = joiner.join(
+        output("Nx", shown="Nx")
+    )  # "the ENx": neither stop, but "x" may begin "xyz"
     assert out.outputs[0].text == "the EN" and not out.finished
     # The resumed request found a stop wholly after the restart point itself.
     out, ended = joiner.join(output("ach xyz", shown="ach ", finish="stop", stop="xyz"))
     c = out.outputs[0]
-    assert (c.text, c.finish_reason, c.stop_reason, out.finished) == ("the Each ", "stop", "xyz", True)
+    assert (c.text, c.finish_reason, c.stop_reason, out.finished) == (
+        "the Each ",
+        "stop",
+        "xyz",
+        True,
+    )
     assert ended == []  # it ended in the engine too
     # No stop strings: the text is joined as it is.
     plain = resumed("the EN", SamplingParams(max_tokens=40), shown="the EN")
@@ -152,12 +175,33 @@ def test_stops_that_do_not_straddle_are_left_to_the_engines():
 
 
 # -- requests of several samples, best_of and beam search across a worker kill ---------------
-SAMPLES = {"prompt": "The history of the sea:", "max_tokens": 30, "ignore_eos": True, "n": 3,
-           "temperature": 1.0, "seed": 1234, "stream_options": {"include_usage": True}}
-BEST_OF = {"prompt": "A lighthouse keeper wrote:", "max_tokens": 40, "ignore_eos": True, "n": 1, "best_of": 3,
-           "temperature": 1.0, "seed": 7}
-BEAM = {"prompt": "The old harbour", "max_tokens": 40, "ignore_eos": True, "n": 2, "best_of": 3,
-        "use_beam_search": True, "temperature": 0}
+SAMPLES = {
+    "prompt": "The history of the sea:",
+    "max_tokens": 30,
+    "ignore_eos": True,
+    "n": 3,
+    "temperature": 1.0,
+    "seed": 1234,
+    "stream_options": {"include_usage": True},
+}
+BEST_OF = {
+    "prompt": "A lighthouse keeper wrote:",
+    "max_tokens": 40,
+    "ignore_eos": True,
+    "n": 1,
+    "best_of": 3,
+    "temperature": 1.0,
+    "seed": 7,
+}
+BEAM = {
+    "prompt": "The old harbour",
+    "max_tokens": 40,
+    "ignore_eos": True,
+    "n": 2,
+    "best_of": 3,
+    "use_beam_search": True,
+    "temperature": 0,
+}
 
 
 def stream_choices(server, body: dict, kill_after: int | None = None) -> tuple[dict, dict, dict]:
@@ -165,7 +209,9 @@ def stream_choices(server, body: dict, kill_after: int | None = None) -> tuple[d
     ``kill_after``, SIGKILL the worker after that many chunks, first checking that every
     request of this test is running then."""
     texts, finish, usage, n = {}, {}, None, 0
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=300
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -188,7 +234,10 @@ def answer(server, body: dict) -> dict:
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     out = r.json()
-    return {"choices": [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]], "usage": out["usage"]}
+    return {
+        "choices": [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]],
+        "usage": out["usage"],
+    }
 
 
 @pytest.mark.slow
@@ -199,8 +248,10 @@ def test_samples_best_of_and_beam_search_survive_a_worker_kill(server):
     assert len(expected_stream[0]) == 3 and len(set(expected_stream[0].values())) == 3
     expected = {"best_of": answer(server, BEST_OF), "beam": answer(server, BEAM)}
     got: dict = {}
-    threads = [threading.Thread(target=lambda k=k, b=b: got.__setitem__(k, answer(server, b)))
-               for k, b in (("best_of", BEST_OF), ("beam", BEAM))]
+    threads = [
+        threading.Thread(target=lambda k=k, b=b: got.__setitem__(k, answer(server, b)))
+        for k, b in (("best_of", BEST_OF), ("beam", BEAM))
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60

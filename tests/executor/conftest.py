@@ -17,8 +17,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="session")
 def tiny4_dir(tiny_llama):
     """A 2-layer Llama with 4 query and 4 KV heads and an untied lm_head: splits at TP 2 and 4."""
-    return tiny_llama(hidden_size=128, intermediate_size=256, num_key_value_heads=4,
-                      tie_word_embeddings=False)
+    return tiny_llama(
+        hidden_size=128, intermediate_size=256, num_key_value_heads=4, tie_word_embeddings=False
+    )
 
 
 def tiny_prompts() -> list[list[int]]:

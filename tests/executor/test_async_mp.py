@@ -21,20 +21,30 @@ from tests.executor.conftest import GREEDY, tiny_prompts, tokens, with_faults
 from tests.executor.faults.sitecustomize import POISON_SEED, POISON_TOKEN
 from tests.executor.test_restart_tp import LONG, children, stream_and_kill
 
-KW = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "num_swap_blocks": 0, "max_model_len": 128,
-      "distributed_executor_backend": "mp"}
+KW = {
+    "device": "cpu",
+    "dtype": "float32",
+    "num_kv_blocks": 64,
+    "num_swap_blocks": 0,
+    "max_model_len": 128,
+    "distributed_executor_backend": "mp",
+}
 PARAMS = [
     GREEDY,
     SamplingParams(temperature=1.0, seed=11, top_k=20, max_tokens=12, ignore_eos=True),
-    SamplingParams(temperature=0.9, seed=12, top_p=0.8, repetition_penalty=1.2, max_tokens=12, ignore_eos=True),
+    SamplingParams(
+        temperature=0.9, seed=12, top_p=0.8, repetition_penalty=1.2, max_tokens=12, ignore_eos=True
+    ),
     # Forks after its first sample (that step runs synchronously), then overlaps.
     SamplingParams(n=2, temperature=0.8, seed=3, logprobs=2, max_tokens=10, ignore_eos=True),
 ]
 
 
 def _outputs(llm: LLM) -> list:
-    outs = [[(c.token_ids, c.logprobs) for c in o.outputs]
-            for o in llm.generate(None, PARAMS, prompt_token_ids=tiny_prompts() + tiny_prompts()[:1])]
+    outs = [
+        [(c.token_ids, c.logprobs) for c in o.outputs]
+        for o in llm.generate(None, PARAMS, prompt_token_ids=tiny_prompts() + tiny_prompts()[:1])
+    ]
     llm.engine.block_manager.check_no_leaks()
     assert not llm.engine.has_unfinished_requests()
     return outs
@@ -47,7 +57,10 @@ def test_async_outputs_equal_the_synchronous_ones(tiny4_dir, tp):
     for on in (True, False):
         llm = LLM(str(tiny4_dir), **KW, tensor_parallel_size=tp, async_scheduling=on)
         try:
-            assert isinstance(llm.engine.executor, MultiprocExecutor) and llm.engine.async_scheduling == on
+            assert (
+                isinstance(llm.engine.executor, MultiprocExecutor)
+                and llm.engine.async_scheduling == on
+            )
             got[on] = _outputs(llm)
             # Steps overlapped: with async scheduling every decode step after the first.
             assert (llm.engine.overlapped_steps > 5) == on
@@ -57,7 +70,9 @@ def test_async_outputs_equal_the_synchronous_ones(tiny4_dir, tp):
     assert got[True][0] != got[True][1]  # greedy and seeded rows differ: the sampling ran
 
 
-def _failing_step_with_the_next_in_flight(tiny4_dir, tp: int, poisoned: tuple[list[int], SamplingParams]):
+def _failing_step_with_the_next_in_flight(
+    tiny4_dir, tp: int, poisoned: tuple[list[int], SamplingParams]
+):
     """Request "a" decodes; "b" joins and its first step fails; "c" joins in the step that was
     sent before that failure was read. "a" and "b" end with the error, "c" runs on."""
     config = engine_config(str(tiny4_dir), **KW, tensor_parallel_size=tp, async_scheduling=True)
@@ -83,13 +98,22 @@ def _failing_step_with_the_next_in_flight(tiny4_dir, tp: int, poisoned: tuple[li
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("fault", ["sampler", "forward"])
-def test_a_failing_step_with_the_next_in_flight_ends_only_its_requests(tiny4_dir, tp, fault, monkeypatch):
+def test_a_failing_step_with_the_next_in_flight_ends_only_its_requests(
+    tiny4_dir, tp, fault, monkeypatch
+):
     with_faults(monkeypatch, fault)
     prompts = tiny_prompts()
-    poisoned = ((prompts[1], SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=4)) if fault == "sampler"
-                else ([*prompts[1], POISON_TOKEN], GREEDY))
+    poisoned = (
+        (prompts[1], SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=4))
+        if fault == "sampler"
+        else ([*prompts[1], POISON_TOKEN], GREEDY)
+    )
     outs, pids = _failing_step_with_the_next_in_flight(tiny4_dir, tp, poisoned)
-    error = "IndexError: a bug in the sampler" if fault == "sampler" else "RuntimeError: a bug in the model"
+    error = (
+        "IndexError: a bug in the sampler"
+        if fault == "sampler"
+        else "RuntimeError: a bug in the model"
+    )
     for rid in "ab":
         assert outs[rid].finished and outs[rid].outputs[0].finish_reason == "abort", outs[rid]
         assert error in outs[rid].error
@@ -99,7 +123,10 @@ def test_a_failing_step_with_the_next_in_flight_ends_only_its_requests(tiny4_dir
     # tokens are those of a run without any failure.
     ref = LLM(str(tiny4_dir), **{**KW, "distributed_executor_backend": "inprocess"})
     try:
-        assert list(c.outputs[0].token_ids) == tokens(ref.generate(None, GREEDY, prompt_token_ids=[prompts[2]]))[0]
+        assert (
+            list(c.outputs[0].token_ids)
+            == tokens(ref.generate(None, GREEDY, prompt_token_ids=[prompts[2]]))[0]
+        )
     finally:
         ref.shutdown()
 
@@ -131,9 +158,12 @@ def test_replies_are_read_in_send_order_and_rank1_gets_the_pending_token(tiny4_d
         assert executor.resolves_pending_tokens
         executor.init_cache(8, 0)
         prompt = [5, 6, 7]
-        a = executor.submit(StepInput(
-            [SeqStep(0, prompt, 0, new_blocks=[0]), SeqStep(1, prompt, 0, new_blocks=[1])],
-            [NewSeq(0, SeqParams(), 3), NewSeq(1, SeqParams(), 3)]))
+        a = executor.submit(
+            StepInput(
+                [SeqStep(0, prompt, 0, new_blocks=[0]), SeqStep(1, prompt, 0, new_blocks=[1])],
+                [NewSeq(0, SeqParams(), 3), NewSeq(1, SeqParams(), 3)],
+            )
+        )
         b = executor.submit(StepInput([SeqStep(0, [PENDING_TOKEN], 3)]))
         b_out = b.result()
         first = a.result().results
@@ -147,7 +177,9 @@ def test_replies_are_read_in_send_order_and_rank1_gets_the_pending_token(tiny4_d
 
 
 @pytest.mark.slow
-def test_a_rank_failing_a_step_alone_with_the_next_in_flight_is_a_divergence(tiny4_dir, monkeypatch):
+def test_a_rank_failing_a_step_alone_with_the_next_in_flight_is_a_divergence(
+    tiny4_dir, monkeypatch
+):
     """Rank 1 fails the step while rank 0 waits in one of its collectives, and the next step is
     already sent: rank 1 must not start it (its collectives would pair with rank 0's of the
     failed step); it waits for a Resume that never comes, and the engine ends the ranks."""
@@ -156,8 +188,11 @@ def test_a_rank_failing_a_step_alone_with_the_next_in_flight_is_a_divergence(tin
     llm.engine.executor.diverge_timeout = 2.0
     try:
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=r"rank\(s\) \[1\] failed a step .*a bug in the model.* rank\(s\) \[0\] "
-                                              r"did not finish it within 2s: the ranks diverged"):
+        with pytest.raises(
+            WorkerError,
+            match=r"rank\(s\) \[1\] failed a step .*a bug in the model.* rank\(s\) \[0\] "
+            r"did not finish it within 2s: the ranks diverged",
+        ):
             llm.generate(None, GREEDY, prompt_token_ids=[[5, 6, 7], [5, POISON_TOKEN, 7]])
         assert time.monotonic() - start < 30
     finally:

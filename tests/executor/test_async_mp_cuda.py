@@ -17,8 +17,13 @@ pytestmark = pytest.mark.cuda
 @pytest.fixture(scope="module")
 def tiny64_dir(tiny_llama):
     """4 query / 2 KV heads of 64 (a head size the CUDA kernels serve), untied lm_head."""
-    return tiny_llama(max_position_embeddings=512, hidden_size=256, intermediate_size=512,
-                      head_dim=64, tie_word_embeddings=False)
+    return tiny_llama(
+        max_position_embeddings=512,
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -27,9 +32,17 @@ def test_async_mp_on_gpus_equals_the_synchronous_engine(tiny64_dir, tp):
         pytest.skip(f"needs {tp} CUDA GPU(s)")
     got = {}
     for on in (True, False):
-        llm = LLM(str(tiny64_dir), device="cuda", dtype="float32", num_kv_blocks=64, num_swap_blocks=0,
-                  max_model_len=128, tensor_parallel_size=tp, distributed_executor_backend="mp",
-                  async_scheduling=on)
+        llm = LLM(
+            str(tiny64_dir),
+            device="cuda",
+            dtype="float32",
+            num_kv_blocks=64,
+            num_swap_blocks=0,
+            max_model_len=128,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="mp",
+            async_scheduling=on,
+        )
         try:
             got[on] = _outputs(llm)
             assert (llm.engine.overlapped_steps > 5) == on

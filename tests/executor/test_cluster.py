@@ -19,12 +19,30 @@ from streamkv.executor.cluster import JoinTimeout, Placement, RankListener, Remo
 from streamkv.executor.launcher import JoinRefused, LaunchSpec, _join, parse_ranks
 from tests.executor.conftest import GREEDY, free_port, tiny_prompts, tokens
 
-KW = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "num_swap_blocks": 0, "max_model_len": 128}
+KW = {
+    "device": "cpu",
+    "dtype": "float32",
+    "num_kv_blocks": 64,
+    "num_swap_blocks": 0,
+    "max_model_len": 128,
+}
 
 
 def start_launcher(port: int, ranks: str, *extra: str, log=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "streamkv.executor.launcher", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "--ranks", ranks, "--wait", "120", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamkv.executor.launcher",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--ranks",
+        ranks,
+        "--wait",
+        "120",
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -63,7 +81,9 @@ def test_ranks_on_two_hosts_match_tp1(tiny4_dir, want, tp, local, monkeypatch, t
 
 def test_joins_are_checked():
     port = free_port()
-    listener = RankListener(Placement.checked("127.0.0.1", port, 1, 2, token="s3cret", join_timeout=30))
+    listener = RankListener(
+        Placement.checked("127.0.0.1", port, 1, 2, token="s3cret", join_timeout=30)
+    )
     joined: dict = {}
     thread = threading.Thread(target=lambda: joined.update(listener.accept([1], 2)))
     thread.start()
@@ -73,7 +93,9 @@ def test_joins_are_checked():
         with pytest.raises(JoinRefused, match="wrong cluster token"):
             _join(spec, 1, "control", deadline)
         spec = replace(spec, token="s3cret")
-        with pytest.raises(JoinRefused, match="WORLD_SIZE 4 differs from the engine's tensor_parallel_size 2"):
+        with pytest.raises(
+            JoinRefused, match="WORLD_SIZE 4 differs from the engine's tensor_parallel_size 2"
+        ):
             _join(replace(spec, world_size=4), 1, "control", deadline)
         with pytest.raises(JoinRefused, match=r"rank 3 is not one of the remote ranks \[1\]"):
             _join(spec, 3, "control", deadline)
@@ -97,9 +119,12 @@ def test_a_rank_that_never_joins_names_the_command_to_run():
     port = free_port()
     listener = RankListener(Placement.checked("127.0.0.1", port, 2, 4, join_timeout=0.5))
     try:
-        with pytest.raises(JoinTimeout, match=rf"worker rank\(s\) \[2, 3\] did not join 127.0.0.1:{port} within 0s: "
-                                              rf"start `streamkv worker --master-addr 127.0.0.1 --master-port {port} "
-                                              r"--ranks 2,3` on their host"):
+        with pytest.raises(
+            JoinTimeout,
+            match=rf"worker rank\(s\) \[2, 3\] did not join 127.0.0.1:{port} within 0s: "
+            rf"start `streamkv worker --master-addr 127.0.0.1 --master-port {port} "
+            r"--ranks 2,3` on their host",
+        ):
             listener.accept([2, 3], 4)
     finally:
         listener.close()
@@ -109,7 +134,10 @@ def test_a_busy_master_port_is_a_clear_error():
     port = free_port()
     first = RankListener(Placement.checked("127.0.0.1", port, 1, 2))
     try:
-        with pytest.raises(OSError, match=rf"cannot listen for worker ranks at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port}"):
+        with pytest.raises(
+            OSError,
+            match=rf"cannot listen for worker ranks at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port}",
+        ):
             RankListener(Placement.checked("127.0.0.1", port, 1, 2))
     finally:
         first.close()
@@ -117,7 +145,9 @@ def test_a_busy_master_port_is_a_clear_error():
 
 def test_placement_and_ranks_are_validated():
     assert Placement.from_env({}, 2) is None
-    p = Placement.from_env({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "4"}, 8)
+    p = Placement.from_env(
+        {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "4"}, 8
+    )
     assert (p.master_addr, p.master_port, p.local_ranks) == ("10.0.0.1", 29500, 4)
     with pytest.raises(ValueError, match="must be set together"):
         Placement.from_env({"MASTER_ADDR": "10.0.0.1"}, 2)
@@ -127,5 +157,7 @@ def test_placement_and_ranks_are_validated():
     for bad in ("0,1", "2,2", ""):
         with pytest.raises(ValueError):
             parse_ranks(bad)
-    args = build_parser().parse_args(["worker", "--master-addr", "a", "--master-port", "5", "--ranks", "1"])
+    args = build_parser().parse_args(
+        ["worker", "--master-addr", "a", "--master-port", "5", "--ranks", "1"]
+    )
     assert (args.master_addr, args.master_port, args.ranks, args.once) == ("a", 5, "1", False)

@@ -15,7 +15,13 @@ from streamkv.executor.multiproc import WorkerError
 from tests.executor.conftest import GREEDY, tiny_prompts, tokens, with_faults
 from tests.executor.faults.sitecustomize import POISON_SEED, POISON_TOKEN
 
-KW = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "num_swap_blocks": 0, "max_model_len": 128}
+KW = {
+    "device": "cpu",
+    "dtype": "float32",
+    "num_kv_blocks": 64,
+    "num_swap_blocks": 0,
+    "max_model_len": 128,
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +65,11 @@ def test_a_rank_failing_a_step_alone_is_a_divergence_not_a_hang(tiny4_dir, monke
     llm.engine.executor.diverge_timeout = 2.0
     try:
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=r"rank\(s\) \[1\] failed a step .*a bug in the model.* rank\(s\) \[0\] "
-                                              r"did not finish it within 2s: the ranks diverged"):
+        with pytest.raises(
+            WorkerError,
+            match=r"rank\(s\) \[1\] failed a step .*a bug in the model.* rank\(s\) \[0\] "
+            r"did not finish it within 2s: the ranks diverged",
+        ):
             llm.generate(None, GREEDY, prompt_token_ids=[[5, POISON_TOKEN, 7]])
         assert time.monotonic() - start < 30
         llm.engine.block_manager.check_no_leaks()

@@ -48,8 +48,12 @@ def tiny_dir(tiny_llama):
     """A 2-layer Llama with 4 query / 2 KV heads (TP=2 splits it) and an untied lm_head, so
     the sharded head's all-gather runs on every step."""
     # head_dim 64 (hidden / heads): a size the CUDA kernels are built for
-    return tiny_llama(max_position_embeddings=512, hidden_size=256, intermediate_size=512,
-                      tie_word_embeddings=False)
+    return tiny_llama(
+        max_position_embeddings=512,
+        hidden_size=256,
+        intermediate_size=512,
+        tie_word_embeddings=False,
+    )
 
 
 def _tiny_prompts() -> list[list[int]]:
@@ -63,7 +67,9 @@ def test_bad_tensor_parallel_sizes_are_refused_before_any_process_starts(tmp_pat
         raise AssertionError("a worker process was started")
 
     monkeypatch.setattr("streamkv.executor.multiproc.subprocess.Popen", no_process)
-    with pytest.raises(ValueError, match=r"must divide the model's 9 attention heads and 3 KV heads"):
+    with pytest.raises(
+        ValueError, match=r"must divide the model's 9 attention heads and 3 KV heads"
+    ):
         LLM(tensor_parallel_size=2, num_kv_blocks=8)
     with pytest.raises(ValueError, match="integer >= 1"):
         LLM(tensor_parallel_size=0)
@@ -75,12 +81,20 @@ def test_bad_tensor_parallel_sizes_are_refused_before_any_process_starts(tmp_pat
         LLM(tensor_parallel_size=3, device="cuda:1")
     # Heads divide, the MLP width does not: caught from config.json's numbers (ModelInfo).
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 129, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 64,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 129,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 64,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"does not fit this model: its MLP width 129 does not divide by 2"):
+    with pytest.raises(
+        ValueError, match=r"does not fit this model: its MLP width 129 does not divide by 2"
+    ):
         LLM(str(tmp_path), load_format="dummy", tensor_parallel_size=2)
 
 
@@ -96,13 +110,18 @@ def test_cli_flags_reach_the_engine_config():
     )
     mc = engine_config(None, **engine_kwargs(args)).model
     assert (mc.tensor_parallel_size, mc.executor_backend) == (3, "mp")
-    mc = engine_config(None, **engine_kwargs(build_parser().parse_args(["generate", "hi", "-tp", "2"]))).model
+    mc = engine_config(
+        None, **engine_kwargs(build_parser().parse_args(["generate", "hi", "-tp", "2"]))
+    ).model
     assert mc.executor_backend == "mp"  # the default above TP 1
     assert engine_config(None).model.executor_backend == "inprocess"
 
 
 # -- a tiny model at TP=2: cheap enough for every run ---------------------------------------
-TWO_GPUS = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+TWO_GPUS = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
 
 
 @pytest.mark.slow
@@ -144,8 +163,12 @@ def test_a_worker_killed_mid_run_is_a_clear_error_not_a_hang(tiny_dir, monkeypat
         return submit(step)
 
     monkeypatch.setattr(executor, "submit", submit_then_kill)
-    with pytest.raises(WorkerError, match=rf"worker rank 1 \(pid {pids[1]}\) was killed by SIGKILL"):
-        llm.generate(None, SamplingParams(max_tokens=100, ignore_eos=True), prompt_token_ids=[[5, 6, 7]] * 8)
+    with pytest.raises(
+        WorkerError, match=rf"worker rank 1 \(pid {pids[1]}\) was killed by SIGKILL"
+    ):
+        llm.generate(
+            None, SamplingParams(max_tokens=100, ignore_eos=True), prompt_token_ids=[[5, 6, 7]] * 8
+        )
     assert len(calls) == 5 and time.monotonic() - calls[-1] < 15
     # Rank 0 may have been left inside a collective with a dead peer: stopped and reaped too.
     assert _gone(pids)
@@ -178,7 +201,9 @@ def test_an_interrupted_call_retires_the_workers(tiny_dir, monkeypatch):
 def test_a_worker_that_fails_to_load_reports_its_error(tmp_path, tiny_dir):
     # A valid config.json (the engine's checks pass) without weights: the ranks fail.
     (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text())
-    with pytest.raises(WorkerError, match=r"worker rank \d failed: FileNotFoundError: no safetensors weights"):
+    with pytest.raises(
+        WorkerError, match=r"worker rank \d failed: FileNotFoundError: no safetensors weights"
+    ):
         LLM(str(tmp_path), num_kv_blocks=8, tensor_parallel_size=2)
 
 
@@ -191,7 +216,9 @@ def test_async_engine_serves_through_worker_processes(tiny_dir):
         engine.start()
         await engine.wait_ready()
         pids = engine.engine.executor.pids
-        stream = await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        stream = await engine.add_request(
+            "r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)
+        )
         outs = [o async for o in stream]
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
         await engine.stop()
@@ -209,8 +236,13 @@ def test_tp3_matches_tp1_with_swap_preemption(make_llm):
     prompts = [tok.encode(p) for p in PROMPTS]
     want = _tokens(ref.generate(None, GREEDY, prompt_token_ids=prompts))
     # 6 sequences of up to 3 blocks each in a 10-block pool: some must be swapped out.
-    llm = LLM(block_size=16, num_kv_blocks=10, num_swap_blocks=10, preemption_mode="swap",
-              tensor_parallel_size=3)
+    llm = LLM(
+        block_size=16,
+        num_kv_blocks=10,
+        num_swap_blocks=10,
+        preemption_mode="swap",
+        tensor_parallel_size=3,
+    )
     try:
         assert isinstance(llm.engine.executor, MultiprocExecutor)
         assert _tokens(llm.generate(None, GREEDY, prompt_token_ids=prompts[:2])) == want[:2]

@@ -20,7 +20,13 @@ from streamkv.engine.llm_engine import LLMEngine
 from streamkv.entrypoints.llm import LLM, engine_config
 from tests.executor.conftest import free_port, tiny_prompts, tokens
 
-KW = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "num_swap_blocks": 0, "max_model_len": 128}
+KW = {
+    "device": "cpu",
+    "dtype": "float32",
+    "num_kv_blocks": 64,
+    "num_swap_blocks": 0,
+    "max_model_len": 128,
+}
 LONG = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -47,8 +53,12 @@ def children(pid: int, marker: bytes = b"streamkv.executor.rank") -> list[int]:
     return found
 
 
-async def stream_and_kill(config, victim, after: int = 4, fault: signal.Signals = signal.SIGKILL,
-                          ) -> tuple[list[list[int]], list[list[int | None]]]:
+async def stream_and_kill(
+    config,
+    victim,
+    after: int = 4,
+    fault: signal.Signals = signal.SIGKILL,
+) -> tuple[list[list[int]], list[list[int | None]]]:
     """Stream every prompt at once; after ``after`` outputs of the first, send ``fault`` to ``victim()``.
     The final token ids of each, and the executor's pids before and after."""
     engine = AsyncEngine(lambda: LLMEngine(config))
@@ -67,7 +77,7 @@ async def stream_and_kill(config, victim, after: int = 4, fault: signal.Signals 
             assert outs[-1].finished and outs[-1].error is None, outs[-1]
             # Cumulative outputs only ever grow: nothing streamed is taken back or repeated.
             seen = [list(o.outputs[0].token_ids) for o in outs]
-            assert all(b[:len(a)] == a for a, b in zip(seen, seen[1:], strict=False))
+            assert all(b[: len(a)] == a for a, b in zip(seen, seen[1:], strict=False))
             return seen[-1]
 
         got = await asyncio.gather(*(collect(i, s) for i, s in enumerate(streams)))
@@ -86,15 +96,18 @@ def test_tp2_restarts_every_rank_and_resumes(tiny4_dir, want):
         assert len(ranks) == 2, ranks
         return max(ranks)
 
-    got, (before, after) = asyncio.run(asyncio.wait_for(stream_and_kill(config, victim_lookup), 300))
+    got, (before, after) = asyncio.run(
+        asyncio.wait_for(stream_and_kill(config, victim_lookup), 300)
+    )
     assert got == want
     assert len(after) == 2 and not set(before) & set(after)  # both ranks are new processes
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_a_rank_on_another_host_killed_or_frozen_mid_stream_rejoins_and_resumes(tiny4_dir, want, fault, monkeypatch,
-                                                                               tmp_path):
+def test_a_rank_on_another_host_killed_or_frozen_mid_stream_rejoins_and_resumes(
+    tiny4_dir, want, fault, monkeypatch, tmp_path
+):
     """SIGSTOP: the engine drops the silent rank's heartbeat connection, its launcher kills it."""
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -103,14 +116,31 @@ def test_a_rank_on_another_host_killed_or_frozen_mid_stream_rejoins_and_resumes(
     config = engine_config(str(tiny4_dir), **KW, tensor_parallel_size=2)
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "streamkv.executor.launcher", "--master-addr", "127.0.0.1", "--master-port",
-             str(port), "--ranks", "1", "--wait", "60"], stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "streamkv.executor.launcher",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--ranks",
+                "1",
+                "--wait",
+                "60",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
+
             def victim() -> int:
                 (rank,) = children(launcher.pid)
                 return rank
 
-            got, (before, after) = asyncio.run(asyncio.wait_for(stream_and_kill(config, victim, fault=fault), 300))
+            got, (before, after) = asyncio.run(
+                asyncio.wait_for(stream_and_kill(config, victim, fault=fault), 300)
+            )
             assert got == want
             assert before[1] is None and after[1] is None and before[0] != after[0]
         finally:

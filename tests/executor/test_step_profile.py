@@ -10,7 +10,13 @@ import pytest
 from streamkv import SamplingParams
 from streamkv.entrypoints.llm import LLM
 
-KW = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "num_swap_blocks": 0, "max_model_len": 128}
+KW = {
+    "device": "cpu",
+    "dtype": "float32",
+    "num_kv_blocks": 64,
+    "num_swap_blocks": 0,
+    "max_model_len": 128,
+}
 
 # Starts two worker processes: seconds on a 2-core box.
 pytestmark = pytest.mark.slow
@@ -21,7 +27,9 @@ def test_every_rank_writes_its_step_split(tiny4_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMKV_PROFILE_STEPS", "2,4")
     llm = LLM(str(tiny4_dir), **KW, tensor_parallel_size=2)
     try:
-        llm.generate(None, SamplingParams(max_tokens=10, ignore_eos=True), prompt_token_ids=[[5, 6, 7]])
+        llm.generate(
+            None, SamplingParams(max_tokens=10, ignore_eos=True), prompt_token_ids=[[5, 6, 7]]
+        )
     finally:
         llm.shutdown()
     for rank in (0, 1):
@@ -29,4 +37,7 @@ def test_every_rank_writes_its_step_split(tiny4_dir, tmp_path, monkeypatch):
         assert split["rank"] == rank and split["steps"] == 4 and split["clock"] == "cpu"
         assert 0 < split["collective_ms_per_step"] <= split["profiled_ms_per_step"]
         assert split["wall_ms_per_step"] > 0
-        assert any("allreduce" in k.lower() or "all_reduce" in k.lower() for k in split["collective_ops_ms_per_step"])
+        assert any(
+            "allreduce" in k.lower() or "all_reduce" in k.lower()
+            for k in split["collective_ops_ms_per_step"]
+        )

@@ -12,15 +12,21 @@ import time
 
 from streamkv.executor.supervisor import HEARTBEAT_ENV, Supervisor
 
-WORKER = ("from streamkv.executor.supervisor import start_heartbeat; start_heartbeat(0.1); import time; "
-          "print('beating', flush=True); time.sleep(60)")
+WORKER = (
+    "from streamkv.executor.supervisor import start_heartbeat; start_heartbeat(0.1); import time; "
+    "print('beating', flush=True); time.sleep(60)"
+)
 
 
 def spawn(sup: Supervisor) -> subprocess.Popen:
     theirs = sup.add_rank()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", WORKER], pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE,
-                                env={**os.environ, HEARTBEAT_ENV: str(theirs.fileno())})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER],
+            pass_fds=(theirs.fileno(),),
+            stdout=subprocess.PIPE,
+            env={**os.environ, HEARTBEAT_ENV: str(theirs.fileno())},
+        )
     finally:
         theirs.close()
     assert proc.stdout.readline() == b"beating\n"

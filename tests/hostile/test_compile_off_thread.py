@@ -32,7 +32,11 @@ class GrammarEngine(FakeEngine):
         return text
 
     def defer_until_compiled(self, params, resume) -> bool:
-        return self.cache.request(*params.structured_outputs.key(), resume) if params.structured_outputs else False
+        return (
+            self.cache.request(*params.structured_outputs.key(), resume)
+            if params.structured_outputs
+            else False
+        )
 
     def add_request(self, request_id, prompt, params, prompt_token_ids=None, arrival_time=None):
         if params.structured_outputs is not None:

@@ -17,16 +17,47 @@ from hypothesis import strategies as st
 from streamkv.layers.sampler import Sampler, SampleRequest
 from streamkv.sampling_params import InvalidParameter, SamplingParams
 
-EXTREMES = [0.0, -0.0, 5e-324, -5e-324, 1e-46, 1e-40, 1e-38, 1e-30, 1e-8, 1e-5, 0.5, 1.0, 1.0000001, 2.0,
-            100.0, 1e38, 3.5e38, 1e308, -1e308, math.inf, -math.inf, math.nan, -1.0]
-FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "length_penalty"]
+EXTREMES = [
+    0.0,
+    -0.0,
+    5e-324,
+    -5e-324,
+    1e-46,
+    1e-40,
+    1e-38,
+    1e-30,
+    1e-8,
+    1e-5,
+    0.5,
+    1.0,
+    1.0000001,
+    2.0,
+    100.0,
+    1e38,
+    3.5e38,
+    1e308,
+    -1e308,
+    math.inf,
+    -math.inf,
+    math.nan,
+    -1.0,
+]
+FLOAT_FIELDS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+]
 VOCAB = 64
 
 
 @contextmanager
 def deadline(seconds: int):
     """Fail instead of hanging (the bug this file guards against was a hang)."""
+
     def fire(*_):
         raise TimeoutError(f"still sampling after {seconds} s")
 
@@ -77,9 +108,12 @@ def test_logit_bias_values_must_be_finite_numbers(bias) -> None:
 
 
 def test_sizes_are_bounded() -> None:
-    for kwargs, param in (({"stop": ["x"] * 33}, "stop"), ({"stop": ["x" * 1025]}, "stop"),
-                          ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
-                          ({"logit_bias": {t: 1.0 for t in range(1025)}}, "logit_bias")):
+    for kwargs, param in (
+        ({"stop": ["x"] * 33}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"logit_bias": {t: 1.0 for t in range(1025)}}, "logit_bias"),
+    ):
         with pytest.raises(InvalidParameter) as e:
             SamplingParams(**kwargs)
         assert e.value.param == param
@@ -89,7 +123,9 @@ def test_sizes_are_bounded() -> None:
 def test_the_sampler_survives_a_top_p_that_underflows_float32() -> None:
     # Below admission: the draw itself must end even if a zero top_p reaches it.
     x = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
-    reqs = [SampleRequest(temperature=1.0, top_p=1e-46, seed=s) for s in (None, 7)] + [SampleRequest(temperature=1.0)]
+    reqs = [SampleRequest(temperature=1.0, top_p=1e-46, seed=s) for s in (None, 7)] + [
+        SampleRequest(temperature=1.0)
+    ]
     with deadline(10):
         out = Sampler()(x.clone(), reqs)
         out.finalize()
@@ -110,22 +146,37 @@ _accepted = st.builds(
 )
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
 
 
-@pytest.mark.parametrize("device", DEVICES)  # on CUDA the sampler's kernels draw (kernels_cu/sampling.cu)
+@pytest.mark.parametrize(
+    "device", DEVICES
+)  # on CUDA the sampler's kernels draw (kernels_cu/sampling.cu)
 @settings(max_examples=200, deadline=None)
 @given(kw=_accepted, logits_scale=st.sampled_from([1.0, 1e4, 1e30, 3e38]))
-def test_accepted_extremes_sample_a_real_token_in_bounded_time(device: str, kw: dict, logits_scale: float) -> None:
+def test_accepted_extremes_sample_a_real_token_in_bounded_time(
+    device: str, kw: dict, logits_scale: float
+) -> None:
     bias = kw.pop("bias")
     params = _built(**kw, logit_bias={1: bias})
     if params is None:
         return
-    x = (torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1)) * logits_scale).to(device)
+    x = (torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1)) * logits_scale).to(
+        device
+    )
     req = SampleRequest(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        seed=params.seed, logit_bias=params.logit_bias, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        logit_bias=params.logit_bias,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
     if req.has_penalties:
         from streamkv.layers.penalties import TokenCounts
@@ -142,9 +193,15 @@ def test_accepted_extremes_sample_a_real_token_in_bounded_time(device: str, kw: 
 def tiny_llm(tiny_llama):
     from streamkv import LLM
 
-    path = tiny_llama(vocab_size=VOCAB * 4, max_position_embeddings=64, num_hidden_layers=1,
-                      hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                      num_key_value_heads=1)
+    path = tiny_llama(
+        vocab_size=VOCAB * 4,
+        max_position_embeddings=64,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     llm = LLM(str(path), device="cpu", num_kv_blocks=64, num_swap_blocks=0, max_model_len=64)
     yield llm
     llm.shutdown()
@@ -160,6 +217,8 @@ def test_an_accepted_request_finishes_within_max_tokens_steps(tiny_llm, kw: dict
         return
     control = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with deadline(30):
-        outs = tiny_llm.generate(prompt_token_ids=[[5, 17, 30, 2]] * 2, sampling_params=[params, control])
+        outs = tiny_llm.generate(
+            prompt_token_ids=[[5, 17, 30, 2]] * 2, sampling_params=[params, control]
+        )
     assert all(o.finished and o.error is None for o in outs)
     assert len(outs[0].outputs[0].token_ids) == 4

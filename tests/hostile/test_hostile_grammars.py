@@ -18,8 +18,13 @@ HOSTILE = {
     "1 MB alternation": {"regex": "|".join(f"word{i}" for i in range(120_000))},
     "a{0,1000000}": {"regex": "a{0,1000000}"},
     "10,000-string enum": {"json": {"enum": [f"s{i}" for i in range(10_000)]}},
-    "5,000 required": {"json": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5000)},
-                                "required": [f"p{i}" for i in range(5000)]}},
+    "5,000 required": {
+        "json": {
+            "type": "object",
+            "properties": {f"p{i}": {"type": "integer"} for i in range(5000)},
+            "required": [f"p{i}" for i in range(5000)],
+        }
+    },
     "minLength 10^6": {"json": {"type": "string", "minLength": 10**6}},
     "minItems 10^6": {"json": {"type": "array", "items": {"type": "integer"}, "minItems": 10**6}},
     "2,000 anyOf": {"json": {"anyOf": [{"const": f"v{i}"} for i in range(2000)]}},
@@ -42,13 +47,21 @@ def test_hostile_specs_are_refused_before_compiling(name: str) -> None:
     assert e.value.param == "structured_outputs" and "Limits a request must respect" in str(e.value)
 
 
-@pytest.mark.parametrize("spec", [
-    {"json": {"type": "object", "properties": {"$ref": {"type": "string"}, "a": {"$ref": "#/$defs/x"}},
-              "$defs": {"x": {"type": "integer"}}}},
-    {"json": {"type": "string", "maxLength": MAX_REPEAT}},
-    {"regex": "[a-z]{1,64}@[a-z]{1,32}\\.com"},
-    {"choice": ["red", "green", "blue"]},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {
+            "json": {
+                "type": "object",
+                "properties": {"$ref": {"type": "string"}, "a": {"$ref": "#/$defs/x"}},
+                "$defs": {"x": {"type": "integer"}},
+            }
+        },
+        {"json": {"type": "string", "maxLength": MAX_REPEAT}},
+        {"regex": "[a-z]{1,64}@[a-z]{1,32}\\.com"},
+        {"choice": ["red", "green", "blue"]},
+    ],
+)
 def test_ordinary_specs_pass_the_limits(spec: dict) -> None:
     check_spec(*StructuredOutputs(**spec).key())
 

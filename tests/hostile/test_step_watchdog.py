@@ -80,11 +80,15 @@ def test_a_spinning_step_is_reported_broken_and_its_request_ended() -> None:
             async for _ in hostile:
                 pass
         await asyncio.wait_for(reader, 10)
-        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 300  # resumed, nothing lost
+        assert (
+            outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 300
+        )  # resumed, nothing lost
         assert engine.ready and engine.stalled is None and not builds
         # While the step was stuck, /health's check said so (a 503 with the reason).
         why, health = engine.reports[0]
-        assert "limit is 0.5 s" in why and health is not None and "stuck" in health and why in health
+        assert (
+            "limit is 0.5 s" in why and health is not None and "stuck" in health and why in health
+        )
         await engine.stop()
 
     _run(main())
@@ -125,6 +129,7 @@ class WaitingEngine(FakeEngine):
 def test_a_step_that_waits_without_spinning_is_not_broken() -> None:
     """The limit counts the engine thread's CPU time: on the 2-core box a burst of 4,000
     requests kept a healthy step waiting past 30 s of wall time, and 206 requests were ended."""
+
     async def main() -> None:
         builds = [WaitingEngine(1.0)]
         engine = AsyncEngine(lambda: builds.pop(0), step_timeout_s=0.4)
@@ -132,7 +137,9 @@ def test_a_step_that_waits_without_spinning_is_not_broken() -> None:
         await engine.wait_ready()
         stream = await engine.add_request("patient", [5, 6], SamplingParams(max_tokens=4))
         outs = [out async for out in stream]
-        assert outs[-1].finished and outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 4
+        assert (
+            outs[-1].finished and outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 4
+        )
         assert engine.stalled is None and not builds
         await engine.stop()
 

@@ -18,7 +18,9 @@ def test_a_duplicate_id_leaves_the_first_generation_running() -> None:
     app = build_app(engine, ServerConfig(model_name="fake", hosts=HostPolicy.build("testserver")))
     with TestClient(app) as client, client.websocket_connect("/v1/chat/ws") as ws:
         for mid in ("a", 1):
-            ws.send_json({"type": "chat", "id": mid, "messages": CHAT, "params": {"max_tokens": 30}})
+            ws.send_json(
+                {"type": "chat", "id": mid, "messages": CHAT, "params": {"max_tokens": 30}}
+            )
             first = ws.receive_json()
             assert first["type"] == "delta" and first["id"] == mid
             ws.send_json({"type": "chat", "id": mid, "messages": CHAT, "params": {"max_tokens": 3}})

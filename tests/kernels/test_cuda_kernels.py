@@ -203,7 +203,15 @@ def attention_case(
     if unroll is not None:
         extra["unroll"] = unroll
     cuda_ops.paged_attention_decode(
-        query, key, value, tables, lens, scale, max(context_lens), partition_size, out=out,
+        query,
+        key,
+        value,
+        tables,
+        lens,
+        scale,
+        max(context_lens),
+        partition_size,
+        out=out,
         variant=cuda_ops.DecodeVariant(**extra),
     )
     ref = reference(query, key, value, tables, lens, scale)
@@ -245,7 +253,15 @@ def test_paged_attention_decode_new_block_sizes(block: int, shape) -> None:
     lens = [1, block, block + 1, p - 1, p + 1, 2 * p + block + 3, 5000]
     lens += torch.randint(1, 1500, (3,), generator=rng).tolist()
     err = attention_case(
-        dtype, head, block, group, lens, partition, seed, fused_merge=fused, kernel=kernel,
+        dtype,
+        head,
+        block,
+        group,
+        lens,
+        partition,
+        seed,
+        fused_merge=fused,
+        kernel=kernel,
         pool_blocks=max(64, 16384 // block),
     )
     assert err <= TOLERANCE[dtype], f"partition {partition}: relative error {err:.2e}"

@@ -24,7 +24,10 @@ SUBNORMAL_HALF_STEP = 2.0**-10
 @pytest.mark.parametrize("scale", [1.0, 0.25, 3.0])
 def test_round_trip_error_bounds(scale: float) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(100_000, generator=gen) * torch.logspace(-3, 2, 100_000)[torch.randperm(100_000, generator=gen)]
+    x = (
+        torch.randn(100_000, generator=gen)
+        * torch.logspace(-3, 2, 100_000)[torch.randperm(100_000, generator=gen)]
+    )
     x = x.clamp(-FP8_MAX * scale, FP8_MAX * scale)
     q = quantize(x, scale)
     assert q.dtype == FP8_DTYPE and q.element_size() == 1
@@ -72,8 +75,12 @@ def test_reshape_and_cache_quantizes_with_the_layer_scales() -> None:
         if slot < 0:
             continue
         blk, off = divmod(slot, 4)
-        assert torch.equal(kc[blk, :, off].view(torch.uint8), quantize(key[t], 0.5).view(torch.uint8))
-        assert torch.equal(vc[blk, :, off].view(torch.uint8), quantize(value[t], 2.0).view(torch.uint8))
+        assert torch.equal(
+            kc[blk, :, off].view(torch.uint8), quantize(key[t], 0.5).view(torch.uint8)
+        )
+        assert torch.equal(
+            vc[blk, :, off].view(torch.uint8), quantize(value[t], 2.0).view(torch.uint8)
+        )
     written = {divmod(s, 4) for s in (0, 5, 17, 31)}
     untouched = [(b, o) for b in range(8) for o in range(4) if (b, o) not in written]
     assert all(not kc[b, :, o].float().any() for b, o in untouched)  # the -1 slot wrote nothing
@@ -157,7 +164,9 @@ def test_copy_and_swap_move_fp8_bytes_as_they_are() -> None:
 # --- sizing and the engine ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("model_dtype", "ratio"), [(torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)])
+@pytest.mark.parametrize(
+    ("model_dtype", "ratio"), [(torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)]
+)
 def test_fp8_block_is_one_byte_per_element(model_dtype, ratio) -> None:
     for name in ("fp8", "fp8_e4m3"):
         assert kv_cache_torch_dtype(name, model_dtype) == FP8_DTYPE
@@ -220,7 +229,10 @@ def test_engine_pool_is_fp8_with_more_blocks(engines) -> None:
     pool = fp8.engine.executor.worker.cache.device_pool
     assert pool.dtype == FP8_DTYPE
     assert auto.engine.executor.worker.cache.device_pool.dtype == torch.float32
-    n_auto, n_fp8 = auto.engine.block_manager.device.num_blocks, fp8.engine.block_manager.device.num_blocks
+    n_auto, n_fp8 = (
+        auto.engine.block_manager.device.num_blocks,
+        fp8.engine.block_manager.device.num_blocks,
+    )
     assert abs(n_fp8 - 4 * n_auto) < 4, (n_auto, n_fp8)  # 4 bytes -> 1, up to floor rounding
 
 
@@ -233,7 +245,9 @@ def _check_agreement(auto, fp8, max_gap: float) -> None:
     ref_ids = [list(o.outputs[0].token_ids) for o in ref]
     # Free-running (the decode path): where the fp8 run leaves the default's text, the
     # default's token is a near tie under fp8 too, its runner-up within max_gap nats.
-    free = fp8.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5), use_tqdm=False)
+    free = fp8.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, logprobs=5), use_tqdm=False
+    )
     for out, r in zip(free, ref_ids):
         got = out.outputs[0]
         d = _first_difference(got.token_ids, r)
@@ -266,7 +280,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+    return (
+        (out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)
+    ).item()
 
 
 @cuda
@@ -357,8 +373,14 @@ def test_engine_swap_preemption_keeps_fp8_outputs(engines, make_llm) -> None:
     # A pool too small for the batch: sequences are swapped out and back in, and since a swap
     # moves the fp8 bytes as they are, greedy outputs equal the unpreempted fp8 run's.
     _, roomy = engines
-    tight = make_llm(device="cpu", kv_cache_dtype="fp8", block_size=8, num_kv_blocks=20,
-                     num_swap_blocks=40, preemption_mode="swap")
+    tight = make_llm(
+        device="cpu",
+        kv_cache_dtype="fp8",
+        block_size=8,
+        num_kv_blocks=20,
+        num_swap_blocks=40,
+        preemption_mode="swap",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params, use_tqdm=False)]
     before = tight.stats()["num_preemptions"]

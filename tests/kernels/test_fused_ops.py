@@ -109,7 +109,12 @@ def test_layers_run_the_references_off_the_gpu(monkeypatch):
     out, r = norm(x.clone(), res.clone())
     assert r.data_ptr() != res.data_ptr() and torch.equal(r, res + x)
     LayerNorm(32, 1e-5)(x.clone(), res.clone())
-    assert calls == ["rms_norm_ref", "fused_add_rms_norm_ref", "rms_norm_ref", "fused_add_layer_norm_ref"]
+    assert calls == [
+        "rms_norm_ref",
+        "fused_add_rms_norm_ref",
+        "rms_norm_ref",
+        "fused_add_layer_norm_ref",
+    ]
 
 
 # -- compile only (CI): every variant for both architectures --------------------------------
@@ -137,7 +142,9 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
 
 def _strided(t: torch.Tensor, extra: int) -> torch.Tensor:
     """The same values as rows of a wider buffer (row stride > width), the rest NaN."""
-    wide = torch.full((t.shape[0], t.shape[1] + extra), float("nan"), dtype=t.dtype, device=t.device)
+    wide = torch.full(
+        (t.shape[0], t.shape[1] + extra), float("nan"), dtype=t.dtype, device=t.device
+    )
     wide[:, : t.shape[1]] = t
     return wide[:, : t.shape[1]]
 
@@ -201,7 +208,9 @@ def test_rotary_kernel_in_place(dtype, head, q_heads, k_heads):
 
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,inter,extra", [(1, 14336, 0), (64, 1536, 0), (7, 100, 0), (5, 512, 3)])
+@pytest.mark.parametrize(
+    "tokens,inter,extra", [(1, 14336, 0), (64, 1536, 0), (7, 100, 0), (5, 512, 3)]
+)
 def test_silu_and_mul_kernel(dtype, tokens, inter, extra):
     x = _strided(_rows(tokens, 2 * inter, dtype, "cuda", 9), extra)
     _close(fused.silu_and_mul(x), fused.silu_and_mul_ref(x), dtype)
@@ -219,15 +228,34 @@ def test_models_with_kernels_equal_references(arch, tmp_path, monkeypatch):
     from tests.models.hf_tiny import save_tiny
 
     config = (
-        LlamaConfig(vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+        LlamaConfig(
+            vocab_size=500,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
         if arch == "llama"
-        else OPTConfig(vocab_size=500, hidden_size=256, ffn_dim=512, num_hidden_layers=2,
-                       num_attention_heads=4, word_embed_proj_dim=256)
+        else OPTConfig(
+            vocab_size=500,
+            hidden_size=256,
+            ffn_dim=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=256,
+        )
     )
     save_tiny(config, tmp_path)
-    llm = LLM(str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=64, num_swap_blocks=0,
-              enforce_eager=True)
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=64,
+        num_swap_blocks=0,
+        enforce_eager=True,
+    )
     worker = llm.engine.executor.worker
     runner, kv = worker.runner, worker.cache.device_cache
     prompt = SeqInput(0, list(range(3, 40)), 0, [0, 1, 2], SampleRequest())
@@ -235,7 +263,9 @@ def test_models_with_kernels_equal_references(arch, tmp_path, monkeypatch):
 
     def logits() -> list[torch.Tensor]:
         with torch.inference_mode():
-            return [worker.model.compute_logits(runner.forward([s], kv)[0]) for s in (prompt, decode)]
+            return [
+                worker.model.compute_logits(runner.forward([s], kv)[0]) for s in (prompt, decode)
+            ]
 
     with_kernels = logits()
     monkeypatch.setattr(fused, "_kernel_ok", lambda *tensors: False)

@@ -36,7 +36,10 @@ def test_cpu_dispatch_runs_the_references(bias):
     x, w = _rand(1, 64, seed=1), _rand(48, 64, seed=2)
     b = _rand(48, seed=3) if bias else None
     assert torch.equal(gemv.linear(x, w, b), F.linear(x, w, b))
-    assert torch.equal(gemv.linear_silu_and_mul(x, w, b), F.silu(F.linear(x, w, b)[:, :24]) * F.linear(x, w, b)[:, 24:])
+    assert torch.equal(
+        gemv.linear_silu_and_mul(x, w, b),
+        F.silu(F.linear(x, w, b)[:, :24]) * F.linear(x, w, b)[:, 24:],
+    )
 
 
 def test_parallel_linear_silu_and_mul_equals_unfused():
@@ -74,10 +77,16 @@ def test_pdl_kernels_compile_with_their_waits(tmp_path, monkeypatch):
 
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
     names = gemv_cuda.gemv_names("__nv_bfloat16", gemv.DEFAULT.unroll)[:1]
+
     def ptx(arch: int) -> str:
-        opts = [f"--gpu-architecture=compute_{arch}", *nvrtc._BASE_OPTIONS,
-                *(f"-I{d}" for d in (str(nvrtc.KERNELS_DIR), *nvrtc.cuda_include_dirs()))]
-        return nvrtc._compile(gemv_cuda.GEMV_SOURCE, names, opts, False).image.decode(errors="replace")
+        opts = [
+            f"--gpu-architecture=compute_{arch}",
+            *nvrtc._BASE_OPTIONS,
+            *(f"-I{d}" for d in (str(nvrtc.KERNELS_DIR), *nvrtc.cuda_include_dirs())),
+        ]
+        return nvrtc._compile(gemv_cuda.GEMV_SOURCE, names, opts, False).image.decode(
+            errors="replace"
+        )
 
     text = ptx(90)
     assert "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text
@@ -107,7 +116,10 @@ SHAPES = [(1, 1024, 4096), (2, 777, 4096), (3, 96, 14336), (4, 33, 264), (1, 5, 
 def test_gemv_against_fp64_and_cublas(dtype, m, n, k, bias, config):
     from streamkv.kernels import gemv_cuda
 
-    x, w = _rand(m, k, dtype=dtype, device="cuda", seed=m + n), _rand(n, k, dtype=dtype, device="cuda", seed=k)
+    x, w = (
+        _rand(m, k, dtype=dtype, device="cuda", seed=m + n),
+        _rand(n, k, dtype=dtype, device="cuda", seed=k),
+    )
     b = _rand(n, dtype=dtype, device="cuda", seed=7) if bias else None
     out = gemv_cuda.gemv(x, w, b, silu=False, config=config, out=_poisoned(m, n, dtype))
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -123,12 +135,17 @@ def test_gemv_against_fp64_and_cublas(dtype, m, n, k, bias, config):
 def test_gemv_silu_pairs_equal_plain_then_silu_kernel(dtype, m, n, k, bias, config):
     from streamkv.kernels import gemv_cuda
 
-    x, w = _rand(m, k, dtype=dtype, device="cuda", seed=n), _rand(2 * n, k, dtype=dtype, device="cuda", seed=k + 1)
+    x, w = (
+        _rand(m, k, dtype=dtype, device="cuda", seed=n),
+        _rand(2 * n, k, dtype=dtype, device="cuda", seed=k + 1),
+    )
     b = _rand(2 * n, dtype=dtype, device="cuda", seed=8) if bias else None
     fused_out = gemv_cuda.gemv(x, w, b, silu=True, config=config, out=_poisoned(m, n, dtype))
     plain = gemv_cuda.gemv(x, w, b, silu=False, config=config)
     assert torch.equal(fused_out, fused.silu_and_mul(plain))
-    ref = fused.silu_and_mul_ref(F.linear(x.double(), w.double(), None if b is None else b.double()))
+    ref = fused.silu_and_mul_ref(
+        F.linear(x.double(), w.double(), None if b is None else b.double())
+    )
     assert _rel(fused_out, ref) < 1e-2
 
 
@@ -143,7 +160,9 @@ def test_rows_do_not_depend_on_their_batch(dtype, config):
     wide = _rand(4, 4096 + 64, dtype=dtype, device="cuda", seed=11)
     x = wide[:, :4096]
     w = _rand(3000, 4096, dtype=dtype, device="cuda", seed=12)
-    alone = torch.cat([gemv_cuda.gemv(x[i : i + 1], w, None, silu=False, config=config) for i in range(4)])
+    alone = torch.cat(
+        [gemv_cuda.gemv(x[i : i + 1], w, None, silu=False, config=config) for i in range(4)]
+    )
     for m in (2, 3, 4):
         assert torch.equal(gemv_cuda.gemv(x[:m], w, None, silu=False, config=config), alone[:m])
 
@@ -152,7 +171,10 @@ def test_rows_do_not_depend_on_their_batch(dtype, config):
 def test_dispatch_on_cuda():
     # Kernel for 1..max_rows rows of a supported layout; cuBLAS for the rest (fp32, more rows,
     # a k that is no whole number of vectors), with its exact result.
-    x, w = _rand(6, 4096, dtype=torch.bfloat16, device="cuda"), _rand(256, 4096, dtype=torch.bfloat16, device="cuda")
+    x, w = (
+        _rand(6, 4096, dtype=torch.bfloat16, device="cuda"),
+        _rand(256, 4096, dtype=torch.bfloat16, device="cuda"),
+    )
     assert torch.equal(gemv.linear(x, w), F.linear(x, w))  # 6 rows > max_rows
     assert torch.equal(gemv.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
     odd_x, odd_w = x[:1, :4092], _rand(256, 4092, dtype=torch.bfloat16, device="cuda")
@@ -212,10 +234,26 @@ def test_tiny_llama_bf16_with_and_without_the_gemv(tmp_path, monkeypatch):
     from streamkv.worker.input_batch import SampleRequest, SeqInput
     from tests.models.hf_tiny import save_tiny
 
-    save_tiny(LlamaConfig(vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64), tmp_path)
-    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", num_kv_blocks=64, num_swap_blocks=0,
-              enforce_eager=True)
+    save_tiny(
+        LlamaConfig(
+            vocab_size=500,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        ),
+        tmp_path,
+    )
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        num_swap_blocks=0,
+        enforce_eager=True,
+    )
     worker = llm.engine.executor.worker
     runner, kv = worker.runner, worker.cache.device_cache
     prompt = SeqInput(0, list(range(3, 40)), 0, [0, 1, 2], SampleRequest())
@@ -224,7 +262,9 @@ def test_tiny_llama_bf16_with_and_without_the_gemv(tmp_path, monkeypatch):
 
     calls = []
     real = gemv_cuda.gemv
-    monkeypatch.setattr(gemv_cuda, "gemv", lambda *a, **kw: calls.append(kw["silu"]) or real(*a, **kw))
+    monkeypatch.setattr(
+        gemv_cuda, "gemv", lambda *a, **kw: calls.append(kw["silu"]) or real(*a, **kw)
+    )
 
     def logits() -> torch.Tensor:
         with torch.inference_mode():

@@ -54,7 +54,10 @@ def test_fp8_cache_attention_variants_compile(dtype: str, arch: int, fresh_cache
     # addresses rows (the default programs compile every one of them).
     from streamkv.kernels.fp8 import FP8_CUDA_NAME
 
-    jobs = [cuda_ops.attention_names(dtype, head, 16, cache=FP8_CUDA_NAME) for head in cuda_ops.HEAD_SIZES]
+    jobs = [
+        cuda_ops.attention_names(dtype, head, 16, cache=FP8_CUDA_NAME)
+        for head in cuda_ops.HEAD_SIZES
+    ]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(
             pool.map(

@@ -52,6 +52,7 @@ def test_tail_of_a_second_wave_is_avoided() -> None:
     # tokens (1024 CTAs) are taken even for the tensor-core kernel.
     assert choose(3, 64 * 8, 1024, 2) == 512
 
+
 def test_kernel_choice() -> None:
     # Tensor cores for fp16 / bf16, head sizes that are multiples of 64, 2+ heads per CTA.
     assert decode_variants.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
@@ -67,6 +68,7 @@ def test_kernel_choice() -> None:
     with pytest.raises(ValueError, match="decode kernel"):
         decode_variants.resolve_kernel("three_pass", "__half", 128)
 
+
 @pytest.mark.parametrize("block", decode_variants.BLOCK_SIZES)
 def test_partition_holds_whole_blocks_at_every_block_size(block: int) -> None:
     # One sequence never fills the GPU, so the rule falls to its shortest allowed partition:
@@ -74,6 +76,7 @@ def test_partition_holds_whole_blocks_at_every_block_size(block: int) -> None:
     got = choose(4, 8, 1024, 2, block)
     assert got % block == 0
     assert got == max(128, block)
+
 
 @pytest.mark.parametrize("block", [0, 3, 12, 48, 512, 1024])
 def test_decode_refuses_other_block_sizes(block: int) -> None:

@@ -254,8 +254,11 @@ def _step_case(device: str, dtype: torch.dtype, block: int = 8):
         table = torch.tensor(s.block_table)
         slots = (table[pos // block] * block + pos % block).to(device)
         ops.reshape_and_cache(
-            full_k[s.seq_id][: s.start_pos].to(device, dtype), full_v[s.seq_id][: s.start_pos].to(device, dtype),
-            key_cache, value_cache, slots,
+            full_k[s.seq_id][: s.start_pos].to(device, dtype),
+            full_v[s.seq_id][: s.start_pos].to(device, dtype),
+            key_cache,
+            value_cache,
+            slots,
         )
     q_rows, k_rows, v_rows, want = [], [], [], []
     for s in ordered:
@@ -268,8 +271,12 @@ def _step_case(device: str, dtype: torch.dtype, block: int = 8):
         scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(4, 1)) / 8
         rows = torch.arange(new)[:, None] + s.start_pos
         scores.masked_fill_(torch.arange(len(k))[None, :] > rows, -math.inf)
-        want.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double().repeat_interleave(4, 1)))
-    assert positions.tolist() == [p for s in ordered for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+        want.append(
+            torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double().repeat_interleave(4, 1))
+        )
+    assert positions.tolist() == [
+        p for s in ordered for p in range(s.start_pos, s.start_pos + len(s.token_ids))
+    ]
     layer = PagedAttention(heads, kv_heads, head, 1 / 8)
     cat = [torch.cat(x).to(device, dtype) for x in (q_rows, k_rows, v_rows)]
     return layer, *cat, (key_cache, value_cache), meta, torch.cat(want).to(device)
@@ -288,7 +295,10 @@ def test_step_metadata_is_one_varlen_call() -> None:
 
 @pytest.mark.parametrize(
     "device,dtype",
-    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=[pytest.mark.cuda, needs_cuda])],
+    [
+        ("cpu", torch.float32),
+        pytest.param("cuda", torch.bfloat16, marks=[pytest.mark.cuda, needs_cuda]),
+    ],
 )
 def test_layer_mixed_step_matches_float64(device: str, dtype: torch.dtype) -> None:
     layer, q, k, v, caches, meta, want = _step_case(device, dtype)

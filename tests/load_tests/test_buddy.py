@@ -17,7 +17,10 @@ def test_a_pool_is_its_binary_digits_and_sizes_round_up_aligned():
     assert (a.num_free, a.largest_free, a.num_holes) == (13, 8, 3)
     r3 = a.allocate(3)  # 3 -> 4 blocks: the free 4-block at 8, no split needed
     assert (r3.start, r3.num_blocks) == (8, 4)
-    assert (a.allocate(1).start, a.allocate(4).start) == (12, 0)  # the 1-root; the 8 split in halves
+    assert (a.allocate(1).start, a.allocate(4).start) == (
+        12,
+        0,
+    )  # the 1-root; the 8 split in halves
     r1 = a.allocate(1)  # [4, 8) split down to [4, 5); [5, 6) and [6, 8) stay free
     assert (r1.start, r1.num_blocks) == (4, 1)
     assert (a.num_free, a.largest_free) == (3, 2)
@@ -88,20 +91,66 @@ def test_the_simulated_oracle_runs_on_it(tmp_path):
 
     rng = random.Random(1)  # Alpaca-like lengths, as token ids: no data set, no tokenizer
     workload = tmp_path / "requests.json"
-    workload.write_text(json.dumps([{"prompt_ids": [rng.randrange(1000, 5000) for _ in range(rng.randint(8, 40))],
-                                     "output_len": rng.randint(8, 90)} for _ in range(120)]))
+    workload.write_text(
+        json.dumps(
+            [
+                {
+                    "prompt_ids": [rng.randrange(1000, 5000) for _ in range(rng.randint(8, 40))],
+                    "output_len": rng.randint(8, 90),
+                }
+                for _ in range(120)
+            ]
+        )
+    )
     out = {}
     for alloc in ("first-fit", "buddy"):
         path = tmp_path / f"{alloc}.json"
-        assert main(["--backend", "offline", "--simulate", "--num-kv-blocks", "200", "--num-swap-blocks", "0",
-                     "--max-model-len", "1024", "--no-enable-prefix-caching", "--kv-allocation", "orca-oracle",
-                     "--orca-allocator", alloc, "--workload-file", str(workload), "--num-requests", "120",
-                     "--request-rate", "200", "--disable-tqdm", "--json-out", str(path)]) == 0
+        assert (
+            main(
+                [
+                    "--backend",
+                    "offline",
+                    "--simulate",
+                    "--num-kv-blocks",
+                    "200",
+                    "--num-swap-blocks",
+                    "0",
+                    "--max-model-len",
+                    "1024",
+                    "--no-enable-prefix-caching",
+                    "--kv-allocation",
+                    "orca-oracle",
+                    "--orca-allocator",
+                    alloc,
+                    "--workload-file",
+                    str(workload),
+                    "--num-requests",
+                    "120",
+                    "--request-rate",
+                    "200",
+                    "--disable-tqdm",
+                    "--json-out",
+                    str(path),
+                ]
+            )
+            == 0
+        )
         out[alloc] = json.loads(path.read_text())["runs"][0]
     ff, bd = out["first-fit"], out["buddy"]
     assert bd["summary"]["completed"] == ff["summary"]["completed"] == 120
     assert bd["kv"]["shares"]["internal"] > ff["kv"]["shares"]["internal"] + 0.1
     assert bd["kv"]["avg_batched_requests"] < ff["kv"]["avg_batched_requests"]
     with pytest.raises(SystemExit, match="paged has none"):
-        main(["--backend", "offline", "--simulate", "--num-kv-blocks", "200", "--orca-allocator", "buddy",
-              "--json-out", str(tmp_path / "x.json")])
+        main(
+            [
+                "--backend",
+                "offline",
+                "--simulate",
+                "--num-kv-blocks",
+                "200",
+                "--orca-allocator",
+                "buddy",
+                "--json-out",
+                str(tmp_path / "x.json"),
+            ]
+        )

@@ -23,7 +23,11 @@ def record(i: int, scheduled: float, end: float | None) -> RequestRecord:
 def test_completed_req_s_reads_the_steady_rate_not_the_ramp_or_drain():
     # 100 requests all at once; the first 10 take 10 s to come out (a ramp), then one every
     # 0.2 s (5 req/s), then the last 10 in a slow drain.
-    ends = [1.0 * i for i in range(10)] + [10 + 0.2 * i for i in range(80)] + [30 + 5.0 * i for i in range(10)]
+    ends = (
+        [1.0 * i for i in range(10)]
+        + [10 + 0.2 * i for i in range(80)]
+        + [30 + 5.0 * i for i in range(10)]
+    )
     recs = [record(i, 0.01 * i, e) for i, e in enumerate(ends)]
     assert completed_req_s(recs) == pytest.approx(5.0)
     assert figures(recs)["overloaded"]  # offered 100 req/s
@@ -36,7 +40,9 @@ def test_completed_req_s_skips_unfinished_and_needs_ten():
 
 
 def step(contexts: list[int], computed: list[int]) -> StepInput:
-    return StepInput(seqs=[SeqStep(i, [1] * c, n - c) for i, (n, c) in enumerate(zip(contexts, computed))])
+    return StepInput(
+        seqs=[SeqStep(i, [1] * c, n - c) for i, (n, c) in enumerate(zip(contexts, computed))]
+    )
 
 
 def test_recorder_pairs_a_call_with_the_steps_submitted_in_it():
@@ -67,7 +73,9 @@ def test_recorder_memory_is_bounded_and_counts_every_step():
     assert np.mean([r.context for r in rec.kept]) == pytest.approx(2500, rel=0.3)
 
 
-def synthetic(n: int, base_ms, token_ms, kv_us, block_us, seed=0, vary_blocks=False) -> list[StepRecord]:
+def synthetic(
+    n: int, base_ms, token_ms, kv_us, block_us, seed=0, vary_blocks=False
+) -> list[StepRecord]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -98,7 +106,9 @@ def test_fit_with_the_block_term_fixed_or_fitted():
     assert (fixed.base_ms, fixed.per_kv_token_us) == pytest.approx((8.0, 0.2), rel=0.05)
     # Leaving out a real per-block cost shows as a worse fit, not a silent one.
     assert fit_step_cost(recs, block_us=0.0).per_kv_token_us > 0.25
-    free = fit_step_cost(synthetic(2000, 8.0, 0.04, 0.2, 1.5, seed=3, vary_blocks=True), fit_blocks=True)
+    free = fit_step_cost(
+        synthetic(2000, 8.0, 0.04, 0.2, 1.5, seed=3, vary_blocks=True), fit_blocks=True
+    )
     assert free.per_block_us == pytest.approx(1.5, rel=0.05)
     assert free.per_kv_token_us == pytest.approx(0.2, rel=0.05)
 
@@ -114,20 +124,64 @@ def test_simulated_capacity_point_end_to_end(tmp_path):
     from load_tests import bench
     from load_tests.fit_steps import load_records
 
-    argv = ["--backend", "offline", "--simulate", "--model", "opt-13b", "--num-kv-blocks", "200",
-            "--num-swap-blocks", "0", "--block-size", "16", "--max-model-len", "2048", "--no-enable-prefix-caching",
-            "--disable-tqdm", "--workload", "alpaca", "--num-requests", "60", "--request-rate", "200",
-            "--sim-base-ms", "12", "--sim-token-ms", "0.05", "--sim-kv-us", "0.4", "--sim-block-us", "2",
-            "--record-steps", "300", "--point-dir", str(tmp_path / "h200"), "--figure", "12",
-            "--json-out", str(tmp_path / "sweep.json")]
+    argv = [
+        "--backend",
+        "offline",
+        "--simulate",
+        "--model",
+        "opt-13b",
+        "--num-kv-blocks",
+        "200",
+        "--num-swap-blocks",
+        "0",
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "2048",
+        "--no-enable-prefix-caching",
+        "--disable-tqdm",
+        "--workload",
+        "alpaca",
+        "--num-requests",
+        "60",
+        "--request-rate",
+        "200",
+        "--sim-base-ms",
+        "12",
+        "--sim-token-ms",
+        "0.05",
+        "--sim-kv-us",
+        "0.4",
+        "--sim-block-us",
+        "2",
+        "--record-steps",
+        "300",
+        "--point-dir",
+        str(tmp_path / "h200"),
+        "--figure",
+        "12",
+        "--json-out",
+        str(tmp_path / "sweep.json"),
+    ]
     assert bench.main(argv) == 0
     (path,) = (tmp_path / "h200").iterdir()
     point = json.loads(path.read_text())
-    for key in ("figure", "system", "workload", "num_requests", "request_rate", "completed_req_s",
-                "normalized_latency_s_per_token", "device", "steps"):
+    for key in (
+        "figure",
+        "system",
+        "workload",
+        "num_requests",
+        "request_rate",
+        "completed_req_s",
+        "normalized_latency_s_per_token",
+        "device",
+        "steps",
+    ):
         assert point[key] is not None, key
     assert (point["system"], point["workload"], point["num_requests"]) == ("paged", "alpaca", 60)
     assert point["overloaded"] and point["completed_req_s"] < point["offered_req_s"]
     assert point["steps"]["steps"] >= len(point["steps"]["rows"]) > 10
     fit = fit_step_cost(load_records(str(path)), block_us=2.0)
-    assert (fit.base_ms, fit.per_token_ms, fit.per_kv_token_us) == pytest.approx((12, 0.05, 0.4), rel=1e-3)
+    assert (fit.base_ms, fit.per_token_ms, fit.per_kv_token_us) == pytest.approx(
+        (12, 0.05, 0.4), rel=1e-3
+    )

@@ -30,7 +30,9 @@ def test_guidellm_figures_from_a_recorded_report():
 
 
 def _record(i: int, scheduled: float, sent: float, chunks: list[float]) -> RequestRecord:
-    rec = RequestRecord(i, prompt_len=4, output_len=len(chunks), n=1, scheduled=scheduled, sent=sent)
+    rec = RequestRecord(
+        i, prompt_len=4, output_len=len(chunks), n=1, scheduled=scheduled, sent=sent
+    )
     rec.chunk_times, rec.end, rec.output_tokens = chunks, chunks[-1] + 0.01, len(chunks)
     return rec
 
@@ -49,9 +51,17 @@ def test_harness_figures_under_both_definitions():
 
 
 def test_compare_takes_each_clients_median_and_pair_ratios():
-    runs = [{"client": c, **{m: v for m in cs.METRICS}}
-            for c, v in (("guidellm", 100.0), ("harness", 105.0), ("guidellm", 200.0), ("harness", 180.0),
-                         ("guidellm", 110.0), ("harness", 110.0))]
+    runs = [
+        {"client": c, **{m: v for m in cs.METRICS}}
+        for c, v in (
+            ("guidellm", 100.0),
+            ("harness", 105.0),
+            ("guidellm", 200.0),
+            ("harness", 180.0),
+            ("guidellm", 110.0),
+            ("harness", 110.0),
+        )
+    ]
     s = cs.compare(runs)["ttft_ms"]
     assert (s["guidellm"], s["harness"]) == (110.0, 110.0)
     assert s["ratio"] == pytest.approx(1.0)
@@ -83,16 +93,26 @@ def test_pooled_ratio_interval_and_run_spread():
     # Ours reads 10% above GuideLLM in every run; GuideLLM's second run is 20% slower than its first.
     g = [[100.0 + i for i in range(20)], [120.0 + i for i in range(20)]]
     runs = [{"client": "guidellm", "ttft_sent_values": v, "itl_per_request_values": v} for v in g]
-    runs += [{"client": "harness", "ttft_sent_values": [1.1 * x for x in v],
-              "itl_per_request_values": [1.1 * x for x in v]} for v in g]
+    runs += [
+        {
+            "client": "harness",
+            "ttft_sent_values": [1.1 * x for x in v],
+            "itl_per_request_values": [1.1 * x for x in v],
+        }
+        for v in g
+    ]
     p = cs.pooled(runs)["ttft_sent"]
     assert p["ratio"] == pytest.approx(1.1)
     assert p["ci95"][0] < 1.1 < p["ci95"][1] and p["ci95"][1] - p["ci95"][0] < 0.3
     assert p["requests"] == {"guidellm": 40, "harness": 40}
     assert p["run_spread"]["guidellm"] == pytest.approx(129.5 / 109.5)
     # An interval that excludes 1 for clients that differ by more than the noise.
-    shifted = [{**r, "ttft_sent_values": [2 * x for x in r["ttft_sent_values"]]} if r["client"] == "harness" else r
-               for r in runs]
+    shifted = [
+        {**r, "ttft_sent_values": [2 * x for x in r["ttft_sent_values"]]}
+        if r["client"] == "harness"
+        else r
+        for r in runs
+    ]
     lo, hi = cs.pooled(shifted)["ttft_sent"]["ci95"]
     assert lo > 1.5
     assert "ttft_sent" in cs.format_pooled(cs.pooled(runs))
@@ -100,13 +120,22 @@ def test_pooled_ratio_interval_and_run_spread():
 
 def test_saved_runs_are_summarized_across_files(tmp_path, capsys):
     def run(client, pair, value):
-        return {"client": client, "pair": pair, **{m: value for m in cs.METRICS},
-                "ttft_sent_values": [value] * 3, "itl_per_request_values": [value] * 3}
+        return {
+            "client": client,
+            "pair": pair,
+            **{m: value for m in cs.METRICS},
+            "ttft_sent_values": [value] * 3,
+            "itl_per_request_values": [value] * 3,
+        }
 
     # File 1: pairs agree (1.0, 1.0); file 2: one pair straddles a change of load (2.0).
     files = []
     for i, pairs in enumerate([[(100, 100), (200, 200)], [(100, 100), (100, 200)]]):
-        runs = [r for p, (g, h) in enumerate(pairs) for r in (run("guidellm", p, g), run("harness", p, h))]
+        runs = [
+            r
+            for p, (g, h) in enumerate(pairs)
+            for r in (run("guidellm", p, g), run("harness", p, h))
+        ]
         path = tmp_path / f"c{i}.json"
         path.write_text(json.dumps({"load_average": [1.0, 1.0, 1.0], "runs": runs}))
         files.append(str(path))

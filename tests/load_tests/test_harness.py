@@ -18,8 +18,12 @@ from load_tests.workloads import BenchRequest
 
 def test_metrics_by_hand():
     # Arrives at 1.0; tokens delivered at 1.5 (first), 1.7, 2.1; 3 tokens.
-    a = RequestRecord(0, 10, 3, 1, scheduled=1.0, sent=1.0, chunk_times=[1.5, 1.7, 2.1], end=2.1, output_tokens=3)
-    b = RequestRecord(1, 20, 4, 2, scheduled=2.0, sent=2.01, chunk_times=[2.2, 3.0], end=3.0, output_tokens=8)
+    a = RequestRecord(
+        0, 10, 3, 1, scheduled=1.0, sent=1.0, chunk_times=[1.5, 1.7, 2.1], end=2.1, output_tokens=3
+    )
+    b = RequestRecord(
+        1, 20, 4, 2, scheduled=2.0, sent=2.01, chunk_times=[2.2, 3.0], end=3.0, output_tokens=8
+    )
     bad = RequestRecord(2, 5, 4, 1, scheduled=2.5, sent=2.5, end=2.6, error="HTTPError: boom")
     s = summarize([a, b, bad], duration=4.0, slo=parse_slo(["ttft:400"]))
     assert (s["completed"], s["errors"], s["incomplete"]) == (2, 1, 0)
@@ -32,7 +36,9 @@ def test_metrics_by_hand():
     assert s["goodput"] == pytest.approx(1 / 4.0)  # only b's TTFT (200 ms) meets 400 ms
     assert s["output_throughput"] == pytest.approx(11 / 4.0)
     assert s["send_lag_ms"]["p99"] == pytest.approx(10, abs=0.5)
-    text = format_summary({"label": "x", "request_rate": 1.0, "burstiness": 1.0, "summary": s, "kv": None})
+    text = format_summary(
+        {"label": "x", "request_rate": 1.0, "burstiness": 1.0, "summary": s, "kv": None}
+    )
     assert "Normalized latency (s/token):" in text and "HTTPError: boom" in text
 
 
@@ -69,24 +75,34 @@ def test_open_loop_keeps_up_with_400_requests_per_second():
 def test_time_limit_cancels_and_counts_incomplete():
     reqs = [BenchRequest([1], 4) for _ in range(20)]
     arrivals = [0.01 * i for i in range(20)]
-    records, duration = asyncio.run(run_open_loop(FakeDriver(tokens=1000, gap=0.01), reqs, arrivals, 0.3))
+    records, duration = asyncio.run(
+        run_open_loop(FakeDriver(tokens=1000, gap=0.01), reqs, arrivals, 0.3)
+    )
     s = summarize(records, duration)
     assert s["incomplete"] == 20 and s["completed"] == 0 and duration == pytest.approx(0.3, abs=0.2)
 
 
 def test_kv_window_from_two_scrapes():
     def scrape(samples, tok, batched, steps):
-        return "\n".join([
-            f'streamkv:kv_memory_share_sum_total{{model_name="m",kind="token",kv_allocation="orca-max"}} {tok}',
-            'streamkv:kv_memory_share_sum_total{model_name="m",kind="reserved",kv_allocation="orca-max"} 0.0',
-            'streamkv:kv_memory_share_sum_total{model_name="m",kind="internal",kv_allocation="orca-max"} 0.0',
-            'streamkv:kv_memory_share_sum_total{model_name="m",kind="external",kv_allocation="orca-max"} 0.0',
-            f'streamkv:kv_memory_samples_total{{model_name="m"}} {samples}',
-            f'streamkv:batched_requests_sum_total{{model_name="m"}} {batched}',
-            f'streamkv:batched_steps_total{{model_name="m"}} {steps}',
-        ])
-    w = window(snapshot_from_metrics(scrape(10, 2.0, 30, 10)), snapshot_from_metrics(scrape(14, 3.0, 70, 20)))
-    assert w["shares"]["token"] == pytest.approx(0.25) and w["avg_batched_requests"] == pytest.approx(4.0)
+        return "\n".join(
+            [
+                f'streamkv:kv_memory_share_sum_total{{model_name="m",kind="token",kv_allocation="orca-max"}} {tok}',
+                'streamkv:kv_memory_share_sum_total{model_name="m",kind="reserved",kv_allocation="orca-max"} 0.0',
+                'streamkv:kv_memory_share_sum_total{model_name="m",kind="internal",kv_allocation="orca-max"} 0.0',
+                'streamkv:kv_memory_share_sum_total{model_name="m",kind="external",kv_allocation="orca-max"} 0.0',
+                f'streamkv:kv_memory_samples_total{{model_name="m"}} {samples}',
+                f'streamkv:batched_requests_sum_total{{model_name="m"}} {batched}',
+                f'streamkv:batched_steps_total{{model_name="m"}} {steps}',
+            ]
+        )
+
+    w = window(
+        snapshot_from_metrics(scrape(10, 2.0, 30, 10)),
+        snapshot_from_metrics(scrape(14, 3.0, 70, 20)),
+    )
+    assert w["shares"]["token"] == pytest.approx(0.25) and w[
+        "avg_batched_requests"
+    ] == pytest.approx(4.0)
     assert w["kv_allocation"] == "orca-max"
     assert snapshot_from_metrics("streamkv:other 1") is None
 
@@ -101,17 +117,43 @@ def test_simulated_sweep_orders_the_systems(tmp_path):
     results = {}
     for alloc in ("paged", "orca-max", "ft-max"):
         out = tmp_path / f"{alloc}.json"
-        rc = main(["--backend", "offline", "--simulate", "--num-kv-blocks", "200", "--num-swap-blocks", "0",
-                   "--max-model-len", "1024", "--no-enable-prefix-caching", "--kv-allocation", alloc,
-                   "--workload", "alpaca", "--num-requests", "150", "--request-rate", "8", "--disable-tqdm",
-                   "--json-out", str(out)])
+        rc = main(
+            [
+                "--backend",
+                "offline",
+                "--simulate",
+                "--num-kv-blocks",
+                "200",
+                "--num-swap-blocks",
+                "0",
+                "--max-model-len",
+                "1024",
+                "--no-enable-prefix-caching",
+                "--kv-allocation",
+                alloc,
+                "--workload",
+                "alpaca",
+                "--num-requests",
+                "150",
+                "--request-rate",
+                "8",
+                "--disable-tqdm",
+                "--json-out",
+                str(out),
+            ]
+        )
         assert rc == 0
         import json
 
         results[alloc] = json.loads(out.read_text())["runs"][0]
     paged, orca = results["paged"], results["orca-max"]
     ft = results["ft-max"]
-    assert paged["summary"]["completed"] == orca["summary"]["completed"] == ft["summary"]["completed"] == 150
+    assert (
+        paged["summary"]["completed"]
+        == orca["summary"]["completed"]
+        == ft["summary"]["completed"]
+        == 150
+    )
     assert ft["kv"]["avg_batched_requests"] < orca["kv"]["avg_batched_requests"]
     assert paged["summary"]["normalized_latency_s"] < orca["summary"]["normalized_latency_s"]
     assert paged["kv"]["shares"]["token"] > 0.8 > 0.5 > orca["kv"]["shares"]["token"]
@@ -122,17 +164,32 @@ def test_simulated_sweep_orders_the_systems(tmp_path):
     for key in ("avg_batched_requests", "time_avg_batched_seqs"):
         assert 1 <= orca["kv"][key] <= 3
     assert 1 <= orca["kv"]["while_arriving"]["avg_batched_requests"] <= 3
-    assert orca["kv"]["while_arriving"]["samples"] < orca["kv"]["samples"]  # a window inside the run
+    assert (
+        orca["kv"]["while_arriving"]["samples"] < orca["kv"]["samples"]
+    )  # a window inside the run
 
 
 def test_plots_are_written(tmp_path):
     from load_tests.plot import main as plot_main
 
     def result(label, lat, token):
-        runs = [{"request_rate": r, "summary": {"normalized_latency_s": lat * r, "ttft_ms": {"p50": 1.0}},
-                 "kv": {"samples": 3, "avg_batched_requests": 2.0 * r,
-                        "shares": {"token": token, "reserved": 0.1, "internal": 0.9 - token, "external": 0.0}}}
-                for r in (1.0, 2.0, math.inf)]
+        runs = [
+            {
+                "request_rate": r,
+                "summary": {"normalized_latency_s": lat * r, "ttft_ms": {"p50": 1.0}},
+                "kv": {
+                    "samples": 3,
+                    "avg_batched_requests": 2.0 * r,
+                    "shares": {
+                        "token": token,
+                        "reserved": 0.1,
+                        "internal": 0.9 - token,
+                        "external": 0.0,
+                    },
+                },
+            }
+            for r in (1.0, 2.0, math.inf)
+        ]
         path = tmp_path / f"{label}.json"
         path.write_text(__import__("json").dumps({"label": label, "runs": runs}))
         return str(path)
@@ -159,10 +216,22 @@ def test_sustained_rate_interpolates_the_crossing():
     from load_tests.report import markdown_table, sustained_rate
 
     def res(label, lats):
-        return {"label": label, "runs": [{"request_rate": r, "summary": {"normalized_latency_s": y},
-                                          "kv": {"avg_batched_requests": 3.0, "shares": dict.fromkeys(
-                                              ("token", "reserved", "internal", "external"), 0.25)}}
-                                         for r, y in lats]}
+        return {
+            "label": label,
+            "runs": [
+                {
+                    "request_rate": r,
+                    "summary": {"normalized_latency_s": y},
+                    "kv": {
+                        "avg_batched_requests": 3.0,
+                        "shares": dict.fromkeys(
+                            ("token", "reserved", "internal", "external"), 0.25
+                        ),
+                    },
+                }
+                for r, y in lats
+            ],
+        }
 
     paged = res("paged", [(1, 0.1), (2, 0.3), (4, 0.9)])  # crosses 0.5 a third of the way to 4
     orca = res("orca", [(1, 0.2), (2, 1.5)])

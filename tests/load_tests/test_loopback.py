@@ -22,9 +22,27 @@ def server():
 @pytest.mark.parametrize("backend", ["openai", "websocket"])
 def test_short_run_against_the_server(server, backend, tmp_path):
     out = tmp_path / "run.json"
-    rc = main(["--backend", backend, "--url", server.url, "--workload", "alpaca", "--length-scale", "0.1",
-               "--num-requests", "4", "--request-rate", "8", "--max-duration", "120", "--disable-tqdm",
-               "--json-out", str(out)])
+    rc = main(
+        [
+            "--backend",
+            backend,
+            "--url",
+            server.url,
+            "--workload",
+            "alpaca",
+            "--length-scale",
+            "0.1",
+            "--num-requests",
+            "4",
+            "--request-rate",
+            "8",
+            "--max-duration",
+            "120",
+            "--disable-tqdm",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["label"] == "paged"  # read from the server's /metrics
@@ -42,9 +60,27 @@ def test_a_baseline_allocation_behind_the_server(tmp_path):
     split from /metrics."""
     out = tmp_path / "orca.json"
     with run_server("--no-enable-prefix-caching", "--kv-allocation", "orca-oracle") as s:
-        rc = main(["--backend", "openai", "--url", s.url, "--workload", "alpaca", "--length-scale", "0.1",
-                   "--num-requests", "3", "--request-rate", "8", "--max-duration", "120", "--disable-tqdm",
-                   "--json-out", str(out)])
+        rc = main(
+            [
+                "--backend",
+                "openai",
+                "--url",
+                s.url,
+                "--workload",
+                "alpaca",
+                "--length-scale",
+                "0.1",
+                "--num-requests",
+                "3",
+                "--request-rate",
+                "8",
+                "--max-duration",
+                "120",
+                "--disable-tqdm",
+                "--json-out",
+                str(out),
+            ]
+        )
         s.wait_idle()
     assert rc == 0
     result = json.loads(out.read_text())

@@ -11,8 +11,14 @@ from streamkv.messages import StepInput
 
 
 def test_a_swap_costs_its_blocks_each_way():
-    cost = StepCost(base_ms=20.0, per_token_ms=0.0, per_kv_token_us=0.0, swap_block_us=10.0,
-                    swap_token_us=30.0, block_size=16)
+    cost = StepCost(
+        base_ms=20.0,
+        per_token_ms=0.0,
+        per_kv_token_us=0.0,
+        swap_block_us=10.0,
+        swap_token_us=30.0,
+        block_size=16,
+    )
     idle = cost.seconds(StepInput())
     swapping = cost.seconds(StepInput(swap_out=[(0, 0), (1, 1)], swap_in=[(2, 5)]))
     assert swapping - idle == pytest.approx(3 * (10 + 16 * 30) / 1e6)
@@ -25,8 +31,14 @@ def test_reserve_common_prefix_on_the_simulated_engine():
     from streamkv.entrypoints.llm import engine_config
 
     clock = VirtualClock()
-    config = engine_config("opt-13b", block_size=16, num_kv_blocks=64, num_swap_blocks=0, max_model_len=2048,
-                           enable_prefix_caching=False)
+    config = engine_config(
+        "opt-13b",
+        block_size=16,
+        num_kv_blocks=64,
+        num_swap_blocks=0,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(config, SimulatedExecutor("opt-13b", 64, 0, StepCost(), clock))
     prefix = list(range(1000, 1040))  # 40 tokens: 2 whole blocks
     requests = [BenchRequest(prefix + [i, 5], 4) for i in range(3)]

@@ -14,8 +14,24 @@ from streamkv.bench.serve_client import Result, parse_goodput, summarize
 
 def test_summary_figures_and_goodput():
     results = [
-        Result(ok=True, prompt_len=10, output_tokens=11, ttft=0.5, latency=1.5, itl=[0.1] * 10, status=200),
-        Result(ok=True, prompt_len=20, output_tokens=5, ttft=2.0, latency=2.4, itl=[0.1] * 4, status=200),
+        Result(
+            ok=True,
+            prompt_len=10,
+            output_tokens=11,
+            ttft=0.5,
+            latency=1.5,
+            itl=[0.1] * 10,
+            status=200,
+        ),
+        Result(
+            ok=True,
+            prompt_len=20,
+            output_tokens=5,
+            ttft=2.0,
+            latency=2.4,
+            itl=[0.1] * 4,
+            status=200,
+        ),
         Result(ok=False, error="HTTP 429: queue full", status=429),
     ]
     s = summarize(2.0, results, parse_goodput(["ttft:1000", "tpot:200"]))
@@ -31,7 +47,11 @@ def test_goodput_spec_is_checked():
         parse_goodput(["latency:5"])
 
 
-@pytest.mark.parametrize("cmd", [["benchmarks/bench_serve.py"], ["-m", "streamkv.entrypoints.cli", "bench", "serve"]])
+@pytest.mark.parametrize(
+    "cmd", [["benchmarks/bench_serve.py"], ["-m", "streamkv.entrypoints.cli", "bench", "serve"]]
+)
 def test_bench_serve_help(cmd):
-    out = subprocess.run([sys.executable, *cmd, "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, *cmd, "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "--request-rate" in out and "--offline" in out and "--goodput" in out

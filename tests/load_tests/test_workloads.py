@@ -28,6 +28,8 @@ def test_alpaca_lengths_match_the_published_means_and_are_seeded():
     assert np.percentile(outs, 90) > 2 * np.median(outs)  # the long output tail
     few = workloads.alpaca(CharTokenizer(), 200, random.Random(0))
     again = workloads.alpaca(CharTokenizer(), 200, random.Random(0))
-    assert [(r.prompt_ids, r.output_len) for r in again] == [(r.prompt_ids, r.output_len) for r in few]
+    assert [(r.prompt_ids, r.output_len) for r in again] == [
+        (r.prompt_ids, r.output_len) for r in few
+    ]
     other = workloads.alpaca(CharTokenizer(), 200, random.Random(1))
     assert [r.output_len for r in other] != [r.output_len for r in few]

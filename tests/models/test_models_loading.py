@@ -45,7 +45,10 @@ def save_word_tokenizer(path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
         chat_template=(
             "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
             "{% if add_generation_prompt %}w5{% endif %}"
@@ -62,14 +65,24 @@ def test_tokenizer_and_chat_template_come_from_the_directory(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = llm.generate("w10 w11 w12", params)[0]
     assert list(out.prompt_token_ids) == [10, 11, 12]
-    want = hf.generate(torch.tensor([[10, 11, 12]]), do_sample=False, max_new_tokens=6)[0, 3:].tolist()
+    want = hf.generate(torch.tensor([[10, 11, 12]]), do_sample=False, max_new_tokens=6)[
+        0, 3:
+    ].tolist()
     assert list(out.outputs[0].token_ids) == want
     assert out.outputs[0].text.split() == [f"w{i}" for i in want]
     chat = llm.chat([{"role": "user", "content": "w10 w11"}], params)[0]
     assert list(chat.prompt_token_ids) == [3, 10, 11, 4, 5]
 
 
-@pytest.mark.parametrize("config", [LlamaConfig(**TINY), OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=1000)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        LlamaConfig(**TINY),
+        OPTConfig(
+            hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=1000
+        ),
+    ],
+)
 def test_directory_without_tokenizer_serves_token_ids(config, tmp_path, caplog):
     save_tiny(config, tmp_path)
     assert not has_tokenizer_files(tmp_path)
@@ -77,7 +90,9 @@ def test_directory_without_tokenizer_serves_token_ids(config, tmp_path, caplog):
         assert load_tokenizer(tmp_path) is None
     assert "only prompt_token_ids input will work" in caplog.text
     llm = LLM(str(tmp_path), **SMALL)
-    out = llm.generate(None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=[[5, 6, 7]])
+    out = llm.generate(
+        None, SamplingParams(max_tokens=3, ignore_eos=True), prompt_token_ids=[[5, 6, 7]]
+    )
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -99,7 +114,9 @@ def test_pickle_weights_are_refused(tmp_path):
 
 
 def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**TINY, "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**TINY, "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
         LLM(str(tmp_path), **SMALL)
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM"):
@@ -109,8 +126,13 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path):
 def test_missing_and_unexpected_weights_are_errors(tmp_path):
     save_tiny(LlamaConfig(**TINY), tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if "layers.1.self_attn.k_proj" not in k}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing from checkpoint.*layers\.1\.self_attn\.qkv_proj"):
+    save_file(
+        {k: v for k, v in state.items() if "layers.1.self_attn.k_proj" not in k},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(
+        ValueError, match=r"missing from checkpoint.*layers\.1\.self_attn\.qkv_proj"
+    ):
         LLM(str(tmp_path), **SMALL)
     save_file({**state, "model.extra.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="unexpected weight 'model.extra.weight'"):
@@ -132,7 +154,9 @@ def test_gguf_file_loads_like_transformers_reads_it(tmp_path, monkeypatch):
     converted = resolve_model_dir(str(gguf))
     assert converted.parent == tmp_path / "cache" / "models"
     assert has_tokenizer_files(converted)  # the GGUF's vocabulary travels along
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     assert greedy_compare(hf, llm, prompts(1000, lengths=(4, 19)), max_tokens=8).exact >= 1
     # The conversion is cached: a second start reads safetensors, and load_format must fit.
     assert resolve_model_dir(str(gguf)) == converted

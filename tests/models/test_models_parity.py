@@ -52,14 +52,19 @@ CASES = {
     "llama-gqa": lambda: LlamaConfig(**LLAMA),
     "llama-biases": lambda: LlamaConfig(**LLAMA, attention_bias=True, mlp_bias=True),
     "llama3-rope-scaling": lambda: LlamaConfig(**LLAMA, rope_parameters=LLAMA3_ROPE),
-    "smollm2-tied": lambda: LlamaConfig(**{**LLAMA, "num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48}, tie_word_embeddings=True),
+    "smollm2-tied": lambda: LlamaConfig(
+        **{**LLAMA, "num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48},
+        tie_word_embeddings=True,
+    ),
     "mistral": lambda: MistralConfig(**LLAMA, head_dim=32, rope_theta=1e6),
     "qwen2-tied": lambda: Qwen2Config(**LLAMA, tie_word_embeddings=True),
     "qwen2": lambda: Qwen2Config(**{**LLAMA, "num_key_value_heads": 4}),
     "opt": lambda: OPTConfig(**OPT),
     "opt-project-in-out": lambda: OPTConfig(**{**OPT, "word_embed_proj_dim": 32}),
     "opt-post-layernorm": lambda: OPTConfig(**OPT, do_layer_norm_before=False),
-    "opt-350m-style": lambda: OPTConfig(**{**OPT, "word_embed_proj_dim": 32}, do_layer_norm_before=False),
+    "opt-350m-style": lambda: OPTConfig(
+        **{**OPT, "word_embed_proj_dim": 32}, do_layer_norm_before=False
+    ),
 }
 
 
@@ -67,7 +72,14 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_matches_transformers(case, tmp_path):
     hf = save_tiny(CASES[case](), tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64, num_swap_blocks=0)
+    llm = LLM(
+        str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=64,
+        num_swap_blocks=0,
+    )
     assert not has_tokenizer_files(tmp_path)  # the engine runs on token ids alone
     result = greedy_compare(hf, llm, prompts(VOCAB), max_tokens=12)
     # A near-tie is legal but should be rare with these weights; many means a real bug.
@@ -84,9 +96,18 @@ def test_qwen2_has_qkv_bias_but_no_o_bias(tmp_path):
 def test_sharded_checkpoint(tmp_path):
     hf = save_tiny(LlamaConfig(**LLAMA), tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    shards = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values()
+    shards = json.loads((tmp_path / "model.safetensors.index.json").read_text())[
+        "weight_map"
+    ].values()
     assert len(set(shards)) > 1
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=16, num_kv_blocks=32, num_swap_blocks=0)
+    llm = LLM(
+        str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=32,
+        num_swap_blocks=0,
+    )
     assert greedy_compare(hf, llm, prompts(VOCAB, lengths=(3, 20)), max_tokens=8).exact >= 1
 
 
@@ -112,6 +133,7 @@ def test_bfloat16_runs_close_to_float32(tmp_path):
     from streamkv import SamplingParams
 
     p = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    assert ref.generate(None, p, prompt_token_ids=ids)[0].outputs[0].token_ids == low.generate(
-        None, p, prompt_token_ids=ids
-    )[0].outputs[0].token_ids
+    assert (
+        ref.generate(None, p, prompt_token_ids=ids)[0].outputs[0].token_ids
+        == low.generate(None, p, prompt_token_ids=ids)[0].outputs[0].token_ids
+    )

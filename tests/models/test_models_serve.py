@@ -32,11 +32,33 @@ def served(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     cmd = [
-        sys.executable, "-m", "streamkv.entrypoints.cli", "--log-level", "WARNING", "serve", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-        "--num-kv-blocks", "64", "--num-swap-blocks", "0", "--no-access-log",
+        sys.executable,
+        "-m",
+        "streamkv.entrypoints.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+        "--num-swap-blocks",
+        "0",
+        "--no-access-log",
     ]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -64,9 +86,17 @@ def test_serve_accepts_a_hugging_face_directory(served):
     url, hf = served
     models = httpx.get(f"{url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
-    want = hf.generate(torch.tensor([[10, 11, 12]]), do_sample=False, max_new_tokens=5)[0, 3:].tolist()
+    want = hf.generate(torch.tensor([[10, 11, 12]]), do_sample=False, max_new_tokens=5)[
+        0, 3:
+    ].tolist()
     for prompt in ("w10 w11 w12", [10, 11, 12]):
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "tiny-llama",
+            "prompt": prompt,
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].split() == [f"w{i}" for i in want]

@@ -15,11 +15,23 @@ from transformers import LlamaConfig, OPTConfig, Qwen2Config
 
 from streamkv.models.registry import build_model
 
-COMMON = {"vocab_size": 1000, "max_position_embeddings": 128, "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+COMMON = {
+    "vocab_size": 1000,
+    "max_position_embeddings": 128,
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+}
 CONFIGS = {
-    "llama": lambda: LlamaConfig(**COMMON, intermediate_size=128, num_key_value_heads=2, attention_bias=True),
-    "qwen2": lambda: Qwen2Config(**COMMON, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True),
-    "opt": lambda: OPTConfig(**COMMON, ffn_dim=128, word_embed_proj_dim=32, tie_word_embeddings=False),
+    "llama": lambda: LlamaConfig(
+        **COMMON, intermediate_size=128, num_key_value_heads=2, attention_bias=True
+    ),
+    "qwen2": lambda: Qwen2Config(
+        **COMMON, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True
+    ),
+    "opt": lambda: OPTConfig(
+        **COMMON, ffn_dim=128, word_embed_proj_dim=32, tie_word_embeddings=False
+    ),
 }
 
 
@@ -36,7 +48,9 @@ def test_two_ranks_match_one(tmp_path):
         p.join(timeout=120)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     for name in names:
-        full = prefill_logits(build_model(Path(tmp_path / name), torch.float32, torch.device("cpu")), IDS)
+        full = prefill_logits(
+            build_model(Path(tmp_path / name), torch.float32, torch.device("cpu")), IDS
+        )
         for r in range(WORLD):
             sharded = torch.load(tmp_path / f"{name}.rank{r}.pt")
             torch.testing.assert_close(sharded, full, rtol=1e-4, atol=1e-4, msg=f"{name} rank {r}")

@@ -19,7 +19,10 @@ def prefill_logits(model, ids: list[int], block_size: int = 16) -> torch.Tensor:
     blocks = -(-t // block_size)
     kv_heads = model.layers[0].self_attn.attn.num_kv_heads
     caches = [
-        (torch.zeros(blocks, kv_heads, block_size, s.head_dim), torch.zeros(blocks, kv_heads, block_size, s.head_dim))
+        (
+            torch.zeros(blocks, kv_heads, block_size, s.head_dim),
+            torch.zeros(blocks, kv_heads, block_size, s.head_dim),
+        )
         for _ in range(s.num_layers)
     ]
     meta = AttentionMetadata.for_prompt(t, list(range(blocks)), block_size)
@@ -31,7 +34,9 @@ def run_rank(rank: int, root: str, names: list[str]) -> None:
     import torch.distributed as dist
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=WORLD
+    )
     try:
         for name in names:
             model = build_model(

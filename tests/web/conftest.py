@@ -19,8 +19,16 @@ CHROMIUM = os.environ.get("STREAMKV_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parent / "artifacts"
 # No sandbox: CI runs as root, where Chromium refuses its sandbox. The rest keeps a
 # headless run from reaching anything outside the loopback server.
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--no-first-run", "--disable-default-apps", "--disable-extensions"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-default-apps",
+    "--disable-extensions",
+]
 
 
 @pytest.fixture(scope="package")
@@ -39,15 +47,22 @@ def browser():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("browser tests need the Python package playwright (the dev extra: pip install -e '.[dev]')")
+        pytest.skip(
+            "browser tests need the Python package playwright (the dev extra: pip install -e '.[dev]')"
+        )
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"browser tests need Chromium at {CHROMIUM} (`apt-get install -y chromium` as root, "
-                    "or set STREAMKV_CHROMIUM)")
+        pytest.skip(
+            f"browser tests need Chromium at {CHROMIUM} (`apt-get install -y chromium` as root, "
+            "or set STREAMKV_CHROMIUM)"
+        )
     profile = tempfile.mkdtemp(prefix="streamkv-chromium-")
     pw = sync_playwright().start()
     try:
         context = pw.chromium.launch_persistent_context(
-            profile, executable_path=CHROMIUM, headless=True, args=FLAGS,
+            profile,
+            executable_path=CHROMIUM,
+            headless=True,
+            args=FLAGS,
             viewport={"width": 1280, "height": 800},
         )
         yield context

@@ -36,8 +36,14 @@ BUDGET = 0.02  # the issue's bound: viewers may cost < 2% of tokens/s
 
 
 async def one_request(client: httpx.AsyncClient, max_tokens: int) -> int:
-    body = {"prompt": "Once upon a time, in a city by the sea,", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "Once upon a time, in a city by the sea,",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -47,7 +53,9 @@ async def one_request(client: httpx.AsyncClient, max_tokens: int) -> int:
     return tokens
 
 
-async def load(client: httpx.AsyncClient, concurrency: int, requests: int, max_tokens: int) -> tuple[int, float]:
+async def load(
+    client: httpx.AsyncClient, concurrency: int, requests: int, max_tokens: int
+) -> tuple[int, float]:
     """Completion tokens of ``requests`` streamed requests, ``concurrency`` at a time, and the seconds taken."""
     sem = asyncio.Semaphore(concurrency)
 
@@ -106,14 +114,19 @@ async def phase(server, client: httpx.AsyncClient, viewers: int, args) -> dict:
     await asyncio.gather(*tasks, return_exceptions=True)
     # Every viewer reports every snapshot's cost; the producer takes one for all of them.
     engine_s = sum(costs) / 1000 / viewers if viewers else 0.0
-    return {"viewers": viewers, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "cpu_ms_per_token": 1000 * sum(cpu1[k] - cpu0[k] for k in cpu0) / tokens,
-            "main_cpu_ms_per_token": 1000 * (cpu1["main"] - cpu0["main"]) / tokens,
-            "engine_cpu_ms_per_token": 1000 * (cpu1["rest"] - cpu0["rest"]) / tokens,
-            "client_cpu_s": me1 - me0,
-            "snapshots": len(costs) / viewers if viewers else 0,
-            "engine_thread_share": engine_s / seconds,
-            "bytes_per_viewer_per_s": size[0] / viewers / seconds if viewers else 0.0}
+    return {
+        "viewers": viewers,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "cpu_ms_per_token": 1000 * sum(cpu1[k] - cpu0[k] for k in cpu0) / tokens,
+        "main_cpu_ms_per_token": 1000 * (cpu1["main"] - cpu0["main"]) / tokens,
+        "engine_cpu_ms_per_token": 1000 * (cpu1["rest"] - cpu0["rest"]) / tokens,
+        "client_cpu_s": me1 - me0,
+        "snapshots": len(costs) / viewers if viewers else 0,
+        "engine_thread_share": engine_s / seconds,
+        "bytes_per_viewer_per_s": size[0] / viewers / seconds if viewers else 0.0,
+    }
 
 
 VIEW_CODE = ("kv_view.py", "kv_snapshot.py")  # frames that only run for viewers
@@ -129,7 +142,11 @@ def view_share(raw_path: str) -> dict:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not count.isdigit():
                 continue
-            n, in_view, on_engine = int(count), any(k in stack for k in VIEW_CODE), "async_engine.py" in stack
+            n, in_view, on_engine = (
+                int(count),
+                any(k in stack for k in VIEW_CODE),
+                "async_engine.py" in stack,
+            )
             counts["samples"] += n
             counts["engine"] += n * on_engine
             counts["view"] += n * in_view
@@ -149,20 +166,38 @@ async def profile(server, client: httpx.AsyncClient, args) -> None:
     for n in (0, args.viewers):
         out = f"{args.profile_out}-{n}viewers.txt"
         spy = await asyncio.create_subprocess_exec(
-            args.profile, "record", "--pid", str(server.proc.pid), "--duration", str(args.profile_seconds),
-            "--rate", "50", "--nonblocking", "--format", "raw", "--output", out,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            args.profile,
+            "record",
+            "--pid",
+            str(server.proc.pid),
+            "--duration",
+            str(args.profile_seconds),
+            "--rate",
+            "50",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            out,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         costs, size = [], [0]
         tasks = [asyncio.create_task(viewer(server.url, costs, size)) for _ in range(n)]
-        tasks += [asyncio.create_task(_forever(client, args.max_tokens)) for _ in range(args.concurrency)]
+        tasks += [
+            asyncio.create_task(_forever(client, args.max_tokens)) for _ in range(args.concurrency)
+        ]
         await spy.wait()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         r = view_share(out)
-        print(f"py-spy, {n} viewers: {r['samples']} busy samples ({r['engine']} engine thread): "
-              f"{r['view']} in the view's code ({r['engine_view']} on the engine thread), "
-              f"{r['sse']} in SSE sending ({out})", flush=True)
+        print(
+            f"py-spy, {n} viewers: {r['samples']} busy samples ({r['engine']} engine thread): "
+            f"{r['view']} in the view's code ({r['engine_view']} on the engine thread), "
+            f"{r['sse']} in SSE sending ({out})",
+            flush=True,
+        )
 
 
 async def main_async(args) -> list[dict]:
@@ -182,13 +217,18 @@ async def main_async(args) -> list[dict]:
                     rows = {n: await phase(server, client, n, args) for n in order}
                 except (ProcessLookupError, FileNotFoundError, httpx.HTTPError) as e:
                     # The server went away (on a shared box: killed from outside): keep what was measured.
-                    print(f"pair {k}: the server stopped ({type(e).__name__}: {e}); summarizing {len(pairs)} pairs",
-                          flush=True)
+                    print(
+                        f"pair {k}: the server stopped ({type(e).__name__}: {e}); summarizing {len(pairs)} pairs",
+                        flush=True,
+                    )
                     break
                 pairs.append({"pair": k, "off": rows[0], "on": rows[args.viewers]})
-                print(f"pair {k:2d}: tok/s off {rows[0]['tokens_per_s']:.2f}, on {rows[args.viewers]['tokens_per_s']:.2f}; "
-                      f"server CPU ms/token off {rows[0]['cpu_ms_per_token']:.1f}, "
-                      f"on {rows[args.viewers]['cpu_ms_per_token']:.1f}", flush=True)
+                print(
+                    f"pair {k:2d}: tok/s off {rows[0]['tokens_per_s']:.2f}, on {rows[args.viewers]['tokens_per_s']:.2f}; "
+                    f"server CPU ms/token off {rows[0]['cpu_ms_per_token']:.1f}, "
+                    f"on {rows[args.viewers]['cpu_ms_per_token']:.1f}",
+                    flush=True,
+                )
         return pairs
 
 
@@ -200,11 +240,13 @@ def paired_ratios(off: np.ndarray, on: np.ndarray, draws: int = 5000, seed: int 
     of_medians = np.median(on[idx], axis=1) / np.median(off[idx], axis=1)
     per_pair = on / off
     of_pairs = np.median(per_pair[idx], axis=1)
-    return {"ratio_of_medians": float(np.median(on) / np.median(off)),
-            "ratio_of_medians_ci": [float(x) for x in np.percentile(of_medians, [2.5, 97.5])],
-            "median_pair_ratio": float(np.median(per_pair)),
-            "median_pair_ratio_ci": [float(x) for x in np.percentile(of_pairs, [2.5, 97.5])],
-            "pairs": len(off)}
+    return {
+        "ratio_of_medians": float(np.median(on) / np.median(off)),
+        "ratio_of_medians_ci": [float(x) for x in np.percentile(of_medians, [2.5, 97.5])],
+        "median_pair_ratio": float(np.median(per_pair)),
+        "median_pair_ratio_ci": [float(x) for x in np.percentile(of_pairs, [2.5, 97.5])],
+        "pairs": len(off),
+    }
 
 
 def verdict(tps: dict) -> str:
@@ -219,34 +261,53 @@ def verdict(tps: dict) -> str:
 
 def summarize(pairs: list[dict]) -> dict:
     get = lambda key, arm: np.array([p[arm][key] for p in pairs])  # noqa: E731
-    out = {key: paired_ratios(get(key, "off"), get(key, "on"))
-           for key in ("tokens_per_s", "cpu_ms_per_token", "main_cpu_ms_per_token", "engine_cpu_ms_per_token")}
+    out = {
+        key: paired_ratios(get(key, "off"), get(key, "on"))
+        for key in (
+            "tokens_per_s",
+            "cpu_ms_per_token",
+            "main_cpu_ms_per_token",
+            "engine_cpu_ms_per_token",
+        )
+    }
     on = [p["on"] for p in pairs]
     out["engine_thread_share"] = float(np.median([r["engine_thread_share"] for r in on]))
     out["snapshots_per_s"] = float(np.median([r["snapshots"] / r["seconds"] for r in on]))
     out["kib_per_viewer_per_s"] = float(np.median([r["bytes_per_viewer_per_s"] for r in on])) / 1024
-    out["client_cpu_s_per_phase"] = {arm: float(np.median(get("client_cpu_s", arm))) for arm in ("off", "on")}
+    out["client_cpu_s_per_phase"] = {
+        arm: float(np.median(get("client_cpu_s", arm))) for arm in ("off", "on")
+    }
     out["verdict"] = verdict(out["tokens_per_s"])
     return out
 
 
 def report(s: dict, pairs: list[dict], viewers: int) -> str:
-    lines = [f"| measure (with {viewers} viewers ÷ without) | median off | median on | ratio of medians [95% CI] "
-             f"| median pair ratio [95% CI] |", "|---|---|---|---|---|"]
-    for key, name in (("tokens_per_s", "tokens/s"), ("cpu_ms_per_token", "server CPU ms/token"),
-                      ("main_cpu_ms_per_token", "  main thread (event loop)"),
-                      ("engine_cpu_ms_per_token", "  other threads (engine)")):
+    lines = [
+        f"| measure (with {viewers} viewers ÷ without) | median off | median on | ratio of medians [95% CI] "
+        f"| median pair ratio [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
+    for key, name in (
+        ("tokens_per_s", "tokens/s"),
+        ("cpu_ms_per_token", "server CPU ms/token"),
+        ("main_cpu_ms_per_token", "  main thread (event loop)"),
+        ("engine_cpu_ms_per_token", "  other threads (engine)"),
+    ):
         r = s[key]
         off = np.median([p["off"][key] for p in pairs])
         on = np.median([p["on"][key] for p in pairs])
-        lines.append(f"| {name} | {off:.3f} | {on:.3f} | {r['ratio_of_medians']:.4f} "
-                     f"[{r['ratio_of_medians_ci'][0]:.4f}, {r['ratio_of_medians_ci'][1]:.4f}] "
-                     f"| {r['median_pair_ratio']:.4f} [{r['median_pair_ratio_ci'][0]:.4f}, "
-                     f"{r['median_pair_ratio_ci'][1]:.4f}] |")
-    lines.append(f"\n{s['tokens_per_s']['pairs']} pairs; snapshots {s['snapshots_per_s']:.1f}/s taking "
-                 f"{100 * s['engine_thread_share']:.3f} % of the engine thread; {s['kib_per_viewer_per_s']:.1f} KiB/s "
-                 f"per viewer; this client's CPU per phase {s['client_cpu_s_per_phase']['off']:.2f} s off, "
-                 f"{s['client_cpu_s_per_phase']['on']:.2f} s on")
+        lines.append(
+            f"| {name} | {off:.3f} | {on:.3f} | {r['ratio_of_medians']:.4f} "
+            f"[{r['ratio_of_medians_ci'][0]:.4f}, {r['ratio_of_medians_ci'][1]:.4f}] "
+            f"| {r['median_pair_ratio']:.4f} [{r['median_pair_ratio_ci'][0]:.4f}, "
+            f"{r['median_pair_ratio_ci'][1]:.4f}] |"
+        )
+    lines.append(
+        f"\n{s['tokens_per_s']['pairs']} pairs; snapshots {s['snapshots_per_s']:.1f}/s taking "
+        f"{100 * s['engine_thread_share']:.3f} % of the engine thread; {s['kib_per_viewer_per_s']:.1f} KiB/s "
+        f"per viewer; this client's CPU per phase {s['client_cpu_s_per_phase']['off']:.2f} s off, "
+        f"{s['client_cpu_s_per_phase']['on']:.2f} s on"
+    )
     lines.append(f"verdict (tokens/s): {s['verdict']}")
     return "\n".join(lines)
 
@@ -261,8 +322,9 @@ def micro(num_blocks: int, num_seqs: int, tokens: int, repeat: int = 50) -> None
     from streamkv.sequence import Sequence, SequenceGroup
 
     bm = BlockManager(16, num_blocks, 4096, enable_prefix_caching=True, watermark=0.0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=num_seqs,
-                                      max_num_batched_tokens=num_seqs * tokens), bm)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * tokens), bm
+    )
     for i in range(num_seqs):
         sched.add(SequenceGroup(str(i), [Sequence(i, [i] * tokens)], SamplingParams()))
     for s in sched.schedule().scheduled:
@@ -274,26 +336,48 @@ def micro(num_blocks: int, num_seqs: int, tokens: int, repeat: int = 50) -> None
         times.append(time.perf_counter() - t0)
         size = len(json.dumps(snap, separators=(",", ":")))
     times.sort()
-    print(f"{num_blocks} blocks, {len(sched.running)} sequences of {tokens} tokens ({bm.device.num_used} blocks used): "
-          f"snapshot min {1e3 * times[0]:.2f} ms, median {1e3 * times[len(times) // 2]:.2f} ms; {size} bytes of JSON")
+    print(
+        f"{num_blocks} blocks, {len(sched.running)} sequences of {tokens} tokens ({bm.device.num_used} blocks used): "
+        f"snapshot min {1e3 * times[0]:.2f} ms, median {1e3 * times[len(times) // 2]:.2f} ms; {size} bytes of JSON"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--viewers", type=int, default=5)
-    p.add_argument("--pairs", "--rounds", type=int, default=24, dest="pairs",
-                   help="off/on pairs of phases, ABBA order (--rounds: the name in older docs)")
+    p.add_argument(
+        "--pairs",
+        "--rounds",
+        type=int,
+        default=24,
+        dest="pairs",
+        help="off/on pairs of phases, ABBA order (--rounds: the name in older docs)",
+    )
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=8, help="requests per phase")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--settle", type=float, default=0.5, help="seconds before each phase's timed work")
-    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
-                   help="extra `streamkv serve` flags: everything after it (so last)")
+    p.add_argument(
+        "--settle", type=float, default=0.5, help="seconds before each phase's timed work"
+    )
+    p.add_argument(
+        "--server-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra `streamkv serve` flags: everything after it (so last)",
+    )
     p.add_argument("--server-threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--out", default=None, help="write the pairs and the summary as JSON here")
-    p.add_argument("--micro", action="store_true", help="only time one snapshot of a 32k-block pool")
-    p.add_argument("--profile", default=None, metavar="PY_SPY",
-                   help="instead of the A/B: sample the server with this py-spy, without and with the viewers")
+    p.add_argument(
+        "--micro", action="store_true", help="only time one snapshot of a 32k-block pool"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="PY_SPY",
+        help="instead of the A/B: sample the server with this py-spy, without and with the viewers",
+    )
     p.add_argument("--profile-seconds", type=int, default=40)
     p.add_argument("--profile-out", default="kv_view_profile", help="py-spy raw output prefix")
     args = p.parse_args()

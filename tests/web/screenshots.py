@@ -31,9 +31,11 @@ STORY = "Tell me a story about a lighthouse keeper who watches the stars, in man
 
 def fresh(page, url: str, settings: dict, kv_open: bool, theme: str = "light") -> None:
     page.goto(url + "/")
-    page.evaluate("([s, kv, theme]) => { localStorage.clear(); localStorage.setItem('streamkv.settings.v1', s);"
-                  " localStorage.setItem('streamkv.kv.open', kv ? '1' : ''); localStorage.setItem('streamkv.theme', theme); }",
-                  [json.dumps(settings), kv_open, theme])
+    page.evaluate(
+        "([s, kv, theme]) => { localStorage.clear(); localStorage.setItem('streamkv.settings.v1', s);"
+        " localStorage.setItem('streamkv.kv.open', kv ? '1' : ''); localStorage.setItem('streamkv.theme', theme); }",
+        [json.dumps(settings), kv_open, theme],
+    )
     page.reload()
     page.wait_for_selector("#status[data-state=connected]")
     if kv_open:
@@ -41,12 +43,21 @@ def fresh(page, url: str, settings: dict, kv_open: bool, theme: str = "light") -
 
 
 def stored(page, url: str, theme: str) -> None:
-    conv = {"id": "c1", "title": "What can you render?", "created": 1,
-            "messages": [{"id": "m0", "role": "user", "content": "What can you render?"},
-                         {"id": "m1", "role": "assistant", "content": RICH}]}
+    conv = {
+        "id": "c1",
+        "title": "What can you render?",
+        "created": 1,
+        "messages": [
+            {"id": "m0", "role": "user", "content": "What can you render?"},
+            {"id": "m1", "role": "assistant", "content": RICH},
+        ],
+    }
     fresh(page, url, {}, False, theme)
-    page.evaluate("c => { localStorage.setItem('streamkv.conversations.v1', JSON.stringify([c]));"
-                  " localStorage.setItem('streamkv.current.v1', JSON.stringify(c.id)); }", conv)
+    page.evaluate(
+        "c => { localStorage.setItem('streamkv.conversations.v1', JSON.stringify([c]));"
+        " localStorage.setItem('streamkv.current.v1', JSON.stringify(c.id)); }",
+        conv,
+    )
     page.reload()
     page.wait_for_selector(".msg.assistant .katex")
 
@@ -55,16 +66,21 @@ def streaming_kv(page, url: str, out: Path) -> None:
     fresh(page, url, {"max_tokens": 300, "temperature": 0, "n": 4}, True)
     page.fill("#input", STORY)
     page.press("#input", "Enter")
-    page.wait_for_function("() => { const r = document.querySelector('.kv-request.mine');"
-                           " return r && r.querySelectorAll('.kv-row').length === 4 && r.querySelector('.blk .rc')"
-                           " && document.querySelector('.kv-events li'); }", timeout=120_000)
+    page.wait_for_function(
+        "() => { const r = document.querySelector('.kv-request.mine');"
+        " return r && r.querySelectorAll('.kv-row').length === 4 && r.querySelector('.blk .rc')"
+        " && document.querySelector('.kv-events li'); }",
+        timeout=120_000,
+    )
     page.wait_for_timeout(1500)
     page.screenshot(path=str(out))
     page.click("#stop")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="docs", help="folder for the PNG files")
     args = ap.parse_args()
     out = Path(args.out)
@@ -73,8 +89,9 @@ def main() -> None:
 
     profile = tempfile.mkdtemp(prefix="streamkv-shots-")
     with local_server([], env={"OMP_NUM_THREADS": "1"}) as server, sync_playwright() as pw:
-        browser = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=FLAGS,
-                                                        viewport=DESKTOP)
+        browser = pw.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, headless=True, args=FLAGS, viewport=DESKTOP
+        )
         try:
             page = browser.new_page()
             streaming_kv(page, server.url, out / "web-chat-kv.png")

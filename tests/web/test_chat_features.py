@@ -54,9 +54,17 @@ def sized(page, request):
 
 def stored_conversation(page, messages: list[dict], title: str = "Stored") -> None:
     """A conversation put straight into storage (as an older page would have saved it)."""
-    conv = {"id": "c1", "title": title, "created": 1, "messages": [{"id": f"m{i}", **m} for i, m in enumerate(messages)]}
-    page.evaluate("c => { localStorage.setItem('streamkv.conversations.v1', JSON.stringify([c]));"
-                  " localStorage.setItem('streamkv.current.v1', JSON.stringify(c.id)); }", conv)
+    conv = {
+        "id": "c1",
+        "title": title,
+        "created": 1,
+        "messages": [{"id": f"m{i}", **m} for i, m in enumerate(messages)],
+    }
+    page.evaluate(
+        "c => { localStorage.setItem('streamkv.conversations.v1', JSON.stringify([c]));"
+        " localStorage.setItem('streamkv.current.v1', JSON.stringify(c.id)); }",
+        conv,
+    )
     page.reload()
     page.wait_for_selector("#status[data-state=connected]")
 
@@ -65,7 +73,13 @@ def test_markdown_tables_nested_lists_code_and_math_render_offline(sized, server
     page, size = sized
     origins = []
     page.on("request", lambda r: origins.append(urlsplit(r.url).netloc))
-    stored_conversation(page, [{"role": "user", "content": "Show me everything."}, {"role": "assistant", "content": RICH}])
+    stored_conversation(
+        page,
+        [
+            {"role": "user", "content": "Show me everything."},
+            {"role": "assistant", "content": RICH},
+        ],
+    )
     reply = page.locator(REPLY)
     assert reply.locator("table th").all_inner_texts() == ["model", "params", "context"]
     assert reply.locator("table tbody tr").count() == 2
@@ -92,8 +106,12 @@ def test_continue_extends_a_reply_cut_at_max_tokens(sized):
     assert "length" in page.locator(f"{REPLY} .stats").inner_text()
     before = page.locator(f"{REPLY} .body").inner_text()
     page.click(f"{REPLY} .continue-btn")
-    page.wait_for_function("t => { const m = document.querySelector('.msg.assistant:not(.pending) .body');"
-                           " return m && m.innerText.length > t.length; }", arg=before, timeout=60_000)
+    page.wait_for_function(
+        "t => { const m = document.querySelector('.msg.assistant:not(.pending) .body');"
+        " return m && m.innerText.length > t.length; }",
+        arg=before,
+        timeout=60_000,
+    )
     wait_reply_done(page)
     after = page.locator(f"{REPLY} .body").inner_text()
     assert after.startswith(before.rstrip()[:10]) and len(after) > len(before)
@@ -124,12 +142,18 @@ def test_dark_mode_follows_the_os_and_the_toggle(sized):
     page.reload()
     page.wait_for_selector("#status[data-state=connected]")
     assert page.locator("#toggle-theme").inner_text().endswith("dark") and background(page) == dark
-    stored_conversation(page, [{"role": "user", "content": "Dark?"}, {"role": "assistant", "content": RICH}])
+    stored_conversation(
+        page, [{"role": "user", "content": "Dark?"}, {"role": "assistant", "content": RICH}]
+    )
     page.screenshot(path=str(ARTIFACTS / f"chat_dark_{size}.png"))
 
 
 def test_export_and_import_conversations(page, tmp_path):
-    stored_conversation(page, [{"role": "user", "content": "Keep me."}, {"role": "assistant", "content": "Kept."}], "Keep me.")
+    stored_conversation(
+        page,
+        [{"role": "user", "content": "Keep me."}, {"role": "assistant", "content": "Kept."}],
+        "Keep me.",
+    )
     with page.expect_download() as info:
         page.click("#export")
     path = tmp_path / "chats.json"
@@ -145,13 +169,20 @@ def test_export_and_import_conversations(page, tmp_path):
     assert "imported 1 conversation" in page.locator("#notice").inner_text()
     assert page.locator(".msg.user .body").inner_text() == "Keep me."
     assert page.locator(f"{REPLY} .body").inner_text() == "Kept."
-    page.set_input_files("#import-file", files=[{"name": "bad.json", "mimeType": "application/json", "buffer": b"{}"}])
-    page.wait_for_function("() => document.querySelector('#notice').textContent.includes('could not import bad.json')")
+    page.set_input_files(
+        "#import-file",
+        files=[{"name": "bad.json", "mimeType": "application/json", "buffer": b"{}"}],
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#notice').textContent.includes('could not import bad.json')"
+    )
 
 
 def test_nothing_is_deleted_without_asking(page):
     convs = [{"id": f"c{i}", "title": f"chat {i}", "created": i, "messages": []} for i in range(60)]
-    page.evaluate("c => localStorage.setItem('streamkv.conversations.v1', JSON.stringify(c))", convs)
+    page.evaluate(
+        "c => localStorage.setItem('streamkv.conversations.v1', JSON.stringify(c))", convs
+    )
     page.reload()
     page.wait_for_selector("#status[data-state=connected]")
     assert page.locator("#conversations li").count() == 60
@@ -184,10 +215,14 @@ def test_send_is_disabled_while_the_server_is_unreachable(sized):
     page.reload()
     page.wait_for_selector("#status[data-state=disconnected]")
     assert page.locator("#send").is_disabled()
-    page.wait_for_function("() => /server unreachable · retrying in \\d+ s/.test(document.querySelector('#status').textContent)")
+    page.wait_for_function(
+        "() => /server unreachable · retrying in \\d+ s/.test(document.querySelector('#status').textContent)"
+    )
     # The countdown runs (it used to freeze) and no API key is asked for.
     seen = {page.locator("#status").inner_text()}
-    page.wait_for_function("t => document.querySelector('#status').textContent !== t", arg=seen.pop(), timeout=10_000)
+    page.wait_for_function(
+        "t => document.querySelector('#status').textContent !== t", arg=seen.pop(), timeout=10_000
+    )
     assert "API key" not in page.locator("#status").inner_text()
     down[0] = False  # back: the page reconnects by itself within its backoff
     page.wait_for_selector("#status[data-state=connected]", timeout=20_000)
@@ -210,12 +245,25 @@ def test_a_finished_reply_can_be_regenerated_at_phone_width(page):
 def test_a_text_file_is_attached_into_the_message(sized):
     page, _ = sized
     page.fill("#input", "Summarise this:")
-    page.set_input_files("#attach-file", files=[{"name": "notes.txt", "mimeType": "text/plain",
-                                                 "buffer": b"first line\nsecond line\n"}])
+    page.set_input_files(
+        "#attach-file",
+        files=[
+            {"name": "notes.txt", "mimeType": "text/plain", "buffer": b"first line\nsecond line\n"}
+        ],
+    )
     page.wait_for_function("() => document.querySelector('#input').value.includes('second line')")
-    assert page.input_value("#input") == "Summarise this:\n\nnotes.txt:\n```\nfirst line\nsecond line\n```\n"
-    page.set_input_files("#attach-file", files=[{"name": "blob.bin", "mimeType": "application/octet-stream",
-                                                 "buffer": b"\x00\x01\x02"}])
-    page.wait_for_function("() => document.querySelector('#notice').textContent === 'blob.bin is not a text file'")
+    assert (
+        page.input_value("#input")
+        == "Summarise this:\n\nnotes.txt:\n```\nfirst line\nsecond line\n```\n"
+    )
+    page.set_input_files(
+        "#attach-file",
+        files=[
+            {"name": "blob.bin", "mimeType": "application/octet-stream", "buffer": b"\x00\x01\x02"}
+        ],
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#notice').textContent === 'blob.bin is not a text file'"
+    )
     assert page.locator("#attach").is_visible()
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")

@@ -29,20 +29,27 @@ def send(page, text: str) -> None:
 def wait_reply_done(page, count: int = 1, timeout: float = 60_000) -> None:
     page.wait_for_function(
         "n => document.querySelectorAll('.msg.assistant:not(.pending)').length >= n && !document.querySelector('.msg.pending')",
-        arg=count, timeout=timeout)
+        arg=count,
+        timeout=timeout,
+    )
 
 
 def test_reply_streams_with_tokens_per_second_and_time_to_first_token(page):
     use_settings(page, max_tokens=12, temperature=0)
     send(page, "Tell me about the sea.")
     # Text shows while the reply is still streaming, not only at the end.
-    page.wait_for_function("() => { const m = document.querySelector('.msg.assistant.pending .body');"
-                           " return m && m.textContent.trim().length > 0; }", timeout=60_000)
+    page.wait_for_function(
+        "() => { const m = document.querySelector('.msg.assistant.pending .body');"
+        " return m && m.textContent.trim().length > 0; }",
+        timeout=60_000,
+    )
     wait_reply_done(page)
     reply = page.locator(REPLY)
     assert reply.locator(".body").inner_text().strip()
     stats = reply.locator(".stats").inner_text()
-    assert "12 tokens" in stats and "tok/s" in stats and "first token" in stats and "length" in stats, stats
+    assert (
+        "12 tokens" in stats and "tok/s" in stats and "first token" in stats and "length" in stats
+    ), stats
     assert float(reply.locator(".stats").get_attribute("data-tps")) > 0
     assert page.locator(".msg.user .body").inner_text() == "Tell me about the sea."
 
@@ -50,8 +57,10 @@ def test_reply_streams_with_tokens_per_second_and_time_to_first_token(page):
 def test_stop_ends_the_reply_and_the_page_can_send_again(page):
     use_settings(page, max_tokens=400, temperature=0)
     send(page, "Write a long story about a lighthouse keeper.")
-    page.wait_for_function("() => (document.querySelector('.msg.pending .body')?.textContent || '').length > 5",
-                           timeout=60_000)
+    page.wait_for_function(
+        "() => (document.querySelector('.msg.pending .body')?.textContent || '').length > 5",
+        timeout=60_000,
+    )
     assert page.locator("#send").is_disabled()
     page.click("#stop")
     wait_reply_done(page, timeout=15_000)
@@ -70,9 +79,12 @@ def test_regenerate_keeps_the_old_reply_as_a_branch(page):
     first_id = page.locator(REPLY).get_attribute("data-id")
     first_text = page.locator(f"{REPLY} .body").inner_text()
     page.click(f"{REPLY} .regen-btn")
-    page.wait_for_function("id => { const m = document.querySelector('.msg.assistant');"
-                           " return m && m.dataset.id !== id && !m.classList.contains('pending'); }",
-                           arg=first_id, timeout=60_000)
+    page.wait_for_function(
+        "id => { const m = document.querySelector('.msg.assistant');"
+        " return m && m.dataset.id !== id && !m.classList.contains('pending'); }",
+        arg=first_id,
+        timeout=60_000,
+    )
     assert page.locator(REPLY).count() == 1 and page.locator(".msg.user").count() == 1
     # Greedy: the same prompt gives the same reply, so the history sent was the same.
     assert page.locator(f"{REPLY} .body").inner_text() == first_text
@@ -207,12 +219,19 @@ def test_a_dropped_connection_fails_the_reply_and_reconnects(page):
     use_settings(page, max_tokens=400, temperature=0)
     assert len(sockets) == 1
     send(page, "Write a long story about a lighthouse keeper.")
-    page.wait_for_function("() => (document.querySelector('.msg.pending .body')?.textContent || '').length > 0",
-                           timeout=60_000)
+    page.wait_for_function(
+        "() => (document.querySelector('.msg.pending .body')?.textContent || '').length > 0",
+        timeout=60_000,
+    )
     sockets[0].close(code=1011, reason="test: the network dropped")
     page.wait_for_selector(".msg.assistant.failed", timeout=10_000)
-    assert "connection to the server was lost" in page.locator(".msg.assistant.failed .error-text").inner_text()
-    page.wait_for_function("() => document.querySelector('#status').dataset.state === 'connected'", timeout=10_000)
+    assert (
+        "connection to the server was lost"
+        in page.locator(".msg.assistant.failed .error-text").inner_text()
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#status').dataset.state === 'connected'", timeout=10_000
+    )
     assert len(sockets) == 2  # the page opened a new socket by itself (backoff starts at ~0.5 s)
     use_settings(page, max_tokens=4, temperature=0)
     send(page, "Hi!")

@@ -30,7 +30,11 @@ def test_a_snapshot_message_describes_the_idle_pool(server):
     server.wait_idle()
     snap, size = first_snapshot(server)
     assert (snap["type"], snap["v"]) == ("kv_snapshot", 1)
-    assert snap["device"] == {"num_blocks": 256, "blocks_per_cell": 1, "cells": snap["device"]["cells"]}
+    assert snap["device"] == {
+        "num_blocks": 256,
+        "blocks_per_cell": 1,
+        "cells": snap["device"]["cells"],
+    }
     assert len(snap["device"]["cells"]) == 256 and set(snap["device"]["cells"]) <= {".", "c"}
     assert snap["cpu"]["num_blocks"] == 64 and snap["block_size"] == 16
     assert snap["requests"] == [] and snap["headline"]["used_blocks"] == 0

@@ -26,7 +26,9 @@ def wait_all_free(page) -> None:
     page.wait_for_function(
         "() => document.querySelector('.kv-stat[data-key=used_blocks]').dataset.value === '0'"
         " && !document.querySelector('.kv-grid .st-used, .kv-grid .st-shared')"
-        " && document.querySelector('.kv-idle')", timeout=20_000)
+        " && document.querySelector('.kv-idle')",
+        timeout=20_000,
+    )
 
 
 def test_block_map_fills_while_a_request_runs_and_is_free_after(page, server):
@@ -37,13 +39,19 @@ def test_block_map_fills_while_a_request_runs_and_is_free_after(page, server):
     use_settings(page, max_tokens=400, temperature=0)  # reloads: the pane stays open
     page.wait_for_selector("#kv-root[data-state=live]")
     send(page, "Write a long story about a lighthouse keeper. " * 6)  # a prompt of several blocks
-    page.wait_for_function("() => Number(document.querySelector('.kv-stat[data-key=used_blocks]').dataset.value) >= 3"
-                           " && document.querySelectorAll('.kv-row .blk').length >= 3", timeout=60_000)
+    page.wait_for_function(
+        "() => Number(document.querySelector('.kv-stat[data-key=used_blocks]').dataset.value) >= 3"
+        " && document.querySelectorAll('.kv-row .blk').length >= 3",
+        timeout=60_000,
+    )
     used_cells = page.locator(".kv-grid .st-used").count()
     assert used_cells >= 3
     # The row's physical blocks are the used cells of the grid.
     blocks = [int(b) for b in page.locator(".kv-row .blk").all_inner_texts()]
-    states = page.evaluate("bs => bs.map(b => document.querySelectorAll('.kv-grid:not(.kv-cpu) .cell')[b].className)", blocks)
+    states = page.evaluate(
+        "bs => bs.map(b => document.querySelectorAll('.kv-grid:not(.kv-cpu) .cell')[b].className)",
+        blocks,
+    )
     assert all("st-used" in s for s in states), states
     page.click("#stop")
     wait_reply_done(page, timeout=15_000)
@@ -51,14 +59,21 @@ def test_block_map_fills_while_a_request_runs_and_is_free_after(page, server):
     h = {k: stat(page, k) for k in ("used_blocks", "shared_blocks", "kv_usage")}
     assert h == {"used_blocks": 0, "shared_blocks": 0, "kv_usage": 0}
     # Freed prompt blocks stay in the prefix cache (free to reuse): drawn as cached.
-    assert page.locator(".kv-grid:not(.kv-cpu) .st-free, .kv-grid:not(.kv-cpu) .st-cached").count() == total
+    assert (
+        page.locator(".kv-grid:not(.kv-cpu) .st-free, .kv-grid:not(.kv-cpu) .st-cached").count()
+        == total
+    )
 
 
 def prompt_with_partial_last_block(server, text: str) -> str:
     """``text``, lengthened until its chat prompt ends inside a block (the test server's
     blocks are 16 tokens): then each sample's first token is a write into a shared block."""
     while True:
-        r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": text}]}, timeout=30)
+        r = httpx.post(
+            f"{server.url}/tokenize",
+            json={"messages": [{"role": "user", "content": text}]},
+            timeout=30,
+        )
         if r.json()["count"] % 16:
             return text
         text += " Please."
@@ -68,10 +83,17 @@ def test_n4_samples_share_their_prompt_blocks(page, server):
     open_kv(page)
     use_settings(page, max_tokens=200, temperature=1, seed=3, n=4)
     page.wait_for_selector("#kv-root[data-state=live]")
-    send(page, prompt_with_partial_last_block(server, "Tell me a story about the sea and the stars, in many words. " * 4))
-    page.wait_for_function("() => Number(document.querySelector('.kv-stat[data-key=shared_blocks]').dataset.value) > 0"
-                           " && [...document.querySelectorAll('.kv-request')].some(r => r.querySelectorAll('.kv-row').length === 4)",
-                           timeout=60_000)
+    send(
+        page,
+        prompt_with_partial_last_block(
+            server, "Tell me a story about the sea and the stars, in many words. " * 4
+        ),
+    )
+    page.wait_for_function(
+        "() => Number(document.querySelector('.kv-stat[data-key=shared_blocks]').dataset.value) > 0"
+        " && [...document.querySelectorAll('.kv-request')].some(r => r.querySelectorAll('.kv-row').length === 4)",
+        timeout=60_000,
+    )
     assert page.locator(".kv-grid .st-shared").count() > 0
     assert page.locator(".kv-row .blk.st-shared").count() >= 4  # the same blocks in 4 tables
     assert stat(page, "sharing_savings") > 0
@@ -89,9 +111,11 @@ def test_a_beam_search_request_shares_blocks_between_beams(page):
     use_settings(page, max_tokens=40, n=2, beam_width=3)
     page.wait_for_selector("#kv-root[data-state=live]")
     send(page, "Write a long story about a lighthouse keeper and the sea.")
-    page.wait_for_function("() => Number(document.querySelector('.kv-stat[data-key=shared_blocks]').dataset.value) > 0"
-                           " && [...document.querySelectorAll('.kv-request')].some(r => r.querySelectorAll('.kv-row').length >= 2)",
-                           timeout=60_000)
+    page.wait_for_function(
+        "() => Number(document.querySelector('.kv-stat[data-key=shared_blocks]').dataset.value) > 0"
+        " && [...document.querySelectorAll('.kv-request')].some(r => r.querySelectorAll('.kv-row').length >= 2)",
+        timeout=60_000,
+    )
     wait_reply_done(page, timeout=120_000)
     # Answered whole: the two best beams arrive together as choices.
     assert page.locator(".msg.assistant .choices button").count() == 2
@@ -104,8 +128,12 @@ def test_a_server_with_the_view_off_is_said_once_not_retried(page):
 
     def off(route):
         calls.append(route.request.url)
-        route.fulfill(status=404, content_type="application/json", body='{"error": {"message": "the KV-cache view is '
-                      'off on this server (it listens beyond loopback; enable it explicitly)"}}')
+        route.fulfill(
+            status=404,
+            content_type="application/json",
+            body='{"error": {"message": "the KV-cache view is '
+            'off on this server (it listens beyond loopback; enable it explicitly)"}}',
+        )
 
     page.route("**/v1/kv/stream*", off)
     page.click("#toggle-kv")

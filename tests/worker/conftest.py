@@ -8,5 +8,11 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_dir(tiny_llama):
-    return tiny_llama(max_position_embeddings=2048, num_hidden_layers=3, hidden_size=256,
-                      intermediate_size=512, head_dim=64, tie_word_embeddings=False)
+    return tiny_llama(
+        max_position_embeddings=2048,
+        num_hidden_layers=3,
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )

@@ -31,7 +31,9 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=1.0, top_k=20, seed=4, max_tokens=24, ignore_eos=True),
-    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5),
+    SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5
+    ),
 ]
 
 
@@ -39,10 +41,19 @@ PARAMS = [
 def test_async_equals_sync_on_cuda(tiny_dir, case):
     prompts = _prompts(12, 11)
     params = [PARAMS[i % len(PARAMS)] for i in range(len(prompts))]
-    kw = dict(device="cuda", dtype="float32", max_num_seqs=16, max_num_batched_tokens=128,
-              num_kv_blocks=512, num_swap_blocks=0, enforce_eager=case == "eager")
+    kw = dict(
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        num_kv_blocks=512,
+        num_swap_blocks=0,
+        enforce_eager=case == "eager",
+    )
     if case in ("recompute", "swap"):
-        kw.update(num_kv_blocks=48, preemption_mode=case, num_swap_blocks=128 if case == "swap" else 0)
+        kw.update(
+            num_kv_blocks=48, preemption_mode=case, num_swap_blocks=128 if case == "swap" else 0
+        )
     runs = {}
     for on in (True, False):
         llm = LLM(str(tiny_dir), async_scheduling=on, **kw)
@@ -67,7 +78,14 @@ def test_a_step_does_not_wait_for_the_stream(tiny_dir):
     """While our own long matmuls hold the stream, one engine step hands over the next
     decode step (graph replay, pending tokens gathered on the device) and reads the step
     before, which ran ahead of the matmuls: it returns while the matmuls still run."""
-    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", num_kv_blocks=256, num_swap_blocks=0, max_num_seqs=8)
+    llm = LLM(
+        str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=256,
+        num_swap_blocks=0,
+        max_num_seqs=8,
+    )
     try:
         engine = llm.engine
         for i, p in enumerate(_prompts(4, 5)):

@@ -42,8 +42,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def tiny_dir(tiny_llama):
     """A 2-layer Llama, 4 query / 2 KV heads of 64 (a head size the CUDA kernels serve),
     untied lm_head, wide random weights (few near-ties)."""
-    return tiny_llama(max_position_embeddings=2048, hidden_size=256, intermediate_size=512,
-                      head_dim=64, tie_word_embeddings=False)
+    return tiny_llama(
+        max_position_embeddings=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
 
 
 def _runner(llm: LLM):
@@ -86,7 +91,12 @@ def test_context_buckets():
         context_buckets(0)
     buckets = context_buckets(8192)
     assert [context_bucket(n, buckets) for n in (1, 1024, 1025, 4096, 4097, 8192)] == [
-        1024, 1024, 4096, 4096, 8192, 8192,
+        1024,
+        1024,
+        4096,
+        4096,
+        8192,
+        8192,
     ]
     assert context_bucket(8193, buckets) is None
 
@@ -94,7 +104,15 @@ def test_context_buckets():
 def test_padded_batch_size():
     sizes = capture_sizes(32)
     assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [
-        1, 2, 4, 4, 8, 8, 16, 24, 32,
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        24,
+        32,
     ]
     assert padded_batch_size(33, sizes) is None
 
@@ -108,7 +126,9 @@ def test_is_decode_only():
 
 
 def test_enforce_eager_wiring():
-    pytest.importorskip("starlette")  # build_parser imports the server's CLI (absent on the GPU box)
+    pytest.importorskip(
+        "starlette"
+    )  # build_parser imports the server's CLI (absent on the GPU box)
     assert engine_config(None).model.enforce_eager is False
     assert engine_config(None, enforce_eager=True).model.enforce_eager is True
     for argv, want in (
@@ -127,9 +147,18 @@ def test_enforce_eager_wiring():
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_cpu_never_captures(tiny_dir, enforce_eager):
-    llm = LLM(str(tiny_dir), device="cpu", num_kv_blocks=64, num_swap_blocks=0, enforce_eager=enforce_eager)
-    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                        prompt_token_ids=_prompts(3, 0))
+    llm = LLM(
+        str(tiny_dir),
+        device="cpu",
+        num_kv_blocks=64,
+        num_swap_blocks=0,
+        enforce_eager=enforce_eager,
+    )
+    outs = llm.generate(
+        None,
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        prompt_token_ids=_prompts(3, 0),
+    )
     assert all(len(t) == 4 for t in _tokens(outs))
     assert _runner(llm).graphs is None
 
@@ -145,7 +174,9 @@ def test_padded_static_inputs_match_eager_on_cpu(tiny_dir):
     pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(0)))
     rng = random.Random(2)
     blocks = rng.sample(range(256), 256)
-    inputs = StaticInputs(max_batch=8, max_blocks=2048 // 16, block_size=16, device=torch.device("cpu"))
+    inputs = StaticInputs(
+        max_batch=8, max_blocks=2048 // 16, block_size=16, device=torch.device("cpu")
+    )
     used = 0
     for contexts in ([40, 3, 17, 1, 300], [5, 900, 16]):  # padded to 8 rows, then 4
         seqs = []
@@ -158,8 +189,9 @@ def test_padded_static_inputs_match_eager_on_cpu(tiny_dir):
         assert inputs.slot_mapping[len(seqs) : batch].tolist() == [-1] * (batch - len(seqs))
         assert inputs.context_lens[:batch].tolist() == contexts + [0] * (batch - len(seqs))
         with torch.inference_mode():
-            padded = worker.model(inputs.input_ids[:batch], inputs.positions[:batch], kv,
-                                  inputs.metadata(batch, 2048))
+            padded = worker.model(
+                inputs.input_ids[:batch], inputs.positions[:batch], kv, inputs.metadata(batch, 2048)
+            )
             eager, _ = runner.forward(seqs, kv)
         torch.testing.assert_close(padded[: len(seqs)], eager, atol=1e-4, rtol=1e-4)
 
@@ -173,15 +205,24 @@ def test_replay_equals_eager_same_step(tiny_dir, model, dtype):
     same shapes: bitwise expected, warned about otherwise), and the unpadded eager step to
     rounding. Padding rows come out finite."""
     name = str(tiny_dir) if model == "tiny" else model
-    llm = LLM(name, device="cuda", dtype=dtype, load_format="dummy" if model != "tiny" else "auto",
-              num_kv_blocks=1024, num_swap_blocks=0, max_num_seqs=16)
+    llm = LLM(
+        name,
+        device="cuda",
+        dtype=dtype,
+        load_format="dummy" if model != "tiny" else "auto",
+        num_kv_blocks=1024,
+        num_swap_blocks=0,
+        max_num_seqs=16,
+    )
     worker = llm.engine.executor.worker
     runner, kv = worker.runner, worker.cache.device_cache
     graphs = runner.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16]
     gen = torch.Generator(device="cuda").manual_seed(0)
     pool = worker.cache.device_pool
-    pool.copy_(torch.randn(pool.shape, generator=gen, device="cuda", dtype=torch.float32).to(pool.dtype))
+    pool.copy_(
+        torch.randn(pool.shape, generator=gen, device="cuda", dtype=torch.float32).to(pool.dtype)
+    )
     rng = random.Random(1)
     blocks = rng.sample(range(1024), 1024)
     seqs, used = [], 0
@@ -195,13 +236,18 @@ def test_replay_equals_eager_same_step(tiny_dir, model, dtype):
     with torch.inference_mode():
         replayed = runner.forward(seqs, kv)[0].clone()
         assert graphs.replays == before + 1
-        assert bucket == context_bucket(1900, graphs.buckets) and graphs.bucket_replays[bucket] == bucket_before + 1
+        assert (
+            bucket == context_bucket(1900, graphs.buckets)
+            and graphs.bucket_replays[bucket] == bucket_before + 1
+        )
         padded = worker.model(*graphs.model_args(8, bucket))
         eager, _ = runner.forward(seqs, kv, use_graphs=False)
     assert graphs.replays == before + 1
     assert replayed.shape[0] == 8 and torch.isfinite(replayed).all()
     if not torch.equal(replayed, padded):
-        warnings.warn(f"{model}/{dtype}: graph replay is close to, not bitwise equal to, eager", stacklevel=1)
+        warnings.warn(
+            f"{model}/{dtype}: graph replay is close to, not bitwise equal to, eager", stacklevel=1
+        )
     # Norm-relative errors: a bug (stale or misplaced inputs) is off by O(1), while bf16
     # rounding differences only grow slowly over 30 layers.
     assert _rel_err(replayed, padded) <= (1e-5 if dtype == "float32" else 2e-2)
@@ -218,7 +264,13 @@ def test_greedy_graphs_equal_eager(tiny_dir, batch):
     lengths, so decode and prompt steps mix while sequences join and finish."""
     prompts = _prompts(batch, batch)
     # A small token budget admits the prompts over several steps: mixed steps run eagerly.
-    kw = dict(device="cuda", num_kv_blocks=512, num_swap_blocks=0, max_num_seqs=32, max_num_batched_tokens=300)
+    kw = dict(
+        device="cuda",
+        num_kv_blocks=512,
+        num_swap_blocks=0,
+        max_num_seqs=32,
+        max_num_batched_tokens=300,
+    )
     eager = LLM(str(tiny_dir), enforce_eager=True, **kw)
     graphs = LLM(str(tiny_dir), **kw)
     assert _runner(eager).graphs is None
@@ -238,7 +290,11 @@ def test_greedy_graphs_equal_eager_across_context_buckets(tiny_dir):
     prompts = [[rng.randrange(1000) for _ in range(1000 + 3 * i)] for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = dict(device="cuda", num_kv_blocks=512, num_swap_blocks=0, max_num_seqs=8)
-    want = _tokens(LLM(str(tiny_dir), enforce_eager=True, **kw).generate(None, params, prompt_token_ids=prompts))
+    want = _tokens(
+        LLM(str(tiny_dir), enforce_eager=True, **kw).generate(
+            None, params, prompt_token_ids=prompts
+        )
+    )
     llm = LLM(str(tiny_dir), **kw)
     graphs = _runner(llm).graphs
     assert graphs.buckets == [1024, 2048] and graphs.count == 2 * len(graphs.sizes)
@@ -250,7 +306,9 @@ def test_greedy_graphs_equal_eager_across_context_buckets(tiny_dir):
 @cuda
 def test_batches_beyond_the_largest_graph_run_eagerly(tiny_dir):
     prompts = _prompts(12, 7)
-    eager = LLM(str(tiny_dir), device="cuda", num_kv_blocks=512, num_swap_blocks=0, enforce_eager=True)
+    eager = LLM(
+        str(tiny_dir), device="cuda", num_kv_blocks=512, num_swap_blocks=0, enforce_eager=True
+    )
     llm = LLM(str(tiny_dir), device="cuda", num_kv_blocks=512, num_swap_blocks=0, max_num_seqs=16)
     runner = _runner(llm)
     runner.graphs.max_batch = 8  # pretend only 8 were captured: 12 decodes must run eagerly
@@ -270,11 +328,24 @@ def test_preemption_with_graphs(tiny_dir, mode):
     one sequence (H200, session 4), which says nothing about graphs or preemption."""
     prompts = _prompts(8, 3)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    eager = LLM(str(tiny_dir), device="cuda", dtype="float32", num_kv_blocks=512, num_swap_blocks=0,
-                enforce_eager=True)
+    eager = LLM(
+        str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=512,
+        num_swap_blocks=0,
+        enforce_eager=True,
+    )
     want = _tokens(eager.generate(None, params, prompt_token_ids=prompts))
-    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", num_kv_blocks=48,
-              num_swap_blocks=48 if mode == "swap" else 0, preemption_mode=mode, max_num_seqs=8)
+    llm = LLM(
+        str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=48,
+        num_swap_blocks=48 if mode == "swap" else 0,
+        preemption_mode=mode,
+        max_num_seqs=8,
+    )
     got = _tokens(llm.generate(None, params, prompt_token_ids=prompts))
     assert llm.stats()["num_preemptions"] > 0
     assert _runner(llm).graphs.replays > 0
@@ -286,9 +357,17 @@ def test_preemption_with_graphs(tiny_dir, mode):
 def test_worker_process_captures_too(tiny_dir):
     """The mp executor (TP 1) builds its Worker in a child process: same tokens as eager."""
     prompts = _prompts(5, 11)
-    eager = LLM(str(tiny_dir), device="cuda", num_kv_blocks=256, num_swap_blocks=0, enforce_eager=True)
-    llm = LLM(str(tiny_dir), device="cuda", num_kv_blocks=256, num_swap_blocks=0, max_num_seqs=8,
-              distributed_executor_backend="mp")
+    eager = LLM(
+        str(tiny_dir), device="cuda", num_kv_blocks=256, num_swap_blocks=0, enforce_eager=True
+    )
+    llm = LLM(
+        str(tiny_dir),
+        device="cuda",
+        num_kv_blocks=256,
+        num_swap_blocks=0,
+        max_num_seqs=8,
+        distributed_executor_backend="mp",
+    )
     try:
         got = _tokens(llm.generate(None, GREEDY, prompt_token_ids=prompts))
     finally:
@@ -300,9 +379,17 @@ def test_worker_process_captures_too(tiny_dir):
 def test_tensor_parallel_graphs(tiny_dir):
     """TP=2 over NCCL: the all-reduces and the lm_head all-gather are captured too."""
     prompts = _prompts(5, 13)
-    eager = LLM(str(tiny_dir), device="cuda", num_kv_blocks=256, num_swap_blocks=0, enforce_eager=True)
-    llm = LLM(str(tiny_dir), device="cuda", num_kv_blocks=256, num_swap_blocks=0, max_num_seqs=8,
-              tensor_parallel_size=2)
+    eager = LLM(
+        str(tiny_dir), device="cuda", num_kv_blocks=256, num_swap_blocks=0, enforce_eager=True
+    )
+    llm = LLM(
+        str(tiny_dir),
+        device="cuda",
+        num_kv_blocks=256,
+        num_swap_blocks=0,
+        max_num_seqs=8,
+        tensor_parallel_size=2,
+    )
     try:
         got = _tokens(llm.generate(None, GREEDY, prompt_token_ids=prompts))
     finally:

@@ -27,14 +27,25 @@ def _output_counts(batch: InputBatch, seq_id: int) -> torch.Tensor:
 def test_parameters_once_then_tokens_and_block_deltas() -> None:
     b = _batch()
     params = SeqParams(temperature=0.5, seed=3, min_tokens=2, banned_token_ids=[7])
-    (s,) = b.apply(StepInput([SeqStep(1, [5, 6, 8], 0, new_blocks=[4, 9])], [NewSeq(1, params, 3, sample_index=2)]))
+    (s,) = b.apply(
+        StepInput(
+            [SeqStep(1, [5, 6, 8], 0, new_blocks=[4, 9])], [NewSeq(1, params, 3, sample_index=2)]
+        )
+    )
     assert (s.block_table, s.start_pos, s.token_ids) == ([4, 9], 0, [5, 6, 8])
-    assert (s.sample.seed, s.sample.sample_index, s.sample.output_pos, s.sample.banned_token_ids) == (3, 2, 0, [7])
+    assert (
+        s.sample.seed,
+        s.sample.sample_index,
+        s.sample.output_pos,
+        s.sample.banned_token_ids,
+    ) == (3, 2, 0, [7])
     (s,) = b.apply(StepInput([SeqStep(1, [10], 3)]))  # nothing changed but one token
     assert s.block_table == [4, 9] and s.sample.output_pos == 1 and s.sample.banned_token_ids == [7]
     (s,) = b.apply(StepInput([SeqStep(1, [11], 4, new_blocks=[2])]))  # grows by a block
     assert s.block_table == [4, 9, 2] and s.sample.banned_token_ids is None  # min_tokens reached
-    (s,) = b.apply(StepInput([SeqStep(1, [12], 5, new_blocks=[3], num_kept_blocks=2)]))  # copy-on-write
+    (s,) = b.apply(
+        StepInput([SeqStep(1, [12], 5, new_blocks=[3], num_kept_blocks=2)])
+    )  # copy-on-write
     assert s.block_table == [4, 9, 3]
     (s,) = b.apply(StepInput([SeqStep(1, [13], 6, sample=False, num_kept_blocks=1)]))  # shrinks
     assert s.block_table == [4] and s.sample is None
@@ -60,9 +71,16 @@ def test_steps_that_do_not_fit_the_state_are_refused() -> None:
 def test_token_counts_follow_the_history_and_rows_are_reused() -> None:
     b = _batch()
     pen = SeqParams(temperature=1.0, frequency_penalty=0.5)
-    b.apply(StepInput([SeqStep(1, [3, 4, 4, 5], 0, new_blocks=[0])], [NewSeq(1, pen, 3, history=[3, 4, 4, 5])]))
-    b.apply(StepInput([SeqStep(1, [5], 3), SeqStep(2, [9], 0, new_blocks=[1])],
-                      [NewSeq(2, SeqParams(), 1)]))  # seq 1's token 5 was already counted
+    b.apply(
+        StepInput(
+            [SeqStep(1, [3, 4, 4, 5], 0, new_blocks=[0])], [NewSeq(1, pen, 3, history=[3, 4, 4, 5])]
+        )
+    )
+    b.apply(
+        StepInput(
+            [SeqStep(1, [5], 3), SeqStep(2, [9], 0, new_blocks=[1])], [NewSeq(2, SeqParams(), 1)]
+        )
+    )  # seq 1's token 5 was already counted
     b.apply(StepInput([SeqStep(1, [8], 4)]))
     assert _output_counts(b, 1).nonzero().squeeze(1).tolist() == [5, 8]
     assert _output_counts(b, 1)[[5, 8]].tolist() == [1, 1]
@@ -78,7 +96,9 @@ def test_token_counts_follow_the_history_and_rows_are_reused() -> None:
 def test_ranks_that_do_not_sample_keep_no_counts() -> None:
     b = InputBatch(VOCAB, torch.device("cpu"), samples=False)
     pen = SeqParams(temperature=1.0, repetition_penalty=1.5)
-    (s,) = b.apply(StepInput([SeqStep(1, [3], 0, new_blocks=[0])], [NewSeq(1, pen, 1, history=[3])]))
+    (s,) = b.apply(
+        StepInput([SeqStep(1, [3], 0, new_blocks=[0])], [NewSeq(1, pen, 1, history=[3])])
+    )
     assert b.counts is None and s.sample.counts is None and s.block_table == [0]
 
 
@@ -91,8 +111,13 @@ def test_the_builder_sends_a_sequence_once_then_deltas() -> None:
     tables = {0: [4, 9]}
     builder = StepBuilder(tables, eos_token_ids={2})
     seq = Sequence(0, [5, 6, 7], status=SequenceStatus.RUNNING)
-    group = SequenceGroup("r", [seq], SamplingParams(n=2, temperature=0.5, seed=1, min_tokens=1,
-                                                     stop_token_ids=[8], presence_penalty=0.5))
+    group = SequenceGroup(
+        "r",
+        [seq],
+        SamplingParams(
+            n=2, temperature=0.5, seed=1, min_tokens=1, stop_token_ids=[8], presence_penalty=0.5
+        ),
+    )
 
     def build(n: int):
         step = builder.build(SchedulerOutput([ScheduledSeq(group, seq, n)]))
@@ -137,7 +162,9 @@ def _check_mirror(engine) -> None:
         if state.request.counts is not None:
             rows.append(state.request.counts_row)
             n_out = state.num_counted - len(seq.prompt_token_ids)
-            want = torch.bincount(torch.tensor(seq.output_token_ids[:n_out], dtype=torch.long), minlength=VOCAB)
+            want = torch.bincount(
+                torch.tensor(seq.output_token_ids[:n_out], dtype=torch.long), minlength=VOCAB
+            )
             assert torch.equal(batch.counts.output[state.request.counts_row].long(), want)
             prompt = batch.counts.prompt[state.request.counts_row].nonzero().squeeze(1).tolist()
             assert prompt == sorted(set(seq.prompt_token_ids))
@@ -162,19 +189,35 @@ def _run_checked(llm, prompts, params) -> list:
 
 def _drain(llm) -> None:
     """One more step frees what the last step finished: then nothing but it is held."""
-    out = llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(temperature=0, max_tokens=2))
+    out = llm.generate(
+        prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(temperature=0, max_tokens=2)
+    )
     assert out[0].finished
     batch = llm.engine.executor.worker.input_batch
     assert len(batch) <= 1 and batch.counts.num_rows == 0
 
 
 PENALISED = [
-    SamplingParams(temperature=0, max_tokens=12, presence_penalty=1.5, repetition_penalty=1.3, ignore_eos=True),
-    SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10, frequency_penalty=1.0, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_k=20, seed=2, max_tokens=14, min_tokens=4, repetition_penalty=0.7),
+    SamplingParams(
+        temperature=0, max_tokens=12, presence_penalty=1.5, repetition_penalty=1.3, ignore_eos=True
+    ),
+    SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=10, frequency_penalty=1.0, ignore_eos=True
+    ),
+    SamplingParams(
+        temperature=0.8, top_k=20, seed=2, max_tokens=14, min_tokens=4, repetition_penalty=0.7
+    ),
     BeamSearchParams(3, 8).to_sampling_params(),
-    SamplingParams(n=2, best_of=3, temperature=0.9, top_p=0.7, seed=9, max_tokens=9, presence_penalty=-1.0,
-                   ignore_eos=True),
+    SamplingParams(
+        n=2,
+        best_of=3,
+        temperature=0.9,
+        top_p=0.7,
+        seed=9,
+        max_tokens=9,
+        presence_penalty=-1.0,
+        ignore_eos=True,
+    ),
 ]
 
 
@@ -192,11 +235,22 @@ def _tokens(outs) -> list:
 def test_state_stays_exact_through_forks_beams_and_preemption(tiny_dir, mode):
     roomy = LLM(str(tiny_dir), device="cpu", block_size=8, num_kv_blocks=512, num_swap_blocks=0)
     want = _run_checked(roomy, _prompts(), PENALISED)
-    alone = [roomy.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p, sp in zip(_prompts(), PENALISED)]
-    assert _tokens(want) == _tokens(alone)  # penalised and seeded samples do not depend on the batch
+    alone = [
+        roomy.generate(prompt_token_ids=[p], sampling_params=sp)[0]
+        for p, sp in zip(_prompts(), PENALISED)
+    ]
+    assert _tokens(want) == _tokens(
+        alone
+    )  # penalised and seeded samples do not depend on the batch
     _drain(roomy)
-    small = LLM(str(tiny_dir), device="cpu", block_size=8, num_kv_blocks=20, num_swap_blocks=64,
-                preemption_mode=mode)
+    small = LLM(
+        str(tiny_dir),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=20,
+        num_swap_blocks=64,
+        preemption_mode=mode,
+    )
     got = _run_checked(small, _prompts(), PENALISED)
     assert small.stats()["num_preemptions"] > 0
     assert _tokens(got) == _tokens(want)

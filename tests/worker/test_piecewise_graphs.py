@@ -30,7 +30,9 @@ def _runner(llm: LLM):
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(1000) for _ in range(rng.choice([3, 40, 90, 200, 333]))] for _ in range(n)]
+    return [
+        [rng.randrange(1000) for _ in range(rng.choice([3, 40, 90, 200, 333]))] for _ in range(n)
+    ]
 
 
 def test_token_buckets():
@@ -55,14 +57,22 @@ def test_cpu_never_captures(tiny_dir):
 def test_replay_equals_eager_same_step(tiny_dir):
     """One mixed step: 3 decodes, a fresh 40-token prompt, a 25-token chunk after a cached
     prefix of 30 — 68 tokens, replayed in the 128-token bucket (60 rows of padding)."""
-    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", num_kv_blocks=256, num_swap_blocks=0,
-              max_num_batched_tokens=256)
+    llm = LLM(
+        str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=256,
+        num_swap_blocks=0,
+        max_num_batched_tokens=256,
+    )
     runner, kv = _runner(llm), llm.engine.executor.worker.cache.device_cache
     rng = random.Random(0)
     greedy = SampleRequest()
     # Fill the caches first: contexts of the decodes and the chunk's prefix (one eager step).
-    warm = [SeqInput(i, [rng.randrange(1000) for _ in range(n)], 0, list(range(i * 8, i * 8 + 8)), None)
-            for i, n in enumerate([9, 20, 33, 30])]
+    warm = [
+        SeqInput(i, [rng.randrange(1000) for _ in range(n)], 0, list(range(i * 8, i * 8 + 8)), None)
+        for i, n in enumerate([9, 20, 33, 30])
+    ]
     runner.forward(warm, kv, use_graphs=False)
     step = [
         SeqInput(0, [5], 9, list(range(0, 8)), greedy),
@@ -86,15 +96,27 @@ def test_replay_equals_eager_same_step(tiny_dir):
 @pytest.mark.parametrize("mode", ["none", "recompute"])
 def test_greedy_piecewise_equals_eager(tiny_dir, mode):
     prompts = _prompts(12, 7)
-    kw = dict(device="cuda", dtype="float32", num_swap_blocks=0, max_num_seqs=16,
-              max_num_batched_tokens=64, num_kv_blocks=512 if mode == "none" else 32)
+    kw = dict(
+        device="cuda",
+        dtype="float32",
+        num_swap_blocks=0,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        num_kv_blocks=512 if mode == "none" else 32,
+    )
     if mode == "recompute":
         kw["preemption_mode"] = "recompute"
-    want = [list(o.outputs[0].token_ids)
-            for o in LLM(str(tiny_dir), enforce_eager=True, **kw).generate(None, GREEDY, prompt_token_ids=prompts)]
+    want = [
+        list(o.outputs[0].token_ids)
+        for o in LLM(str(tiny_dir), enforce_eager=True, **kw).generate(
+            None, GREEDY, prompt_token_ids=prompts
+        )
+    ]
     llm = LLM(str(tiny_dir), **kw)
     warm_replays = _runner(llm).mixed_graphs.replays  # the prefill cap's warm-up steps at start
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)]
+    got = [
+        list(o.outputs[0].token_ids) for o in llm.generate(None, GREEDY, prompt_token_ids=prompts)
+    ]
     assert got == want
     assert _runner(llm).mixed_graphs.replays - warm_replays >= 10
     if mode == "recompute":

@@ -52,7 +52,8 @@ def test_top_k_and_top_logprobs_past_the_vocabulary() -> None:
     same_seed = SampleRequest(temperature=0.8, seed=9)
     want = Sampler()(x.clone(), [same_seed, SampleRequest()])
     got = Sampler()(
-        x.clone(), [SampleRequest(temperature=0.8, seed=9, top_k=10**6), SampleRequest(logprobs=VOCAB + 5)]
+        x.clone(),
+        [SampleRequest(temperature=0.8, seed=9, top_k=10**6), SampleRequest(logprobs=VOCAB + 5)],
     )
     assert got[0].token_ids == want[0].token_ids
     assert len(got[1].top_logprobs[0]) == VOCAB
@@ -89,9 +90,14 @@ def test_seeded_samples_do_not_depend_on_their_batch() -> None:
     # The same rows among unseeded, greedy and other seeded rows, in another order, on a
     # sampler with another generator state.
     noise = logits(6, seed=5)
-    others = [SampleRequest(temperature=1.0), SampleRequest(), SampleRequest(temperature=0.5, top_k=3),
-              SampleRequest(temperature=1.0, top_p=0.9), SampleRequest(temperature=2.0, seed=77),
-              SampleRequest(logprobs=2)]
+    others = [
+        SampleRequest(temperature=1.0),
+        SampleRequest(),
+        SampleRequest(temperature=0.5, top_k=3),
+        SampleRequest(temperature=1.0, top_p=0.9),
+        SampleRequest(temperature=2.0, seed=77),
+        SampleRequest(logprobs=2),
+    ]
     order = [4, 2, 0, 3, 1]
     rows = torch.cat([noise[:3], x[order], noise[3:]])
     out = Sampler(seed=123)(rows, others[:3] + [SEEDED[i] for i in order] + others[3:])
@@ -104,9 +110,15 @@ def test_a_seed_is_a_stream_over_positions_and_samples() -> None:
     tokens = _tokens(Sampler()(x.clone(), at))
     assert tokens == _tokens(Sampler(seed=5)(x.clone(), at))
     assert len(set(tokens)) > 10  # positions draw independently
-    fan = Sampler()(x[:1].clone(), [SampleRequest(num_samples=3, temperature=1.0, seed=8, output_pos=5)])
-    one_by_one = [Sampler()(x[:1].clone(), [SampleRequest(temperature=1.0, seed=8, output_pos=5, sample_index=j)])
-                  for j in range(3)]
+    fan = Sampler()(
+        x[:1].clone(), [SampleRequest(num_samples=3, temperature=1.0, seed=8, output_pos=5)]
+    )
+    one_by_one = [
+        Sampler()(
+            x[:1].clone(), [SampleRequest(temperature=1.0, seed=8, output_pos=5, sample_index=j)]
+        )
+        for j in range(3)
+    ]
     assert fan[0].token_ids == [o[0].token_ids[0] for o in one_by_one]
 
 
@@ -124,16 +136,19 @@ def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
     return q / q.sum()
 
 
-@pytest.mark.parametrize("req", [
-    {"temperature": 1.0},
-    {"temperature": 0.7, "top_p": 0.6},  # full vocabulary, draws outside the nucleus redrawn
-    {"temperature": 1.0, "top_k": 4, "top_p": 0.8},
-])
+@pytest.mark.parametrize(
+    "req",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_p": 0.6},  # full vocabulary, draws outside the nucleus redrawn
+        {"temperature": 1.0, "top_k": 4, "top_p": 0.8},
+    ],
+)
 def test_draws_follow_the_filtered_distribution(req) -> None:
     x = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
     p = (x[0] / req["temperature"]).softmax(0)
     if "top_k" in req:
-        p[p.argsort(descending=True)[req["top_k"]:]] = 0
+        p[p.argsort(descending=True)[req["top_k"] :]] = 0
         p /= p.sum()
     want = _nucleus(p, req.get("top_p", 1.0))
     got = _frequencies(x, req, 20000)
@@ -145,7 +160,10 @@ def test_counter_based_exponentials() -> None:
     from streamkv.layers.sampler import hashed_exponentials, stream_keys
 
     keys = stream_keys([1, 1, 2], [0, 0, 0], [0, 1, 0])
-    assert len(set(keys.tolist() + stream_keys([1, -1, 2**64 + 1], [1, 0, 0], [0, 0, 0], 1).tolist())) == 6
+    assert (
+        len(set(keys.tolist() + stream_keys([1, -1, 2**64 + 1], [1, 0, 0], [0, 0, 0], 1).tolist()))
+        == 6
+    )
     assert keys.tolist() == stream_keys([2, 1, 1], [0, 0, 0], [0, 1, 0]).tolist()[::-1]
     q = hashed_exponentials(keys, torch.arange(200_000))
     assert (q > 0).all() and torch.isfinite(q).all()
@@ -173,7 +191,9 @@ def test_no_generator_per_row_and_no_vocabulary_sort(monkeypatch) -> None:
 
 def test_top_logprobs_only_for_the_rows_that_ask() -> None:
     x = logits(3, seed=8)
-    out = Sampler()(x.clone(), [SampleRequest(), SampleRequest(logprobs=3), SampleRequest(num_candidates=4)])
+    out = Sampler()(
+        x.clone(), [SampleRequest(), SampleRequest(logprobs=3), SampleRequest(num_candidates=4)]
+    )
     ref = x.log_softmax(-1)
     assert out[0].top_logprobs is None and out[0].candidates is None
     top = ref[1].topk(3)
@@ -200,8 +220,17 @@ def test_penalties_from_token_counts_match_a_direct_count() -> None:
             want[i, t] = want[i, t] / rep if want[i, t] > 0 else want[i, t] * rep
         for t in set(output):
             want[i, t] -= freq * output.count(t) + pres
-    reqs = [SampleRequest(presence_penalty=a, frequency_penalty=b, repetition_penalty=c, counts=counts, counts_row=r,
-                          logprobs=VOCAB) for (a, b, c), r in zip(params, rows)]
+    reqs = [
+        SampleRequest(
+            presence_penalty=a,
+            frequency_penalty=b,
+            repetition_penalty=c,
+            counts=counts,
+            counts_row=r,
+            logprobs=VOCAB,
+        )
+        for (a, b, c), r in zip(params, rows)
+    ]
     out = Sampler()(x.clone(), reqs)
     for i, res in enumerate(out):
         got = torch.full((VOCAB,), float("nan"))
@@ -225,7 +254,9 @@ def test_seeded_draws_are_the_same_on_cuda_and_cpu() -> None:
 
     keys = stream_keys(list(range(8)), [0] * 8, list(range(8)))
     ids = torch.arange(128_256)
-    torch.testing.assert_close(hashed_exponentials(keys.cuda(), ids.cuda()).cpu(), hashed_exponentials(keys, ids))
+    torch.testing.assert_close(
+        hashed_exponentials(keys.cuda(), ids.cuda()).cpu(), hashed_exponentials(keys, ids)
+    )
     x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(11)) * 3
     reqs = [SampleRequest(temperature=0.9, top_k=40, seed=s, output_pos=s) for s in range(4)]
     reqs += [SampleRequest(temperature=1.1, top_p=0.8, seed=s) for s in range(4)]
@@ -243,7 +274,9 @@ def _allowed_rows(device: str) -> list[list[int]]:
         reqs = [
             SampleRequest(allowed_mask=mask_of(allowed[0], VOCAB), logit_bias={5: 100.0}),  # greedy
             SampleRequest(temperature=1.0, seed=step, allowed_mask=mask_of(allowed[1], VOCAB)),
-            SampleRequest(temperature=2.0, top_p=0.95, allowed_mask=mask_of(allowed[2], VOCAB), num_samples=2),
+            SampleRequest(
+                temperature=2.0, top_p=0.95, allowed_mask=mask_of(allowed[2], VOCAB), num_samples=2
+            ),
             SampleRequest(temperature=1.0, top_k=3),  # unmasked: anything
         ]
         out = sampler(x, reqs)
