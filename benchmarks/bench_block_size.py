@@ -189,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         "CUDA kernel (kernels_cu/paged_attention.cu)" if cuda else "torch reference (ops.py)"
     )
     print(
-        f"{name}: paged = {paged_impl}; contiguous = torch SDPA; {args.heads} heads x {args.head_size}, {dtype}"
+        f"{name}: paged = {paged_impl}; contiguous = torch "
+        f"SDPA; {args.heads} heads x {args.head_size}, {dtype}"
     )
     print(
-        f"{'batch':>5}{'ctx':>5}{'block':>6}{'paged us':>10}{'contig us':>11}{'ratio':>7}{'rel err':>9}"
+        f"{'batch':>5}{'ctx':>5}{'block':>6}{'paged us':>10}"
+        f"{'contig us':>11}{'ratio':>7}{'rel err':>9}"
     )
     rows = []
     for batch in parse_ints(args.batch_sizes):

@@ -267,7 +267,8 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(
-        f"\n{'variant':<22} {'b1 ms':>8} {'gpu ms':>7} {'idle':>6} {'overlap':>7}  gemm / attention / fused / other"
+        f"\n{'variant':<22} {'b1 ms':>8} {'gpu ms':>7} {'idle':>6} "
+        f"{'overlap':>7}  gemm / attention / fused / other"
         "   | ms per step by batch"
     )
     for r in result.get("steps", []):
@@ -276,8 +277,10 @@ def main() -> int:
             continue
         s = r["split"]
         print(
-            f"{r['variant']:<22} {r['graph_ms_per_step']:>8.3f} {r['gpu_ms']:>7.3f} {r['idle_ms']:>6.3f} "
-            f"{r['overlap_ms']:>7.3f}  {s['gemm']['ms_per_step']:.3f} ({s['gemm']['kernels_per_step']:.0f}) / "
+            f"{r['variant']:<22} {r['graph_ms_per_step']:>8.3f} "
+            f"{r['gpu_ms']:>7.3f} {r['idle_ms']:>6.3f} "
+            f"{r['overlap_ms']:>7.3f}  {s['gemm']['ms_per_step']:.3f} "
+            f"({s['gemm']['kernels_per_step']:.0f}) / "
             f"{s['attention']['ms_per_step']:.3f} / {s['fused_elementwise']['ms_per_step']:.3f} "
             f"({s['fused_elementwise']['kernels_per_step']:.0f}) / {s['other']['ms_per_step']:.3f} "
             f"({s['other']['kernels_per_step']:.0f})   | "

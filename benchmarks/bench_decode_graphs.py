@@ -258,9 +258,12 @@ def main() -> int:
         rows.append(row)
 
     print(
-        f"{args.label + ': ' if args.label else ''}{args.model} {args.dtype} on {torch.cuda.get_device_name()}: "
-        f"context {args.context}+, {args.steps} steps; {graph_count} graphs (batch {graphs.sizes[0]}.."
-        f"{graphs.max_batch}, context buckets {buckets}) captured in {graphs.capture_seconds:.1f}s, "
+        f"{args.label + ': ' if args.label else ''}{args.model} "
+        f"{args.dtype} on {torch.cuda.get_device_name()}: "
+        f"context {args.context}+, {args.steps} steps; "
+        f"{graph_count} graphs (batch {graphs.sizes[0]}.."
+        f"{graphs.max_batch}, context buckets {buckets}) "
+        f"captured in {graphs.capture_seconds:.1f}s, "
         f"{graphs.memory_bytes / 2**20:.0f} MiB"
     )
     print(f"{'batch':>6} {'graph ms':>9} {'eager ms':>9} {'speedup':>8} {'tokens/s':>10}")
@@ -271,7 +274,8 @@ def main() -> int:
             else f"{'-':>9} {'-':>8}"
         )
         print(
-            f"{r['batch']:>6} {r['graph_ms_per_step']:>9.2f} {eager} {r['graph_tokens_per_s']:>10.0f}"
+            f"{r['batch']:>6} {r['graph_ms_per_step']:>9.2f} "
+            f"{eager} {r['graph_tokens_per_s']:>10.0f}"
         )
     if args.profile:
         print(
@@ -289,14 +293,17 @@ def main() -> int:
         for r in rows:
             p = r["profile"]
             print(
-                f"batch {r['batch']}: attention {p['split']['attention']['ms_per_step']:.3f} ms for "
-                f"{p['kv_bytes_per_step'] / 1e9:.2f} GB of K/V = {p['attention_vs_copy']:.2f}x its time at copy bandwidth"
+                f"batch {r['batch']}: attention "
+                f"{p['split']['attention']['ms_per_step']:.3f} ms for "
+                f"{p['kv_bytes_per_step'] / 1e9:.2f} GB of K/V = "
+                f"{p['attention_vs_copy']:.2f}x its time at copy bandwidth"
             )
         for r in rows:
             print(f"\nbatch {r['batch']}: top kernels (ms per step, calls per step)")
             for k in r["profile"]["top"]:
                 print(
-                    f"  {k['ms_per_step']:>7.3f} {k['calls_per_step']:>6.0f}  {k['category']:<17} {k['kernel']}"
+                    f"  {k['ms_per_step']:>7.3f} {k['calls_per_step']:>6.0f} "
+                    f" {k['category']:<17} {k['kernel']}"
                 )
     if args.out:
         result = {

@@ -9,7 +9,8 @@ Two executors, each run with async scheduling off and on (SchedulerConfig.async_
 - ``instant``: the step is answered inside submit. Wall and engine-thread CPU time per step
   are the engine's host cost (async on adds its bookkeeping; nothing can overlap).
 - ``gpu``: a stand-in device takes --gpu-ms per step, in submission order, like a CUDA
-  stream; submit returns at once and result() waits until the step's end. Synchronous, a step costs host + GPU; overlapped, ideally max(host, GPU).
+  stream; submit returns at once and result() waits until the step's end. Synchronous, a
+  step costs host + GPU; overlapped, ideally max(host, GPU).
   "host" is the engine's wall time per step outside those waits (on a busy machine more
   than its CPU time); "hidden" is the share of the time that could overlap, the shorter of
   host and GPU, that did: (host + gpu - wall) / min(host, gpu). 100% is a perfect overlap.
@@ -229,7 +230,10 @@ def main() -> int:
     ap.add_argument(
         "--model",
         default=None,
-        help="a local model directory whose tokenizer and config to use (default: the embedded model)",
+        help=(
+            "a local model directory whose tokenizer and "
+            "config to use (default: the embedded model)"
+        ),
     )
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
@@ -277,19 +281,25 @@ def main() -> int:
         run(args, "instant", False, profile=True)
     print(
         f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
-        f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}"
+        f"{', finished-only outputs' if args.finished_only else ''}"
+        f"{', gc frozen' if args.gc_freeze else ''}"
     )
     print(
-        f"{'executor':<9} {'async':<6} {'steps':>6} {'overlapped':>10} {'engine CPU ms':>13} {'host ms':>8} "
-        f"{'GPU ms':>7} {'wall ms':>8} {'max(host,GPU)':>13} {'hidden':>7} {'GC ms':>6} {'full GCs':>8}"
+        f"{'executor':<9} {'async':<6} {'steps':>6} "
+        f"{'overlapped':>10} {'engine CPU ms':>13} {'host ms':>8} "
+        f"{'GPU ms':>7} {'wall ms':>8} {'max(host,GPU)':>13} "
+        f"{'hidden':>7} {'GC ms':>6} {'full GCs':>8}"
     )
     for r in rows:
         ideal = f"{r['ideal_ms_per_step']:.2f}" if "ideal_ms_per_step" in r else "-"
         hidden = f"{r['hidden']:.0%}" if "hidden" in r else "-"
         print(
-            f"{r['mode']:<9} {'on' if r['async_scheduling'] else 'off':<6} {r['steps']:>6} {r['overlapped_steps']:>10} "
-            f"{r['engine_cpu_ms_per_step']:>13.2f} {r['host_ms_per_step']:>8.2f} {r['gpu_ms']:>7.1f} "
-            f"{r['wall_ms_per_step']:>8.2f} {ideal:>13} {hidden:>7} {r['gc_ms_per_step']:>6.2f} {r['full_collections']:>8}"
+            f"{r['mode']:<9} {'on' if r['async_scheduling'] else 'off':<6} "
+            f"{r['steps']:>6} {r['overlapped_steps']:>10} "
+            f"{r['engine_cpu_ms_per_step']:>13.2f} "
+            f"{r['host_ms_per_step']:>8.2f} {r['gpu_ms']:>7.1f} "
+            f"{r['wall_ms_per_step']:>8.2f} {ideal:>13} {hidden:>7} "
+            f"{r['gc_ms_per_step']:>6.2f} {r['full_collections']:>8}"
         )
     if args.out:
         with open(args.out, "w") as f:
@@ -339,7 +349,8 @@ def _compare(args) -> int:
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(
         f"{args.num_seqs} sequences x {args.output_len} tokens, prompts < {args.max_prompt_len}"
-        f"{', finished-only outputs' if args.finished_only else ''}{', gc frozen' if args.gc_freeze else ''}; "
+        f"{', finished-only outputs' if args.finished_only else ''}"
+        f"{', gc frozen' if args.gc_freeze else ''}; "
         f"{args.repeat} alternating runs each"
     )
     print(f"against: {trees['against']}\nthis:    {trees['this']}")
@@ -363,8 +374,10 @@ def _compare(args) -> int:
             }
             table.append(fig)
             print(
-                f"{row['mode']:<9} {'on' if row['async_scheduling'] else 'off':<6} {key.split('_ms')[0]:<15} "
-                f"{min(a):>11.2f} {statistics.median(a):>7.2f} {min(t):>9.2f} {statistics.median(t):>7.2f} "
+                f"{row['mode']:<9} {'on' if row['async_scheduling'] else 'off':<6} "
+                f"{key.split('_ms')[0]:<15} "
+                f"{min(a):>11.2f} {statistics.median(a):>7.2f} "
+                f"{min(t):>9.2f} {statistics.median(t):>7.2f} "
                 f"{fig['ratio_min']:>9.2f} {fig['ratio_median']:>7.2f}"
             )
     if args.out:

@@ -162,7 +162,8 @@ def main() -> None:
         for eng in ("xgrammar", "llguidance"):
             r = res[eng][name]
             print(
-                f"{name:<12} {eng:<11} {r['compile_ms']:>10.1f} {r['us_per_token']:>19.1f} {r['tokens']:>6}"
+                f"{name:<12} {eng:<11} {r['compile_ms']:>10.1f} "
+                f"{r['us_per_token']:>19.1f} {r['tokens']:>6}"
             )
     for eng in ("xgrammar", "llguidance"):
         res[eng + "_mean_us"] = float(np.mean([r["us_per_token"] for r in res[eng].values()]))

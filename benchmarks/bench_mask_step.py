@@ -115,7 +115,8 @@ def main() -> int:
         },
     }
     print(
-        f"{args.rows} rows x {args.vocab} tokens on {device}, host us a call (mean of {args.calls}):"
+        f"{args.rows} rows x {args.vocab} tokens on "
+        f"{device}, host us a call (mean of {args.calls}):"
     )
     for name, us in result["us"].items():
         print(f"  {name:<15}{us:>9.1f}")

@@ -154,7 +154,8 @@ def run_kernels(args) -> list[dict]:
         head, tile = parse_tile(text)
         rows.append(bench_kernel(by_head[head], args.iters, tile))
     print(
-        f"\nPrefill attention on {torch.cuda.get_device_name()} (bf16; us = median CUDA-graph replay)"
+        f"\nPrefill attention on {torch.cuda.get_device_name()} "
+        "(bf16; us = median CUDA-graph replay)"
     )
     print_table(
         rows,
@@ -250,13 +251,15 @@ def run_e2e(args) -> list[dict]:
         rows[-2]["vs_transformers"] = rows[-2]["prompt_tok_s"] / rows[-1]["prompt_tok_s"]
         print(
             f"{n} x {length}: streamkv {rows[-2]['prompt_tok_s']:.0f} tok/s, "
-            f"transformers {rows[-1]['prompt_tok_s']:.0f} tok/s ({rows[-2]['vs_transformers']:.2f}x)",
+            f"transformers {rows[-1]['prompt_tok_s']:.0f} "
+            f"tok/s ({rows[-2]['vs_transformers']:.2f}x)",
             flush=True,
         )
     from benchmarks.bench_kernels import print_table
 
     print(
-        f"\nEnd-to-end prefill, {args.model} dummy bf16, max_tokens=1, {params / 1e9:.2f}e9 params, "
+        f"\nEnd-to-end prefill, {args.model} dummy bf16, "
+        f"max_tokens=1, {params / 1e9:.2f}e9 params, "
         f"roofline at {args.peak_tflops:.0f} TFLOP/s; best of {args.rounds}"
     )
     print_table(

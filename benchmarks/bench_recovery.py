@@ -11,7 +11,8 @@ copy of its config.json with a synthetic one, "t0".."tN" one word per id, so tha
 resumed text can still be compared):
 
     python benchmarks/bench_recovery.py --model llama3-8b --device cuda --dtype bfloat16 \
-        --num-kv-blocks 4096 --max-num-seqs 8 --faults SIGKILL,SIGSTOP --json-out /tmp/recovery_gpu.json
+        --num-kv-blocks 4096 --max-num-seqs 8 --faults SIGKILL,SIGSTOP \
+        --json-out /tmp/recovery_gpu.json
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def main() -> int:
     print(f"{'fault':8} {'detected s':>11} {'restarted s':>12} {'first token s':>14} same text")
     for r in rows:
         print(
-            f"{r['fault']:8} {r.get('detected', float('nan')):11.2f} {r.get('restarted', float('nan')):12.2f} "
+            f"{r['fault']:8} {r.get('detected', float('nan')):11.2f} "
+            f"{r.get('restarted', float('nan')):12.2f} "
             f"{r.get('first_token', float('nan')):14.2f} {r['same_text']}"
         )
     print(f"server start (model load, cache, graphs): {started_s:.1f} s")

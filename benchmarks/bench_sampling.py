@@ -21,7 +21,8 @@ With --sampler-only it times the Sampler alone instead, on random logits of --ma
 rows (each penalised row with a 110-token prompt and 128 outputs counted): ms per call (the
 tokens read back), and on CUDA the GPU time per call (torch.profiler) for the kernel path
 (kernels_cu/sampling.cu) and the torch reference path.
-    python benchmarks/bench_sampling.py --model llama3-8b --load-format dummy --dtype bfloat16 --device cuda
+    python benchmarks/bench_sampling.py --model llama3-8b --load-format dummy --dtype bfloat16 \
+        --device cuda
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def sampler_only(args, modes: list[str]) -> list[dict]:
                 row["gpu_ms_per_call"], row["kernel_ms_per_call"] = _gpu_ms(step, args.calls)
             out.append(row)
     print(
-        f"\nsampler alone on {dev}: {rows} rows x {vocab} vocabulary (bf16 logits), mean of {args.calls} calls"
+        f"\nsampler alone on {dev}: {rows} rows x {vocab} "
+        f"vocabulary (bf16 logits), mean of {args.calls} calls"
     )
     print(f"{'mode':<14}{'path':<8}{'ms/call':>10}{'GPU ms/call':>13}{'kernel ms':>11}")
     for r in out:
@@ -250,11 +252,13 @@ def _print_table(rows: list[dict], name: dict, llm, args) -> None:
     print(
         f"\nmodel {args.model or 'embedded'} ({args.load_format}, {ex.dtype}, {ex.device}), "
         f"{llm.engine.config.model.executor_backend} executor; {args.num_requests} requests x "
-        f"{args.output_len} tokens, prompts {args.prompt_len} tokens, max_num_seqs {args.max_num_seqs}, "
+        f"{args.output_len} tokens, prompts {args.prompt_len} "
+        f"tokens, max_num_seqs {args.max_num_seqs}, "
         f"median of {args.rounds}"
     )
     print(
-        f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
+        f"{'mode':<20}{'seconds':>9}{'out tok/s':>11}"
+        f"{'vs greedy':>10}{'sampler ms':>11}{'ms/step':>9}"
         f"{'steps':>7}{'overlap':>8}{'GPU ms/step':>12}"
     )
     for r in rows:
@@ -264,8 +268,10 @@ def _print_table(rows: list[dict], name: dict, llm, args) -> None:
             return format(r[key], fmt) if key in r else "-"
 
         print(
-            f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}{r['output_tok_s']:>11.1f}{ratio:>10}"
-            f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}{f('steps', '.0f'):>7}{f('overlapped_fraction'):>8}"
+            f"{name[(r['mode'], r['path'])]:<20}{r['seconds']:>9.2f}"
+            f"{r['output_tok_s']:>11.1f}{ratio:>10}"
+            f"{f('sampler_ms_per_step'):>11}{f('wall_ms_per_step'):>9}"
+            f"{f('steps', '.0f'):>7}{f('overlapped_fraction'):>8}"
             f"{f('gpu_ms_per_step'):>12}"
         )
 

@@ -173,7 +173,8 @@ def main() -> int:
                 }
             )
             print(
-                f"{name:<9}{kind:<12}{width:>3}  {t:7.1f}s  {tokens / t:8.1f} tok/s  savings {stats['sharing_savings']:.1%}",
+                f"{name:<9}{kind:<12}{width:>3}  {t:7.1f}s  {tokens / t:8.1f} "
+                f"tok/s  savings {stats['sharing_savings']:.1%}",
                 flush=True,
             )
 
@@ -208,7 +209,8 @@ def main() -> int:
         prefix_rows.append(result)
 
     print(
-        f"\n{'workload':<10}{'mode':<12}{'w':>3}{'seconds':>9}{'out tok/s':>11}{'savings':>9}{'kv util':>9}{'peak blk':>9}"
+        f"\n{'workload':<10}{'mode':<12}{'w':>3}{'seconds':>9}"
+        f"{'out tok/s':>11}{'savings':>9}{'kv util':>9}{'peak blk':>9}"
     )
     for r in rows:
         print(
@@ -216,7 +218,8 @@ def main() -> int:
             f"{r['sharing_savings']:>9.1%}{r['kv_utilization']:>9.1%}{r['peak_blocks']:>9}"
         )
     print(
-        f"\n{'prefix':<10}{'tokens':>7}{'reqs':>6}{'off s':>8}{'on s':>8}{'speedup':>9}{'hit rate':>10}"
+        f"\n{'prefix':<10}{'tokens':>7}{'reqs':>6}{'off s':>8}"
+        f"{'on s':>8}{'speedup':>9}{'hit rate':>10}"
     )
     for r in prefix_rows:
         print(
@@ -281,7 +284,8 @@ def simulate(args) -> int:
             rows.append(row)
             engine.shutdown()
             print(
-                f"{workload:<9}{kind:<12}{width:>3}  savings {row['sharing_savings']:6.1%}  batched "
+                f"{workload:<9}{kind:<12}{width:>3}  savings "
+                f"{row['sharing_savings']:6.1%}  batched "
                 f"{row['avg_batched_requests']:6.1f}  completed {row['completed']}/{len(reqs)}",
                 flush=True,
             )

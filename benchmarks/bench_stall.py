@@ -197,7 +197,8 @@ def main() -> int:
     )  # nan: no victim chunk came while that request was in flight
     result["worst_victim_gap_s"] = worst
     print(
-        f"victims alone: worst gap {result['baseline_worst_gap_s']:.2f} s; with a hostile request in "
+        f"victims alone: worst gap {result['baseline_worst_gap_s']:.2f} "
+        "s; with a hostile request in "
         f"flight: worst {worst:.2f} s"
     )
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)

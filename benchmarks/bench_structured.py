@@ -16,7 +16,8 @@ from the timed rounds, whose time the clock's wrappers would inflate. Prints a t
 writes JSON, including how many structured outputs parsed and validated.
 
     python benchmarks/bench_structured.py --device cpu --num-requests 64 --output-len 64
-    python benchmarks/bench_structured.py --device cpu --async-scheduling ...   (off by default on a CPU)
+    # --async-scheduling is off by default on a CPU:
+    python benchmarks/bench_structured.py --device cpu --async-scheduling ...
     python benchmarks/bench_structured.py --load-format dummy --device cuda --dtype bfloat16
 
     python benchmarks/bench_structured.py --model bench_inputs/smollm2-tokenizer --shape llama3-8b \
@@ -198,13 +199,18 @@ def main() -> int:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="schedule step N+1 while step N runs (default: the engine's: on for a GPU, off for a CPU)",
+        help=(
+            "schedule step N+1 while step N runs (default: "
+            "the engine's: on for a GPU, off for a CPU)"
+        ),
     )
     ap.add_argument(
         "--overlap-structured",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="let structured steps overlap the next one (their masks follow; default: the engine's)",
+        help=(
+            "let structured steps overlap the next one (their masks follow; default: the engine's)"
+        ),
     )
     ap.add_argument(
         "--phases",
@@ -219,7 +225,8 @@ def main() -> int:
     if args.shape is not None:
         if args.load_format != "dummy" or args.model is None:
             raise SystemExit(
-                "--shape takes --model TOKENIZER_DIR and --load-format dummy (the preset has no weights)"
+                "--shape takes --model TOKENIZER_DIR and "
+                "--load-format dummy (the preset has no weights)"
             )
         with tempfile.TemporaryDirectory(prefix=f"streamkv-{args.shape}-") as tmp:
             return bench(args, str(shaped_model_dir(args.shape, args.model, tmp)))
@@ -312,8 +319,10 @@ def bench(args, model: str | None) -> int:
     ex = llm.engine.executor
     shape = args.shape or "the model's own"
     print(
-        f"\nmodel {args.model or 'embedded'}, shape {shape} ({args.load_format}, {ex.dtype}, {ex.device}); batch {n}, "
-        f"structured max_tokens {args.output_len}, median of {args.rounds}; {ok}/{n} structured outputs "
+        f"\nmodel {args.model or 'embedded'}, shape {shape} "
+        f"({args.load_format}, {ex.dtype}, {ex.device}); batch {n}, "
+        f"structured max_tokens {args.output_len}, median "
+        f"of {args.rounds}; {ok}/{n} structured outputs "
         f"parse and validate (the rest hit max_tokens); outputs {digest}"
     )
     print(f"{'mode':<15}{'seconds':>10}{'tokens':>9}{'out tok/s':>12}")
@@ -327,11 +336,13 @@ def bench(args, model: str | None) -> int:
     if phases:
         g = phases["json_schema"]["grammar_s"]
         print(
-            f"the grammar's host time (profiled run): {g:.3f}s of {phases['json_schema']['seconds']:.3f}s"
+            f"the grammar's host time (profiled run): {g:.3f}s "
+            f"of {phases['json_schema']['seconds']:.3f}s"
         )
     print(
         f"async scheduling {'on' if engine.async_scheduling else 'off'}, overlap_structured "
-        f"{'on' if engine.config.scheduler.overlap_structured else 'off'}; steps overlapped over the rounds: "
+        f"{'on' if engine.config.scheduler.overlap_structured else 'off'}; "
+        "steps overlapped over the rounds: "
         + ", ".join(f"{mode} {k}" for mode, k in overlapped.items())
     )
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)

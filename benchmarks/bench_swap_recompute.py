@@ -224,7 +224,8 @@ def main() -> int:
         "--clock",
         choices=["auto", "wall", "cpu"],
         default="auto",
-        help="wall time, or this process's CPU time with torch on one thread (auto: cpu on the CPU, "
+        help="wall time, or this process's CPU time with "
+        "torch on one thread (auto: cpu on the CPU, "
         "where other jobs' load inflates wall time but not CPU time)",
     )
     ap.add_argument("--json-out", default="bench_results/swap_recompute.json")
@@ -240,7 +241,10 @@ def main() -> int:
         "--replot",
         metavar="JSON",
         default=None,
-        help="only draw --plot from a --json-out file (e.g. one written on a GPU box without matplotlib)",
+        help=(
+            "only draw --plot from a --json-out file (e.g. "
+            "one written on a GPU box without matplotlib)"
+        ),
     )
     args = ap.parse_args()
     if args.replot:
@@ -292,7 +296,8 @@ def main() -> int:
     for r in recomputes:
         rec.setdefault(r["context_len"], []).append(r["recompute_ms"])
     print(
-        f"\n{'block':>5}{'context':>8}{'blocks':>7}{'swap ms':>10}{'recompute ms':>13}{'swap/rec':>9}"
+        f"\n{'block':>5}{'context':>8}{'blocks':>7}"
+        f"{'swap ms':>10}{'recompute ms':>13}{'swap/rec':>9}"
         f"{'fit swap':>9}{'fit rec':>8}  auto"
     )
     for r in swaps:
@@ -303,7 +308,8 @@ def main() -> int:
         )
         print(
             f"{r['block_size']:>5}{r['context_len']:>8}{r['num_blocks']:>7}{r['swap_ms']:>10.2f}{recompute:>13.2f}"
-            f"{r['swap_ms'] / recompute:>9.2f}{model.swap_ms(r['num_blocks'], r['block_size']):>9.2f}"
+            f"{r['swap_ms'] / recompute:>9.2f}"
+            f"{model.swap_ms(r['num_blocks'], r['block_size']):>9.2f}"
             f"{model.recompute_ms(r['context_len']):>8.2f}  {r['auto']}"
         )
     print(f"\nfitted ({source}): " + ", ".join(f"{k} {v:.4g}" for k, v in costs.items()))

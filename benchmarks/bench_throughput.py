@@ -123,7 +123,8 @@ def compare_executors(args, kwargs: dict, requests, out_tokens: int, on_cpu: boo
 
 def print_comparison(result: dict) -> None:
     print(
-        f"{'executor':<12}{'TP':>4}{'median s':>10}{'steps':>8}{'ms/step':>10}{'out tok/s':>12}{'IPC ms/step':>14}"
+        f"{'executor':<12}{'TP':>4}{'median s':>10}{'steps':>8}"
+        f"{'ms/step':>10}{'out tok/s':>12}{'IPC ms/step':>14}"
     )
     for r in result["rows"]:
         ipc = f"{r['ipc']['overhead_ms']:.3f}" if "ipc" in r else "-"
@@ -132,7 +133,8 @@ def print_comparison(result: dict) -> None:
             f"{r['output_tok_s']:>12.1f}{ipc:>14}"
         )
     print(
-        f"mp / inprocess throughput = {result['ratio_mp_vs_inprocess']:.3f}x; greedy outputs identical: "
+        "mp / inprocess throughput = "
+        f"{result['ratio_mp_vs_inprocess']:.3f}x; greedy outputs identical: "
         f"{result['identical_outputs']}/{result['compared_outputs']} (tokens before the first "
         f"divergence: {100 * result['agreeing_prefix_fraction']:.1f}%)"
     )
@@ -267,7 +269,9 @@ def main() -> int:
     ap.add_argument(
         "--compare-executors",
         action="store_true",
-        help="instead of the transformers baselines: in-process TP 1 vs mp at --tensor-parallel-size",
+        help=(
+            "instead of the transformers baselines: in-process TP 1 vs mp at --tensor-parallel-size"
+        ),
     )
     ap.add_argument(
         "--rounds",
@@ -359,8 +363,10 @@ def main() -> int:
     if args.compare_executors:
         result = compare_executors(args, kwargs, requests, out_tokens, on_cpu)
         print(
-            f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}, {args.dtype}); {len(requests)} requests: "
-            f"{in_tokens} prompt tokens, {out_tokens} output tokens, torch threads {torch.get_num_threads()}"
+            f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}, "
+            f"{args.dtype}); {len(requests)} requests: "
+            f"{in_tokens} prompt tokens, {out_tokens} output "
+            f"tokens, torch threads {torch.get_num_threads()}"
         )
         print_comparison(result)
         result.update(
@@ -439,7 +445,8 @@ def main() -> int:
             }
         )
         print(
-            f"cb set: streamkv {cb_tokens / t_s:.1f} tok/s, transformers generate_batch {made / t_h:.1f} tok/s "
+            f"cb set: streamkv {cb_tokens / t_s:.1f} tok/s, "
+            f"transformers generate_batch {made / t_h:.1f} tok/s "
             f"({made} tokens) -> {cb_tokens / t_s / (made / t_h):.2f}x",
             flush=True,
         )
@@ -464,7 +471,8 @@ def main() -> int:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     print(
-        f"\nmodel {args.model or 'SmolLM2-135M'} ({args.load_format}, {worker.dtype}, {worker.device}); "
+        f"\nmodel {args.model or 'SmolLM2-135M'} "
+        f"({args.load_format}, {worker.dtype}, {worker.device}); "
         f"{llm.stats()['num_kv_blocks']} KV blocks; TP {args.tensor_parallel_size}, "
         f"{llm.engine.config.model.executor_backend} executor"
     )

@@ -70,7 +70,8 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def teacher_forced(llm, texts: list[list[int]], starts: list[int]) -> list[list[tuple[float, int]]]:
-    """Per text, per position from its start: (logprob of the text's token, the most likely token)."""
+    """Per text, per position from its start: (logprob of the text's token, the most likely
+    token)."""
     from streamkv.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -196,7 +197,8 @@ def main() -> None:
         "max |dlogprob|",
     )
     print(
-        f"{len(prompts)} prompts ({sum(map(len, prompts))} tokens), {args.output_len} greedy tokens each"
+        f"{len(prompts)} prompts ({sum(map(len, prompts))} "
+        f"tokens), {args.output_len} greedy tokens each"
     )
     print(" | ".join(header))
     for r in rows:

@@ -48,7 +48,8 @@ def _targets():
 
 
 # The grammar's own host work, disjoint phases: matcher advance of a step's structured rows
-# (one native call, with the fill a completed grammar needs and those rows' stop checks), the builder's per-row fill for the wire, the batched fill of masks that
+# (one native call, with the fill a completed grammar needs and those rows' stop checks), the
+# builder's per-row fill for the wire, the batched fill of masks that
 # follow a step, the sampler's mask step, and a request's new matcher.
 GRAMMAR_PHASES = ("accept", "mask bytes", "batch fill", "mask apply", "new grammar")
 

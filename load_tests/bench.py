@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--point-dir",
         default=None,
         metavar="DIR",
-        help="also one JSON per rate point here, with its capacity figures (load_tests/capacity.py)",
+        help=(
+            "also one JSON per rate point here, with its capacity figures (load_tests/capacity.py)"
+        ),
     )
     o.add_argument(
         "--figure",
@@ -146,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--simulate",
         action="store_true",
-        help="no model: the real engine with a step-time model on a virtual clock (load_tests/sim.py); "
+        help="no model: the real engine with a step-time "
+        "model on a virtual clock (load_tests/sim.py); "
         "needs --num-kv-blocks",
     )
     e.add_argument("--sim-base-ms", type=float, default=20.0, help="simulated step: fixed ms")
@@ -437,9 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             run = run_point(args, requests, rate, target, recorder)
             result["runs"].append(run)
             if args.point_dir:
-                print(
-                    f"wrote {capacity.write_point(args.point_dir, capacity.point(result, run, args, args.figure))}"
-                )
+                point = capacity.point(result, run, args, args.figure)
+                print(f"wrote {capacity.write_point(args.point_dir, point)}")
             result["runs"].sort(key=lambda r: r["request_rate"])
             print(format_summary(run), flush=True)
             _write(args.json_out, result)  # after every point: a long sweep keeps what it measured

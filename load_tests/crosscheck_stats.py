@@ -110,19 +110,22 @@ def compare(runs: list[dict]) -> dict:
 
 def format_table(runs: list[dict], summary: dict) -> str:
     head = (
-        "| run | client | done | TTFT p50 (own) | ITL p50 (own) | TTFT from send | TTFT from schedule "
+        "| run | client | done | TTFT p50 (own) | ITL "
+        "p50 (own) | TTFT from send | TTFT from schedule "
         "| ITL per request | client CPU s | server CPU s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         lines.append(
-            f"| {r['pair']} | {r['client']} | {r['completed']} | {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} "
+            f"| {r['pair']} | {r['client']} | {r['completed']} "
+            f"| {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} "
             f"| {r['ttft_sent_ms']:.0f} | {r['ttft_sched_ms']:.0f} | {r['itl_per_request_ms']:.0f} "
             f"| {r['client_cpu_s']:.1f} | {r['server_cpu_s']:.1f} |"
         )
     lines += [
         "",
-        "| metric (ms, median of runs) | GuideLLM | ours | ours ÷ GuideLLM | per pair | median pair |",
+        "| metric (ms, median of runs) | GuideLLM | ours "
+        "| ours ÷ GuideLLM | per pair | median pair |",
         "|---|---|---|---|---|---|",
     ]
     for m, v in summary.items():
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = all_pairs[m]
         within = sum(0.9 <= x <= 1.1 for x in pairs)
         print(
-            f"all {len(pairs)} pairs, {m}: median {_median(pairs):.3f}, range {min(pairs):.2f}-{max(pairs):.2f}, "
+            f"all {len(pairs)} pairs, {m}: median {_median(pairs):.3f}, "
+            f"range {min(pairs):.2f}-{max(pairs):.2f}, "
             f"{within} within 10%"
         )
     return 0

@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{fit.rms_rel_err:.1%}, median {fit.median_rel_err:.1%}, R^2 {fit.r2:.3f}"
     )
     print(
-        f"step = {fit.base_ms:.3f} ms + {fit.per_token_ms:.4f} ms x computed + {fit.per_kv_token_us:.4f} us x context"
+        f"step = {fit.base_ms:.3f} ms + {fit.per_token_ms:.4f} "
+        f"ms x computed + {fit.per_kv_token_us:.4f} us x context"
         f" + {fit.per_block_us:.4f} us x blocks{'' if args.fit_blocks else ' (fixed)'}"
     )
     if min(fit.base_ms, fit.per_token_ms, fit.per_kv_token_us, fit.per_block_us) < 0:

@@ -24,7 +24,8 @@ request), and the summary pools them per client over all runs, with a bootstrap 
 the ratio and each client's run-to-run spread (load_tests/crosscheck_stats.py).
 
     python -m load_tests.guidellm_crosscheck --mode alternate --pairs 4 --num-requests 32 \\
-        --rate 0.4 --prompt-tokens 32 --output-tokens 16 --pin --json-out bench_results/guidellm_crosscheck.json
+        --rate 0.4 --prompt-tokens 32 --output-tokens 16 --pin \\
+        --json-out bench_results/guidellm_crosscheck.json
 
 GuideLLM lives in its own virtualenv (``--guidellm``, default $GUIDELLM or
 /tmp/guidellm-venv/bin/guidellm); without it this prints why and exits 0 (CI does not
@@ -299,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     exe = find_guidellm(args.guidellm)
     if exe is None:
         print(
-            "skipped: GuideLLM is not installed (pass --guidellm PATH or set $GUIDELLM; it lives in its own "
-            "virtualenv, e.g. `python -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install guidellm`)"
+            "skipped: GuideLLM is not installed (pass --guidellm "
+            "PATH or set $GUIDELLM; it lives in its own "
+            "virtualenv, e.g. `python -m venv /tmp/guidellm-venv "
+            "&& /tmp/guidellm-venv/bin/pip install guidellm`)"
         )
         return 0
     if not (
@@ -357,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             for client, fig, server_cpu in pair:
                 runs.append({"pair": i, "client": client, **fig, "server_cpu_s": server_cpu})
                 print(
-                    f"pair {i} {client}: TTFT p50 {fig['ttft_ms']:.0f} ms, ITL p50 {fig['itl_ms']:.0f} ms "
+                    f"pair {i} {client}: TTFT p50 {fig['ttft_ms']:.0f} "
+                    f"ms, ITL p50 {fig['itl_ms']:.0f} ms "
                     f"({fig['completed']} done)",
                     flush=True,
                 )

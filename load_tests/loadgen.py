@@ -294,7 +294,8 @@ def main() -> int:
             stack.close()
 
     print(
-        f"\n{'kind':<18}{'n':>6}{'ok':>6}{'tokens':>8}{'p50 ms':>9}{'p99 ms':>9}{'ttft p50':>10}  statuses"
+        f"\n{'kind':<18}{'n':>6}{'ok':>6}{'tokens':>8}{'p50 ms':>9}{'p99 ms':>9}{'ttft p50':>10} "
+        " statuses"
     )
     for kind, r in result["kinds"].items():
         print(

@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         by_block_size(
             args,
             [(m, f"fig19b-{m}-b{{bs}}.json") for m in ("swap", "recompute", "auto")],
-            "Fig 19b: ShareGPT @ 6 req/s, 4 GiB swap pool\nCPU run, simulated OPT-13B step and swaps",
+            "Fig 19b: ShareGPT @ 6 req/s, 4 GiB swap "
+            "pool\nCPU run, simulated OPT-13B step and swaps",
         )
     return 0
 

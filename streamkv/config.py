@@ -133,7 +133,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = arg(
         None,
         "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
-        f"default max({DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a "
+        f"default max({DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS} "
+        f"on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a "
         "CPU, max_num_seqs)",
     )
     preemption_mode: str = arg(
@@ -149,11 +150,14 @@ class SchedulerConfig:
     )
     # On a GPU by default: with one fill thread and the one-kernel mask step the H200 ran
     # json_schema at 0.72x of unconstrained overlapped against 0.57x in turn (batch 64, same
-    # call; docs/benchmarks.md "Structured outputs"). Off on a CPU, where async scheduling is off too.
+    # call; docs/benchmarks.md "Structured outputs"). Off on a CPU, where async scheduling is
+    # off too.
     overlap_structured: bool | None = arg(
         None,
-        "with async scheduling, let a step that samples structured-output rows overlap the next one "
-        "(the next step's token masks follow its forward; in-process executor only; default: on a GPU, "
+        "with async scheduling, let a step that samples "
+        "structured-output rows overlap the next one "
+        "(the next step's token masks follow its forward; "
+        "in-process executor only; default: on a GPU, "
         "off on a CPU)",
     )
     async_scheduling: bool | None = arg(
@@ -260,7 +264,8 @@ class ModelConfig:
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
             raise ValueError(
-                f"tokenizer must be a local directory, got {self.tokenizer!r} (streamkv never downloads)."
+                "tokenizer must be a local directory, got "
+                f"{self.tokenizer!r} (streamkv never downloads)."
             )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}.")

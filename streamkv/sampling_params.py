@@ -92,7 +92,8 @@ class StructuredOutputs:
                 raise bad("json must be a JSON schema (an object)")
         elif self.json is not None and not isinstance(self.json, dict):
             raise bad(
-                f"json must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}"
+                "json must be a JSON schema (a dict or its "
+                f"JSON text), got {type(self.json).__name__}"
             )
         if not isinstance(self.json_object, bool):
             raise bad("json_object must be true or false")
@@ -250,7 +251,8 @@ class SamplingParams:
             # rather than dropped.
             raise bad(
                 "min_tokens",
-                "cannot be combined with structured outputs (the grammar decides where the output ends)",
+                "cannot be combined with structured outputs "
+                "(the grammar decides where the output ends)",
             )
         if self.allowed_token_ids is not None and self.structured_outputs is not None:
             # The grammar's mask and the allowed set could leave no token at all.

@@ -1,4 +1,5 @@
-"""``streamkv bench serve``: the serving benchmark in the standard form: `streamkv serve` driven with streaming completions
+"""``streamkv bench serve``: the serving benchmark in the standard form: `streamkv serve`
+driven with streaming completions
 from a data set at a request rate (inf = all at once, or Poisson / gamma arrivals), printing
 the figures of vLLM's `benchmark_serving` (successful requests, duration, request / output /
 total throughput, TTFT / TPOT / ITL mean, median and p99, goodput under --goodput), and with
@@ -10,7 +11,8 @@ served / offline ratio is measured, not assumed.
     # the burst of vLLM's default call, then a Poisson sweep, beside the offline engine
     streamkv bench serve --model llama3-8b --dataset-file bench_inputs/sharegpt_serve.json \\
         --engine-args "--tokenizer DIR --load-format dummy --device cuda --dtype bfloat16" \\
-        --num-prompts 1000 --request-rate inf,16,32 --goodput ttft:1000 tpot:50 --offline --json-out r.json
+        --num-prompts 1000 --request-rate inf,16,32 --goodput ttft:1000 tpot:50 --offline \\
+        --json-out r.json
 
 The server and the offline engine run one after the other in processes of their own (each
 claims the GPU's memory); this process only drives the clients.
@@ -377,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'Served / offline output tok/s:':<42}{s['served_over_offline']:>12.3f}")
             if proc:
                 print(
-                    f"server RSS {s['server_rss_mib']:.0f} MiB; event-loop thread {s['server_loop_cpu_s']:.1f} CPU s, "
-                    f"busiest threads {[round(x, 1) for x in s['server_busiest_threads_cpu_s']]} CPU s",
+                    f"server RSS {s['server_rss_mib']:.0f} MiB; event-loop "
+                    f"thread {s['server_loop_cpu_s']:.1f} CPU s, "
+                    "busiest threads "
+                    f"{[round(x, 1) for x in s['server_busiest_threads_cpu_s']]} CPU s",
                     flush=True,
                 )
             time.sleep(1.0)  # the last aborts and frees reach the engine thread
@@ -400,13 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     with open(log.name) as f:  # the server's periodic stats lines: running / waiting over the run
         result["server_stats"] = [line.strip() for line in f if "streamkv.stats" in line][-400:]
     print(
-        f"\n{'rate':>6}{'ok':>6}{'fail':>6}{'out tok/s':>11}{'ratio':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"\n{'rate':>6}{'ok':>6}{'fail':>6}{'out tok/s':>11}"
+        f"{'ratio':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
         f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'goodput':>9}"
     )
     for s in result["rates"]:
         print(
             f"{s['request_rate']!s:>6}{s['completed']:>6}{s['failed']:>6}{s['output_throughput']:>11.1f}"
-            f"{s.get('served_over_offline', math.nan):>7.3f}{s['median_ttft_ms']:>10.1f}{s['p99_ttft_ms']:>10.1f}"
+            f"{s.get('served_over_offline', math.nan):>7.3f}"
+            f"{s['median_ttft_ms']:>10.1f}{s['p99_ttft_ms']:>10.1f}"
             f"{s['median_tpot_ms']:>10.2f}{s['p99_tpot_ms']:>10.2f}{s['p99_itl_ms']:>9.1f}"
             f"{s['goodput_req_s'] if s['goodput_req_s'] is not None else math.nan:>9.2f}"
         )

@@ -110,7 +110,8 @@ async def run_load(
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    """``["ttft:1000", "tpot:50"]`` -> {"ttft": 1.0, "tpot": 0.05} (milliseconds in, seconds out)."""
+    """``["ttft:1000", "tpot:50"]`` -> {"ttft": 1.0, "tpot": 0.05} (milliseconds in, seconds
+    out)."""
     out = {}
     for item in items or []:
         name, _, ms = item.partition(":")

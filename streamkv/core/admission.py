@@ -96,7 +96,8 @@ def check_request(
         raise InvalidParameter(
             "min_tokens",
             f"This model's maximum context length is {ctx} tokens. However, you requested at "
-            f"least {n + params.min_tokens} tokens ({n} in the prompt, min_tokens={params.min_tokens}).",
+            f"least {n + params.min_tokens} tokens ({n} in "
+            f"the prompt, min_tokens={params.min_tokens}).",
             "context_length_exceeded",
         )
 

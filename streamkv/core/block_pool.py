@@ -5,7 +5,8 @@ Pure Python (no torch): the pool only hands out block ids; the tensors live in w
 A full block may be registered under a content key that chains its parent's key with its
 token ids through SHA-256. The chain of a sequence with a ``cache_salt`` starts from a root
 of that salt (``root_key``), so tenants with different salts never share a block and cannot
-learn from the cache whether another tenant sent a prompt (vLLM's defence, issue 26). Registered blocks whose ref count drops to zero are not freed:
+learn from the cache whether another tenant sent a prompt (vLLM's defence, issue 26).
+Registered blocks whose ref count drops to zero are not freed:
 they wait in an LRU list and are reused on a hit or evicted when the pool needs space.
 A reserved prefix's blocks (core/reserved_prefix.py) keep a reference of their own, so they
 never reach that list: pinned.

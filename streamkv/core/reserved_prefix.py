@@ -60,7 +60,8 @@ class ReservedPrefixes:
         num_blocks = len(tokens) // self.block_size
         if num_blocks == 0:
             raise ReservedPrefixError(
-                f"a reserved prefix must hold at least one whole KV block ({self.block_size} tokens); "
+                "a reserved prefix must hold at least one "
+                f"whole KV block ({self.block_size} tokens); "
                 f"this one has {len(tokens)}"
             )
         for p in self.prefixes.values():

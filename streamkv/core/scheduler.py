@@ -18,7 +18,8 @@ that preempted.
 Preemption of a group with several sequences (parallel samples, beams). ``auto`` picks swap
 or recompute for any group by a cost model measured per device (core/preemption.py). Swapped,
 a block shared inside the group moves once and stays shared. Recomputed, the group comes back
-through ``allocate_group``: the prefix its sequences share is mapped and recomputed once, by its first sequence, while the
+through ``allocate_group``: the prefix its sequences share is mapped and recomputed once, by
+its first sequence, while the
 others wait a step; then every sequence computes its own tail. The group's cost at
 re-admission therefore counts shared blocks once, as it did while it ran (issue 11: costing
 each sequence separately left such groups waiting forever).

@@ -1,6 +1,7 @@
 """What one step of the scheduler plans, and the per-group rules it plans by: the tokens a
 group's sequences compute within a budget (``demands``) and the decode rows a running group
-adds to the step (``decode_rows``: decodes are scheduled before prompt chunks). Torch-free; the scheduler
+adds to the step (``decode_rows``: decodes are scheduled before prompt chunks). Torch-free;
+the scheduler
 (core/scheduler.py) re-exports these names."""
 
 from __future__ import annotations

@@ -313,7 +313,8 @@ class AsyncEngine:
             self._stalled = None
             ended = self._book.end_suspects(
                 EngineRestartedError(
-                    f"{stalled}; the engine was restarted and this request, suspected of causing it, was ended"
+                    f"{stalled}; the engine was restarted and this "
+                    "request, suspected of causing it, was ended"
                 )
             )
             logger.error(

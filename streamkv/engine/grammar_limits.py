@@ -74,7 +74,8 @@ def _check_repeats(kind: str, text: str) -> None:
         for count in m.groups():
             if count and int(count) > MAX_REPEAT:
                 raise _refuse(
-                    f"the {kind} repeats {int(count)} times ({m.group(0)}); the limit is {MAX_REPEAT}"
+                    f"the {kind} repeats {int(count)} times "
+                    f"({m.group(0)}); the limit is {MAX_REPEAT}"
                 )
 
 

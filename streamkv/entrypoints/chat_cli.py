@@ -21,7 +21,9 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
         help="chat with a running server from the terminal",
         formatter_class=HelpFormatter,
         allow_abbrev=False,
-        description=f"Chat with a running `streamkv serve` (or any OpenAI-compatible server). {HELP}.",
+        description=(
+            f"Chat with a running `streamkv serve` (or any OpenAI-compatible server). {HELP}."
+        ),
     )
     p.add_argument(
         "--url", default="http://127.0.0.1:8000", help="the server (its /v1 API is used)"

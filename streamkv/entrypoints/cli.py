@@ -109,7 +109,8 @@ def _stream(llm, args: argparse.Namespace, params) -> int:
         else "-"
     )
     print(
-        f"[{tokens} tokens in {took:.2f} s · {rate} after the first, which came at {(first or t0) - t0:.2f} s]",
+        f"[{tokens} tokens in {took:.2f} s · {rate} after "
+        f"the first, which came at {(first or t0) - t0:.2f} s]",
         file=sys.stderr,
     )
     return 0

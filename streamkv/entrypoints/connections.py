@@ -51,7 +51,8 @@ def raw_response(e: APIError) -> bytes:
     body = json.dumps(e.body()).encode()
     reason = _REASONS.get(e.status, "Error").encode()
     head = (
-        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
+        b"HTTP/1.1 %d %s\r\ncontent-type: "
+        b"application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
         % (e.status, reason, len(body))
     )
     head += b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in (e.headers or {}).items())

@@ -143,7 +143,8 @@ def _directive(text: str, line_no: int, imports: dict[str, str]) -> None:
     for term, alias in pairs:
         if term not in COMMON:
             raise LarkError(
-                f"line {line_no}: common.{term} is not supported; known: {', '.join(sorted(COMMON))}"
+                f"line {line_no}: common.{term} is not "
+                f"supported; known: {', '.join(sorted(COMMON))}"
             )
         imports[alias] = term
 

@@ -207,17 +207,23 @@ class EngineStats(dict):
         s = self
         queries = s.get("prefix_cache_queries", 0)
         lines = [
-            f"KV cache ({s.get('kv_allocation', 'paged')}): {s['num_kv_blocks']:,} blocks, {s['num_free_kv_blocks']:,} free "
-            f"now; peak {s['peak_kv_blocks_used']:,} used; mean utilisation {pct(s['kv_utilization'])}",
-            f"  sharing: {s['num_shared_blocks']} shared blocks now, {s['num_cow_copies']} copy-on-write copies, "
+            f"KV cache ({s.get('kv_allocation', 'paged')}): "
+            f"{s['num_kv_blocks']:,} blocks, {s['num_free_kv_blocks']:,} free "
+            f"now; peak {s['peak_kv_blocks_used']:,} used; "
+            f"mean utilisation {pct(s['kv_utilization'])}",
+            f"  sharing: {s['num_shared_blocks']} shared blocks "
+            f"now, {s['num_cow_copies']} copy-on-write copies, "
             f"{pct(s['sharing_savings'])} of table entries saved",
             f"  prefix cache: {s['prefix_cache_hits']:,} of {queries:,} prompt tokens found"
             + (f" ({pct(s['prefix_cache_hits'] / queries)})" if queries else ""),
-            f"  preemptions: {s['num_preemptions']} (blocks swapped out {s['num_swapped_out_blocks']}, in "
+            f"  preemptions: {s['num_preemptions']} (blocks "
+            f"swapped out {s['num_swapped_out_blocks']}, in "
             f"{s['num_swapped_in_blocks']}; swap space {s['num_swap_blocks']:,} blocks)",
             f"tokens: {s['num_prompt_tokens']:,} prompt, {s['num_generation_tokens']:,} generated; "
-            f"{s['avg_batched_requests']:.1f} requests per step on average over {s['batched_steps']:,} steps",
-            f"requests now: {s['num_running']} running, {s['num_waiting']} waiting, {s['num_swapped']} swapped",
+            f"{s['avg_batched_requests']:.1f} requests per "
+            f"step on average over {s['batched_steps']:,} steps",
+            f"requests now: {s['num_running']} running, "
+            f"{s['num_waiting']} waiting, {s['num_swapped']} swapped",
             "(every number: dict(llm.stats()); the keys as in LLMEngine.stats())",
         ]
         return "\n".join(lines)

@@ -87,7 +87,9 @@ class SamplingRequest(StructuredFields, PassiveFields):
     )
     return_tokens_as_token_ids: bool | None = Field(
         None,
-        description='vLLM: logprobs name tokens "token_id:ID" (default: --return-tokens-as-token-ids)',
+        description=(
+            'vLLM: logprobs name tokens "token_id:ID" (default: --return-tokens-as-token-ids)'
+        ),
     )
     request_id: str | None = Field(
         None,
@@ -221,7 +223,8 @@ class SamplingRequest(StructuredFields, PassiveFields):
             )
         if self.stream and params.best_of > params.n:
             raise APIError(
-                "'best_of' must equal n with stream=true (the best samples are only known at the end)",
+                "'best_of' must equal n with stream=true "
+                "(the best samples are only known at the end)",
                 param="best_of",
             )
         return params
@@ -243,7 +246,9 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: list[str | list[int]] = Field(
-        description=f"a string, strings, token ids, or token-id lists (at most {MAX_SAMPLES} prompts)"
+        description=(
+            f"a string, strings, token ids, or token-id lists (at most {MAX_SAMPLES} prompts)"
+        )
     )
     max_tokens: Int = Field(16, description="0 only with echo: the prompt (and its logprobs) alone")
     echo: bool = Field(False, description="prepend the prompt (with logprobs: the prompt's too)")
@@ -328,7 +333,10 @@ class ChatCompletionRequest(SamplingRequest):
     documents: Unsupported = None
     continue_final_message: bool = Field(
         False,
-        description="vLLM: the output continues the last (assistant) message; needs add_generation_prompt=false",
+        description=(
+            "vLLM: the output continues the last (assistant) "
+            "message; needs add_generation_prompt=false"
+        ),
     )
     echo: bool = Field(
         False,

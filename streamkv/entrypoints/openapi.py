@@ -197,8 +197,10 @@ _WEBSOCKET = (
     '``{"type": "chat", "id", "messages", "params"}`` (``params``: ChatCompletionRequest\'s fields '
     "but n, best_of, use_beam_search, stream, stream_options, tools, tool_choice, prompt_logprobs, "
     'echo, return_token_ids) and ``{"type": "cancel", "id"}``. Server: ``delta`` messages '
-    '(``{"type": "delta", "id", "text"}``; the first also carries ``request_id``, the engine\'s id of '
-    "the generation), then one ``done`` (``finish_reason``, ``usage``) or one ``error`` (an OpenAI error)."
+    '(``{"type": "delta", "id", "text"}``; the first '
+    "also carries ``request_id``, the engine's id of "
+    "the generation), then one ``done`` (``finish_reason``, "
+    "``usage``) or one ``error`` (an OpenAI error)."
 )
 
 _ERROR = {
@@ -372,15 +374,18 @@ _STYLE = (
 def docs_page(document: dict[str, Any]) -> str:
     info = document["info"]
     parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(info['title'])}</title>"
+        "<!doctype html><html><head><meta "
+        f"charset='utf-8'><title>{html.escape(info['title'])}</title>"
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(info['title'])}</h1>"
         f"<p>{html.escape(info['description'])} Version {html.escape(info['version'])}. "
-        "The machine-readable schema: <a href='/openapi.json'>/openapi.json</a>.</p><h2>Endpoints</h2><ul>"
+        "The machine-readable schema: <a "
+        "href='/openapi.json'>/openapi.json</a>.</p><h2>Endpoints</h2><ul>"
     ]
     for path, ops in document["paths"].items():
         for method, op in ops.items():
             parts.append(
-                f"<li><code>{method.upper()} {html.escape(path)}</code>: {html.escape(op['summary'])}"
+                f"<li><code>{method.upper()} {html.escape(path)}</code>: "
+                f"{html.escape(op['summary'])}"
                 f"{_body_link(op)}{'' if op.get('security') == [] else ' (API key)'}"
                 f"{'<br>' + html.escape(op['description']) if 'description' in op else ''}</li>"
             )

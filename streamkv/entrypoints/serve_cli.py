@@ -338,7 +338,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allowed_hosts:
         logger.warning(
-            "serving on %s: requests must name the server by the IP address they connect to or a loopback name; "
+            "serving on %s: requests must name the server by "
+            "the IP address they connect to or a loopback name; "
             "list its DNS names with --allowed-hosts (others get 421)",
             args.host,
         )
@@ -376,7 +377,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn says nothing when given the socket; this line says what /health will answer.
     bound = listener.getsockname()[1]
     logger.info(
-        "listening on %s://%s:%d%s; loading the model (/health answers 503 until the 'ready:' line)",
+        "listening on %s://%s:%d%s; loading the model "
+        "(/health answers 503 until the 'ready:' line)",
         scheme,
         url_host(args.host),
         bound,
@@ -431,8 +433,10 @@ def kv_pool_shortfall(info) -> str | None:
     if tokens >= info.max_model_len:
         return None
     return (
-        f"the KV cache holds {tokens} tokens ({info.num_kv_blocks} blocks of {info.block_size}), less than one "
-        f"request of the max context {info.max_model_len}: lower --max-model-len to {tokens} or less, or give the "
+        f"the KV cache holds {tokens} tokens ({info.num_kv_blocks} "
+        f"blocks of {info.block_size}), less than one "
+        f"request of the max context {info.max_model_len}: "
+        f"lower --max-model-len to {tokens} or less, or give the "
         "pool more blocks (--num-kv-blocks, or more memory: --gpu-memory-utilization on a GPU)"
     )
 

@@ -1,5 +1,6 @@
 """``streamkv serve``: the Starlette app (OpenAI HTTP API with SSE, WebSocket chat, metrics,
-the demo page) on uvicorn (asyncio's loop; --loop uvloop). The model loads on the engine thread after the
+the demo page) on uvicorn (asyncio's loop; --loop uvloop). The model loads on the engine
+thread after the
 server is up; until then /health answers 503.
 """
 
@@ -59,7 +60,9 @@ def find_web_dir() -> Path | None:
 
 WEB_DIR = find_web_dir()
 _PAGE_HEADERS = {
-    "content-security-policy": "default-src 'self'; connect-src 'self' ws: wss:; frame-ancestors 'none'",
+    "content-security-policy": (
+        "default-src 'self'; connect-src 'self' ws: wss:; frame-ancestors 'none'"
+    ),
     "x-content-type-options": "nosniff",
 }
 

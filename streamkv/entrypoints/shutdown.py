@@ -109,7 +109,8 @@ class DrainingServer(uvicorn.Server):
             )
             self.engine.end_all(
                 EngineStoppingError(
-                    f"the server is shutting down and this request did not finish within {self.drain_timeout:g} s"
+                    "the server is shutting down and this request "
+                    f"did not finish within {self.drain_timeout:g} s"
                 )
             )
 

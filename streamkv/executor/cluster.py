@@ -174,7 +174,8 @@ class RankListener:
                 raise JoinTimeout(
                     f"worker rank(s) {missing} did not join {p.master_addr}:{p.master_port} within "
                     f"{p.join_timeout:.0f}s: start `streamkv worker --master-addr {p.master_addr} "
-                    f"--master-port {p.master_port} --ranks {','.join(map(str, missing))}` on their host"
+                    f"--master-port {p.master_port} --ranks "
+                    f"{','.join(map(str, missing))}` on their host"
                 )
             self._sock.settimeout(min(left, 1.0))
             try:
@@ -229,7 +230,10 @@ class RankListener:
         if msg.channel not in ("control", "heartbeat"):
             return f"unknown channel {msg.channel!r}"
         if msg.rank not in ranks:
-            return f"rank {msg.rank} is not one of the remote ranks {ranks} (ranks 0..{ranks[0] - 1} run here)"
+            return (
+                f"rank {msg.rank} is not one of the remote ranks "
+                f"{ranks} (ranks 0..{ranks[0] - 1} run here)"
+            )
         if msg.rank in taken:
             return f"rank {msg.rank} already joined ({msg.channel})"
         return None

@@ -240,7 +240,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m streamkv.executor.launcher --master-addr A ...``: the same as ``streamkv worker``."""
+    """``python -m streamkv.executor.launcher --master-addr A ...``: the same as
+    ``streamkv worker``."""
     parser = argparse.ArgumentParser(prog="python -m streamkv.executor.launcher")
     add_worker_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["worker", *(argv if argv is not None else sys.argv[1:])])

@@ -46,8 +46,10 @@ def gather(
         if left is not None and left <= 0:
             if failed:
                 fail(
-                    f"worker rank(s) {sorted(failed)} failed a step ({next(iter(failed.values()))}) "
-                    f"while rank(s) {sorted(pending)} did not finish it within {diverge_timeout:.0f}s:"
+                    f"worker rank(s) {sorted(failed)} failed "
+                    f"a step ({next(iter(failed.values()))}) "
+                    f"while rank(s) {sorted(pending)} did not "
+                    f"finish it within {diverge_timeout:.0f}s:"
                     " the ranks diverged"
                 )
             fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
@@ -60,7 +62,10 @@ def gather(
             except msgspec.DecodeError as e:
                 fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
             if isinstance(msg, ipc.Error):
-                text = f"worker rank {rank} failed: {msg.message}\n--- worker traceback ---\n{msg.traceback}"
+                text = (
+                    f"worker rank {rank} failed: {msg.message}\n--- "
+                    f"worker traceback ---\n{msg.traceback}"
+                )
                 cause = _peer_death(conns, rank, death)
                 fail(f"{cause}; then {text}" if cause else text)
             want = ipc.Ok if reply is ipc.Out and rank != 0 else reply
@@ -70,7 +75,8 @@ def gather(
                 deadline = end if deadline is None else min(deadline, end)
             elif not isinstance(msg, want) or rank not in pending:
                 fail(
-                    f"worker rank {rank} sent {ipc.kind(msg)!r} while {ipc.kind(want)!r} was awaited"
+                    f"worker rank {rank} sent {ipc.kind(msg)!r} "
+                    f"while {ipc.kind(want)!r} was awaited"
                 )
             replies[rank] = msg
             pending.discard(rank)

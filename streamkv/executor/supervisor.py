@@ -132,7 +132,8 @@ class Supervisor:
                     live.discard(rank)
                     pid = self._pids[rank]
                     self._killed = (
-                        f"worker rank {rank} ({f'pid {pid}' if pid else 'remote'}) sent no heartbeat for "
+                        f"worker rank {rank} ({f'pid {pid}' if pid else 'remote'}) "
+                        "sent no heartbeat for "
                         f"{now - last[rank]:.1f} s (frozen); "
                         f"{'killed it' if pid else 'dropped it, for its launcher to kill'}"
                     )

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from cuda.bindings import driver, nvrtc
 
-# Shipped in the package as streamkv/kernels_cu (setup.py); the repository's kernels_cu/ in a checkout.
+# Shipped in the package as streamkv/kernels_cu (setup.py); the repository's kernels_cu/ in a
+# checkout.
 _PACKAGED = Path(__file__).resolve().parents[1] / "kernels_cu"
 KERNELS_DIR = (
     _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[2] / "kernels_cu"

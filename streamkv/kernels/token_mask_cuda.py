@@ -1,6 +1,7 @@
 """CUDA launch of the token-mask ban (kernels_cu/token_mask.cu): one kernel for every masked
 row of a step, in place of torch's unpack / compare / fill (three launches and their host
-overhead, which is what a small model's step is made of; docs/benchmarks.md, "Structured outputs")."""
+overhead, which is what a small model's step is made of; docs/benchmarks.md, "Structured
+outputs")."""
 
 from __future__ import annotations
 

@@ -47,7 +47,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type not in ("default", None):
             raise ValueError(
-                f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+                f"rope scaling type {rope_type!r} is not "
+                "supported (supported: default, linear, llama3)"
             )
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())

@@ -152,7 +152,8 @@ def load_checkpoint(
         elif name in params:
             if params[name].shape != tensor.shape:
                 raise ValueError(
-                    f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(params[name].shape)}"
+                    f"{hf_name}: shape {tuple(tensor.shape)} "
+                    f"!= expected {tuple(params[name].shape)}"
                 )
             params[name].data.copy_(tensor)
         else:

@@ -102,7 +102,8 @@ class OPTForCausalLM(nn.Module):
         act = config.get("activation_function", "relu")
         if act not in _ACTIVATIONS:
             raise ValueError(
-                f"OPT activation_function {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})"
+                f"OPT activation_function {act!r} is not "
+                f"supported (supported: {sorted(_ACTIVATIONS)})"
             )
         kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
         self.config, self.shape, self.tp_size = config, shape, tp_size

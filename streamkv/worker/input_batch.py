@@ -136,7 +136,8 @@ class InputBatch:
         counted, outputs_from = 0, new.prompt_len - new.resumed
         if not 0 <= new.resumed < new.prompt_len:
             raise ProtocolError(
-                f"sequence {new.seq_id} resumes {new.resumed} outputs of a {new.prompt_len}-token prompt"
+                f"sequence {new.seq_id} resumes {new.resumed} "
+                f"outputs of a {new.prompt_len}-token prompt"
             )
         if p.has_penalties and self.counts is not None:
             if new.history is None:

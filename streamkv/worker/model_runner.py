@@ -42,7 +42,8 @@ class ModelRunner:
         share_tokens=None,
     ) -> None:
         self.model = model
-        self.share_tokens = share_tokens  # TP > 1: rank 0's pending tokens to the others (worker/token_broadcast.py)
+        # TP > 1: rank 0's pending tokens to the others (worker/token_broadcast.py)
+        self.share_tokens = share_tokens
         self.block_size = block_size
         self.device = device
         self.samples = samples  # False on tensor-parallel ranks other than 0

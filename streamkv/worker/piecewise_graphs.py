@@ -152,7 +152,8 @@ class PiecewiseGraphs:
             self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.capture_seconds = time.perf_counter() - start
         logger.info(
-            "captured piecewise CUDA graphs for %d token counts (%d..%d, %d graphs each) in %.1fs, %.0f MiB",
+            "captured piecewise CUDA graphs for %d token "
+            "counts (%d..%d, %d graphs each) in %.1fs, %.0f MiB",
             len(self.sizes),
             self.sizes[0],
             self.sizes[-1],

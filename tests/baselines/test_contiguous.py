@@ -136,7 +136,8 @@ def test_core_does_not_load_the_baselines():
     # only when a run asks for one (a fresh interpreter: this test's imports load it here).
     code = (
         "import importlib, pkgutil, sys, streamkv.core as core\n"
-        "for m in pkgutil.iter_modules(core.__path__): importlib.import_module(f'streamkv.core.{m.name}')\n"
+        "for m in pkgutil.iter_modules(core.__path__): "
+        "importlib.import_module(f'streamkv.core.{m.name}')\n"
         "print(sorted(k for k in sys.modules if k.startswith('streamkv.baselines')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

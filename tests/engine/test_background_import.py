@@ -60,7 +60,8 @@ def test_a_process_that_exits_during_the_import_lets_it_finish(tmp_path):
     """The import thread is not stopped halfway at interpreter exit (native extensions abort
     the process then): the module's last line runs before the process ends."""
     (tmp_path / "streamkv_exit_probe.py").write_text(
-        "import pathlib, time\ntime.sleep(0.5)\npathlib.Path(__file__).with_suffix('.done').write_text('ok')\n"
+        "import pathlib, "
+        "time\ntime.sleep(0.5)\npathlib.Path(__file__).with_suffix('.done').write_text('ok')\n"
     )
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); "

@@ -1,5 +1,6 @@
 """What a burst of requests meets in the engine. The server's engine thread passes the
-requests whose last output its reader has not taken yet (EngineCommands.unread): the engine builds no new snapshot for them while they run (the
+requests whose last output its reader has not taken yet (EngineCommands.unread): the engine
+builds no new snapshot for them while they run (the
 reader would skip to the newest anyway, outputs being cumulative), and always their final
 one. The outputs the reader does get are the same cumulative text and tokens."""
 

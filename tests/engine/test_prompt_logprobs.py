@@ -12,7 +12,10 @@ from streamkv.sampling_params import InvalidParameter, SamplingParams
 ATOL = 2e-3  # float32 on the CPU: two implementations summing in different orders
 TEXTS = [
     "The capital of France is Paris, and the capital of Italy is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    (
+        "def fibonacci(n):\n    if n < 2:\n        return n\n"
+        "    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    )
     * 2,
     "Hi",
 ]

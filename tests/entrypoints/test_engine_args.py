@@ -94,7 +94,8 @@ def test_flags_are_grouped_by_config_section_in_help():
     text = _parser().format_help()
     for title in GROUP_TITLES.values():
         assert title in text
-    # A flag sits in its own section's group: --block-size after the cache title, before the scheduler's.
+    # A flag sits in its own section's group: --block-size after the cache title, before the
+    # scheduler's.
     cache, sched = text.index(GROUP_TITLES["cache"]), text.index(GROUP_TITLES["scheduler"])
     assert cache < text.index("\n  --block-size") < sched < text.index("\n  --max-num-seqs")
 

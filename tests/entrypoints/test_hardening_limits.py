@@ -226,7 +226,8 @@ def test_websocket_subprotocols_and_failed_auths_are_capped(server):
 
     def handshake(protocols: list[str], key: str | None = None) -> tuple[int, dict]:
         head = (
-            b"GET /v1/chat/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"GET /v1/chat/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: "
+            b"websocket\r\nConnection: Upgrade\r\n"
             b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
         )
         if protocols:

@@ -108,7 +108,8 @@ def test_ready_line_only_when_a_chat_succeeds_and_stats_follow():
             time.sleep(0.1)
         line = next(ln for ln in text().splitlines() if "streamkv.stats: prompt" in ln)
         assert re.search(
-            r"prompt [\d.]+ tok/s, generation [\d.]+ tok/s \| running \d+, waiting \d+, swapped \d+ "
+            r"prompt [\d.]+ tok/s, generation [\d.]+ tok/s "
+            r"\| running \d+, waiting \d+, swapped \d+ "
             r"reqs \| KV cache [\d.]+% used \| prefix-cache hit rate ([\d.]+%|-)",
             line,
         ), line
@@ -186,9 +187,9 @@ def test_a_kv_pool_smaller_than_one_request_refuses_to_start_naming_the_flags():
     )
     assert status == 1, out
     assert (
-        "the KV cache holds 256 tokens (16 blocks of 16), less than one request of the max context 1024"
-        in out
-    )
+        "the KV cache holds 256 tokens (16 blocks of 16), "
+        "less than one request of the max context 1024"
+    ) in out
     assert "--max-model-len" in out and "--num-kv-blocks" in out
     assert "ready: " not in out and "Traceback" not in out and "leaked" not in out, out
 
@@ -225,9 +226,9 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_exits_at_once_quietly(tm
                 assert time.monotonic() < deadline, text()
                 time.sleep(0.05)
             assert (
-                "waiting up to 30 s for 1 running request(s) to finish (Ctrl-C again to stop at once)"
-                in text()
-            )
+                "waiting up to 30 s for 1 running request(s) "
+                "to finish (Ctrl-C again to stop at once)"
+            ) in text()
             t0 = time.monotonic()
             proc.send_signal(signal.SIGINT)
             status = proc.wait(timeout=10)

@@ -161,9 +161,9 @@ def test_fallback_rendering_for_a_template_without_tools():
         and "<tool_call>" in system
     )
     assert (
-        '<assistant><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-        in rest
-    )
+        '<assistant><tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris"}}\n</tool_call>'
+    ) in rest
     # Both tool results in one user turn, so that turns still alternate.
     assert (
         "<user><tool_response>\n18C\n</tool_response>\n<tool_response>\n9C\n</tool_response><assistant>"

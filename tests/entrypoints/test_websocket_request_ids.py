@@ -62,7 +62,8 @@ def test_params_request_id_names_the_generation_as_on_http(client, fake):
     assert msgs[0]["request_id"] == f"chatcmpl-web-{token}-7" and seen == [
         f"chatcmpl-web-{token}-7"
     ]
-    # The KV view shows the row as the viewer's own to the page holding the token, anonymous to others.
+    # The KV view shows the row as the viewer's own to the page holding the token, anonymous to
+    # others.
     row = {"request_id": msgs[0]["request_id"], "seqs": [{"seq_id": 3, "table": [1]}]}
     assert _Viewer(token)._row(row)["own"] is True
     assert _Viewer("someone-elses-token")._row(row)["request_id"].startswith("anon-")

@@ -59,7 +59,8 @@ async def stream_and_kill(
     after: int = 4,
     fault: signal.Signals = signal.SIGKILL,
 ) -> tuple[list[list[int]], list[list[int | None]]]:
-    """Stream every prompt at once; after ``after`` outputs of the first, send ``fault`` to ``victim()``.
+    """Stream every prompt at once; after ``after`` outputs of the first, send ``fault`` to
+    ``victim()``.
     The final token ids of each, and the executor's pids before and after."""
     engine = AsyncEngine(lambda: LLMEngine(config))
     engine.start()

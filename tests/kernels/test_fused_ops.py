@@ -4,7 +4,8 @@ CPU: each reference equals, bit for bit, the unfused computation transformers ru
 RMSNorm, rotary and MLP code, nn.LayerNorm), in place where the op is in place; the layers
 dispatch to the references off the GPU. Compile-only (no GPU): every kernel variant for
 sm_80 and sm_90. CUDA: each kernel against its reference on fresh random rows (strided
-rows sit between NaN columns a stray access would pick up), in both access widths (16-byte vectors and scalars) and on strided
+rows sit between NaN columns a stray access would pick up), in both access widths (16-byte
+vectors and scalars) and on strided
 rows; a tiny Llama and OPT give the same logits with the kernels as with the references.
 """
 

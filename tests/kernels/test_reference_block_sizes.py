@@ -14,7 +14,8 @@ KV_HEADS, GROUP, HEAD = 2, 3, 16
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """Causal attention (the reference softmax is fp32, hence the tolerances) of q's rows (positions first_pos, ...) over k, v [tokens, kvh, hd]."""
+    """Causal attention (the reference softmax is fp32, hence the tolerances) of q's rows
+    (positions first_pos, ...) over k, v [tokens, kvh, hd]."""
     k = k.double().repeat_interleave(GROUP, 1)
     v = v.double().repeat_interleave(GROUP, 1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * HEAD**-0.5

@@ -45,7 +45,8 @@ def test_harness_figures_under_both_definitions():
     assert fig["ttft_sched_ms"] == pytest.approx((500 + 200) / 2)
     assert fig["ttft_sent_ms"] == pytest.approx((400 + 200) / 2)
     assert fig["ttft_ms"] == pytest.approx(fig["ttft_sched_ms"])  # ours counts from the schedule
-    # Pooled gaps 1.0, 1.0, 0.2, 1.0, 0.2 -> median 1.0; per request 1.0 and 1.4 / 3 -> mean of the two.
+    # Pooled gaps 1.0, 1.0, 0.2, 1.0, 0.2 -> median 1.0; per request 1.0 and 1.4 / 3 -> mean of
+    # the two.
     assert fig["itl_ms"] == pytest.approx(1000)
     assert fig["itl_per_request_ms"] == pytest.approx((1000 + 1400 / 3) / 2)
 
@@ -90,7 +91,8 @@ def test_runs_keep_per_request_values_under_one_definition():
 
 
 def test_pooled_ratio_interval_and_run_spread():
-    # Ours reads 10% above GuideLLM in every run; GuideLLM's second run is 20% slower than its first.
+    # Ours reads 10% above GuideLLM in every run; GuideLLM's second run is 20% slower than its
+    # first.
     g = [[100.0 + i for i in range(20)], [120.0 + i for i in range(20)]]
     runs = [{"client": "guidellm", "ttft_sent_values": v, "itl_per_request_values": v} for v in g]
     runs += [

@@ -86,10 +86,14 @@ def test_kv_window_from_two_scrapes():
     def scrape(samples, tok, batched, steps):
         return "\n".join(
             [
-                f'streamkv:kv_memory_share_sum_total{{model_name="m",kind="token",kv_allocation="orca-max"}} {tok}',
-                'streamkv:kv_memory_share_sum_total{model_name="m",kind="reserved",kv_allocation="orca-max"} 0.0',
-                'streamkv:kv_memory_share_sum_total{model_name="m",kind="internal",kv_allocation="orca-max"} 0.0',
-                'streamkv:kv_memory_share_sum_total{model_name="m",kind="external",kv_allocation="orca-max"} 0.0',
+                'streamkv:kv_memory_share_sum_total{model_name="m",kind="token",'
+                f'kv_allocation="orca-max"}} {tok}',
+                'streamkv:kv_memory_share_sum_total{model_name="m",kind="reserved",'
+                'kv_allocation="orca-max"} 0.0',
+                'streamkv:kv_memory_share_sum_total{model_name="m",kind="internal",'
+                'kv_allocation="orca-max"} 0.0',
+                'streamkv:kv_memory_share_sum_total{model_name="m",kind="external",'
+                'kv_allocation="orca-max"} 0.0',
                 f'streamkv:kv_memory_samples_total{{model_name="m"}} {samples}',
                 f'streamkv:batched_requests_sum_total{{model_name="m"}} {batched}',
                 f'streamkv:batched_steps_total{{model_name="m"}} {steps}',

@@ -48,7 +48,8 @@ def browser():
         from playwright.sync_api import sync_playwright
     except ImportError:
         pytest.skip(
-            "browser tests need the Python package playwright (the dev extra: pip install -e '.[dev]')"
+            "browser tests need the Python package playwright "
+            "(the dev extra: pip install -e '.[dev]')"
         )
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(

@@ -13,7 +13,8 @@ message reports). The verdict says whether the interval excludes a 2% slowdown.
 
     .venv/bin/python -m tests.web.kv_view_load --viewers 5 --pairs 24 --out kv_view_load.json
     .venv/bin/python -m tests.web.kv_view_load --micro    # one snapshot of a large pool, timed
-    .venv/bin/python -m tests.web.kv_view_load --profile PY_SPY   # py-spy: where the server's time goes
+    # py-spy: where the server's time goes
+    .venv/bin/python -m tests.web.kv_view_load --profile PY_SPY
 
 Not a pytest module (the name does not start with test_): it takes minutes.
 """
@@ -56,7 +57,8 @@ async def one_request(client: httpx.AsyncClient, max_tokens: int) -> int:
 async def load(
     client: httpx.AsyncClient, concurrency: int, requests: int, max_tokens: int
 ) -> tuple[int, float]:
-    """Completion tokens of ``requests`` streamed requests, ``concurrency`` at a time, and the seconds taken."""
+    """Completion tokens of ``requests`` streamed requests, ``concurrency`` at a time, and the
+    seconds taken."""
     sem = asyncio.Semaphore(concurrency)
 
     async def run() -> int:
@@ -80,7 +82,8 @@ async def viewer(url: str, costs: list[float], size: list[int]) -> None:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a process's main thread and of all its other threads (Linux)."""
+    """CPU seconds (user + system) of a process's main thread and of all its other threads
+    (Linux)."""
     main = rest = 0.0
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -216,15 +219,18 @@ async def main_async(args) -> list[dict]:
                 try:
                     rows = {n: await phase(server, client, n, args) for n in order}
                 except (ProcessLookupError, FileNotFoundError, httpx.HTTPError) as e:
-                    # The server went away (on a shared box: killed from outside): keep what was measured.
+                    # The server went away (on a shared box: killed from outside): keep what was
+                    # measured.
                     print(
-                        f"pair {k}: the server stopped ({type(e).__name__}: {e}); summarizing {len(pairs)} pairs",
+                        f"pair {k}: the server stopped ({type(e).__name__}: "
+                        f"{e}); summarizing {len(pairs)} pairs",
                         flush=True,
                     )
                     break
                 pairs.append({"pair": k, "off": rows[0], "on": rows[args.viewers]})
                 print(
-                    f"pair {k:2d}: tok/s off {rows[0]['tokens_per_s']:.2f}, on {rows[args.viewers]['tokens_per_s']:.2f}; "
+                    f"pair {k:2d}: tok/s off {rows[0]['tokens_per_s']:.2f}, "
+                    f"on {rows[args.viewers]['tokens_per_s']:.2f}; "
                     f"server CPU ms/token off {rows[0]['cpu_ms_per_token']:.1f}, "
                     f"on {rows[args.viewers]['cpu_ms_per_token']:.1f}",
                     flush=True,
@@ -283,7 +289,8 @@ def summarize(pairs: list[dict]) -> dict:
 
 def report(s: dict, pairs: list[dict], viewers: int) -> str:
     lines = [
-        f"| measure (with {viewers} viewers ÷ without) | median off | median on | ratio of medians [95% CI] "
+        f"| measure (with {viewers} viewers ÷ without) | "
+        "median off | median on | ratio of medians [95% CI] "
         f"| median pair ratio [95% CI] |",
         "|---|---|---|---|---|",
     ]
@@ -304,7 +311,8 @@ def report(s: dict, pairs: list[dict], viewers: int) -> str:
         )
     lines.append(
         f"\n{s['tokens_per_s']['pairs']} pairs; snapshots {s['snapshots_per_s']:.1f}/s taking "
-        f"{100 * s['engine_thread_share']:.3f} % of the engine thread; {s['kib_per_viewer_per_s']:.1f} KiB/s "
+        f"{100 * s['engine_thread_share']:.3f} % of the "
+        f"engine thread; {s['kib_per_viewer_per_s']:.1f} KiB/s "
         f"per viewer; this client's CPU per phase {s['client_cpu_s_per_phase']['off']:.2f} s off, "
         f"{s['client_cpu_s_per_phase']['on']:.2f} s on"
     )
@@ -337,8 +345,10 @@ def micro(num_blocks: int, num_seqs: int, tokens: int, repeat: int = 50) -> None
         size = len(json.dumps(snap, separators=(",", ":")))
     times.sort()
     print(
-        f"{num_blocks} blocks, {len(sched.running)} sequences of {tokens} tokens ({bm.device.num_used} blocks used): "
-        f"snapshot min {1e3 * times[0]:.2f} ms, median {1e3 * times[len(times) // 2]:.2f} ms; {size} bytes of JSON"
+        f"{num_blocks} blocks, {len(sched.running)} sequences "
+        f"of {tokens} tokens ({bm.device.num_used} blocks used): "
+        f"snapshot min {1e3 * times[0]:.2f} ms, median "
+        f"{1e3 * times[len(times) // 2]:.2f} ms; {size} bytes of JSON"
     )
 
 

@@ -32,8 +32,10 @@ STORY = "Tell me a story about a lighthouse keeper who watches the stars, in man
 def fresh(page, url: str, settings: dict, kv_open: bool, theme: str = "light") -> None:
     page.goto(url + "/")
     page.evaluate(
-        "([s, kv, theme]) => { localStorage.clear(); localStorage.setItem('streamkv.settings.v1', s);"
-        " localStorage.setItem('streamkv.kv.open', kv ? '1' : ''); localStorage.setItem('streamkv.theme', theme); }",
+        "([s, kv, theme]) => { localStorage.clear(); "
+        "localStorage.setItem('streamkv.settings.v1', s);"
+        " localStorage.setItem('streamkv.kv.open', kv ? '1' : "
+        "''); localStorage.setItem('streamkv.theme', theme); }",
         [json.dumps(settings), kv_open, theme],
     )
     page.reload()

@@ -216,7 +216,8 @@ def test_send_is_disabled_while_the_server_is_unreachable(sized):
     page.wait_for_selector("#status[data-state=disconnected]")
     assert page.locator("#send").is_disabled()
     page.wait_for_function(
-        "() => /server unreachable · retrying in \\d+ s/.test(document.querySelector('#status').textContent)"
+        "() => /server unreachable · retrying in \\d+ "
+        "s/.test(document.querySelector('#status').textContent)"
     )
     # The countdown runs (it used to freeze) and no API key is asked for.
     seen = {page.locator("#status").inner_text()}

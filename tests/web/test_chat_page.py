@@ -28,7 +28,8 @@ def send(page, text: str) -> None:
 
 def wait_reply_done(page, count: int = 1, timeout: float = 60_000) -> None:
     page.wait_for_function(
-        "n => document.querySelectorAll('.msg.assistant:not(.pending)').length >= n && !document.querySelector('.msg.pending')",
+        "n => document.querySelectorAll('.msg.assistant:not(.pending)').length "
+        ">= n && !document.querySelector('.msg.pending')",
         arg=count,
         timeout=timeout,
     )
@@ -172,7 +173,8 @@ import("/web/markdown.js").then(({ renderMarkdown }) => {
   const box = document.createElement("div");
   box.innerHTML = renderMarkdown(
     "# Title\n**bold** and `<b>code</b>` <img src=x onerror=alert(1)> [x](javascript:alert(1))\n" +
-    "[ok](https://example.com/a?b=1&c=\"2\")\n\n```html\n<script>alert(1)</script>\n```\n- one\n- two");
+    "[ok](https://example.com/a?b=1&c=\"2\")\n\n" +
+    "```html\n<script>alert(1)</script>\n```\n- one\n- two");
   return {
     imgs: box.querySelectorAll("img, script").length,
     strong: box.querySelector("strong")?.textContent,

@@ -49,7 +49,8 @@ def kv_page(browser, default_server, request):
     tab.on("pageerror", lambda e: errors.append(str(e)))
     tab.goto(default_server.url + "/")
     tab.evaluate(
-        "localStorage.clear(); sessionStorage.clear(); localStorage.setItem('streamkv.kv.open', '1')"
+        "localStorage.clear(); sessionStorage.clear(); "
+        "localStorage.setItem('streamkv.kv.open', '1')"
     )
     tab.reload()
     tab.wait_for_selector("#status[data-state=connected]")
@@ -131,7 +132,8 @@ def test_the_reply_on_screen_is_marked_in_the_block_tables(kv_page):
     page.wait_for_function("() => document.querySelectorAll('.kv-device .cell.mine').length >= 2")
     mine = {int(b) for b in page.locator(".kv-request.mine .blk").all_inner_texts()}
     cells = page.evaluate(
-        "() => [...document.querySelectorAll('.kv-device .cell')].flatMap((c, i) => c.classList.contains('mine') ? [i] : [])"
+        "() => [...document.querySelectorAll('.kv-device "
+        ".cell')].flatMap((c, i) => c.classList.contains('mine') ? [i] : [])"
     )
     assert set(cells) & mine
     page.click("#stop")
@@ -167,10 +169,12 @@ def test_shared_blocks_show_ref_counts_and_copy_on_write_marks_the_copies(kv_pag
     )
     copied = event.get_attribute("data-blocks").split(",")
     assert copied and page.locator(".kv-timeline .tl-mark.tl-cow").count() >= 1
-    # Pointing at the event lights its blocks up in the pool (and in the tables while they hold them).
+    # Pointing at the event lights its blocks up in the pool (and in the tables while they hold
+    # them).
     event.hover()
     spotted = page.evaluate(
-        "() => [...document.querySelectorAll('.kv-device .cell')].flatMap((c, i) => c.classList.contains('spot') ? [String(i)] : [])"
+        "() => [...document.querySelectorAll('.kv-device .cell')].flatMap((c, "
+        "i) => c.classList.contains('spot') ? [String(i)] : [])"
     )
     assert set(spotted) == set(copied), (spotted, copied)
     page.screenshot(path=str(ARTIFACTS / "kv_default_n4.png"))

@@ -91,7 +91,8 @@ def test_n4_samples_share_their_prompt_blocks(page, server):
     )
     page.wait_for_function(
         "() => Number(document.querySelector('.kv-stat[data-key=shared_blocks]').dataset.value) > 0"
-        " && [...document.querySelectorAll('.kv-request')].some(r => r.querySelectorAll('.kv-row').length === 4)",
+        " && [...document.querySelectorAll('.kv-request')].some(r "
+        "=> r.querySelectorAll('.kv-row').length === 4)",
         timeout=60_000,
     )
     assert page.locator(".kv-grid .st-shared").count() > 0
@@ -113,7 +114,8 @@ def test_a_beam_search_request_shares_blocks_between_beams(page):
     send(page, "Write a long story about a lighthouse keeper and the sea.")
     page.wait_for_function(
         "() => Number(document.querySelector('.kv-stat[data-key=shared_blocks]').dataset.value) > 0"
-        " && [...document.querySelectorAll('.kv-request')].some(r => r.querySelectorAll('.kv-row').length >= 2)",
+        " && [...document.querySelectorAll('.kv-request')].some(r "
+        "=> r.querySelectorAll('.kv-row').length >= 2)",
         timeout=60_000,
     )
     wait_reply_done(page, timeout=120_000)

@@ -4,7 +4,8 @@ outside tests/executor.
 
 - ``sampler``: rank 0's sampler raises for a request seeded POISON_SEED (after every
   collective of the step: the other ranks finish it normally).
-- ``forward``: every rank's model runner (its forward pass) raises on a step that computes POISON_TOKEN.
+- ``forward``: every rank's model runner (its forward pass) raises on a step that computes
+  POISON_TOKEN.
 - ``forward-rank1``: only ranks that do not sample raise on it (rank 0 is then left waiting
   in a collective: the ranks diverge).
 """
