@@ -325,7 +325,7 @@ def test_preemption_with_graphs(tiny_dir, mode):
     """A pool too small for the batch forces preemption; outputs still equal an eager run
     with room to spare. In fp32: a recomputed prompt's K/V come from other GEMM shapes than
     the ones computed a token at a time, and in bf16 that rounding flipped a token late in
-    one sequence (H200, session 4), which says nothing about graphs or preemption."""
+    one sequence (H200, an early run), which says nothing about graphs or preemption."""
     prompts = _prompts(8, 3)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     eager = LLM(
