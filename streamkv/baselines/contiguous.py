@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from streamkv.baselines.first_fit import FirstFitAllocator, Run
 from streamkv.core.block_manager import AllocStatus
 from streamkv.core.block_pool import BlockPool, NoFreeBlocksError
-from streamkv.sampling_params import SamplingParams
+from streamkv.core.kv_waste import KVUsage, KVWaste, final_len, table_waste
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 ORCA_POLICIES = ("orca-max", "orca-pow2", "orca-oracle", "ft-max")
@@ -58,14 +58,6 @@ ORCA_POLICIES = ("orca-max", "orca-pow2", "orca-oracle", "ft-max")
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def final_len(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
-    """Tokens a sequence holds when it ends by length (prompt + max_tokens, within the
-    context). With ``ignore_eos`` this is the length it will reach."""
-    if params.max_tokens is None:
-        return max(max_model_len, prompt_len)
-    return min(prompt_len + params.max_tokens, max(max_model_len, prompt_len))
 
 
 def reservation_slots(policy: str, final: int, max_model_len: int) -> int:
@@ -276,6 +268,35 @@ class ContiguousBlockManager:
 
     def num_shared_blocks(self) -> int:
         return len({b for s in self._unbound for b in self.tables[s]})
+
+    def num_pinned_blocks(self) -> int:
+        return 0  # no reserved prefixes
+
+    def kv_usage(self, groups: list[SequenceGroup], max_model_len: int) -> KVUsage:
+        """The groups' KV by slot kind (core/kv_waste.py): the blocks their tables reach,
+        and every slot this allocator holds or has made unusable."""
+        held = table_waste(self.tables, groups, self.block_size, max_model_len)
+        return KVUsage(held, self._waste(groups, max_model_len))
+
+    def _waste(self, groups: list[SequenceGroup], max_model_len: int) -> KVWaste:
+        """O(sequences): a run's slots split by arithmetic. A forked child not yet bound
+        reads its parent's run; the run it will take is a spare, counted as reserved."""
+        bs, w = self.block_size, KVWaste()
+        for group in groups:
+            for seq in group.seqs:
+                run = self.runs.get(seq.seq_id)
+                if run is None:
+                    continue
+                slots = run.num_blocks * bs
+                final = final_len(len(seq.prompt_token_ids), group.sampling_params, max_model_len)
+                written = min(final - 1, slots)
+                w.token += seq.num_computed_tokens
+                w.reserved += max(written - seq.num_computed_tokens, 0)
+                w.internal += slots - max(written, seq.num_computed_tokens)
+        w.reserved += self.spare_blocks() * bs
+        w.internal += self.retired_blocks() * bs  # request batching: held by ended requests
+        w.external = self.external_fragmentation_blocks() * bs
+        return w
 
     def num_logical_blocks(self) -> int:
         return sum(len(t) for t in self.tables.values())

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from streamkv.config import CacheConfig
 from streamkv.core.block_pool import BlockPool, block_key
+from streamkv.core.kv_waste import KVUsage, table_waste
 from streamkv.core.reserved_prefix import ReservedPrefixes
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -40,6 +41,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
+    policy = "paged"  # the kv_allocation this manager serves
+
     def __init__(
         self,
         block_size: int,
@@ -366,6 +369,12 @@ class BlockManager:
 
     def num_pinned_blocks(self) -> int:
         return self.reserved.num_pinned_blocks()
+
+    def kv_usage(self, groups: list[SequenceGroup], max_model_len: int) -> KVUsage:
+        """The groups' KV by slot kind (core/kv_waste.py): the blocks their tables reach
+        are all the slots they hold."""
+        held = table_waste(self.tables, groups, self.block_size, max_model_len)
+        return KVUsage(held, held)
 
     def check_no_leaks(self) -> None:
         """Raise unless no table is left and the only references are reserved-prefix pins."""

@@ -3,21 +3,8 @@ metrics). Counters are exact; the memory figures walk every running sequence's b
 O(blocks) Python work, so they are sampled every ``MEMORY_SAMPLE_EVERY`` steps (the first
 step included) rather than on the step path every time.
 
-KV waste (the paper's Fig 2): at each sample every slot that requests hold, plus the free
-slots that fragmentation makes unusable, falls into one of four kinds:
-
-    token      holds a computed token's K/V (a shared block counts once)
-    reserved   held for a token the request will still write
-    internal   held but never written: a block's tail past the request's final length, a
-               contiguous reservation larger than the request, or (request-level batching)
-               the runs of ended requests that their batch still holds
-    external   free, but outside the largest free run: a contiguous run that the largest
-               hole cannot take cannot use it either (always 0 for paged allocation)
-
-A request's slots that will ever be written are its final length minus one (the last
-sampled token's K/V is never computed); the final length is prompt + max_tokens (within
-max_model_len), and the benchmarks send ignore_eos with max_tokens = the true output, so
-there it is exact. Shares are averaged
+KV waste (the paper's Fig 2): at each sample the block manager sorts the slots that requests
+hold into token / reserved / internal / external (core/kv_waste.py); shares are averaged
 over the sampled steps. Also averaged, over every step that ran something: the number of
 requests batched together (the paper's Fig 13).
 """
@@ -26,63 +13,20 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from streamkv.baselines.contiguous import ContiguousBlockManager, final_len
 from streamkv.core.block_manager import BlockManager
+from streamkv.core.kv_waste import WASTE_KINDS, KVWaste
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine.request_metrics import RequestMetrics
-from streamkv.sequence import Sequence, SequenceGroup
+from streamkv.sequence import Sequence
+
+if TYPE_CHECKING:
+    from streamkv.baselines.contiguous import ContiguousBlockManager
 
 # 256 sequences of 1k tokens are 16k table entries: a few ms of Python, against a decode step
 # of ~10 ms on an H200 with CUDA graphs. Every 8th step keeps the average within reach.
 MEMORY_SAMPLE_EVERY = 8
-
-
-WASTE_KINDS = ("token", "reserved", "internal", "external")
-
-
-@dataclass(slots=True)
-class KVWaste:
-    """KV slots by what they hold at one step (see the module docstring)."""
-
-    token: int = 0
-    reserved: int = 0
-    internal: int = 0
-    external: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.token + self.reserved + self.internal + self.external
-
-    def shares(self) -> dict[str, float]:
-        total = self.total
-        return {k: getattr(self, k) / total if total else 0.0 for k in WASTE_KINDS}
-
-
-def contiguous_waste(
-    bm: ContiguousBlockManager, groups: list[SequenceGroup], max_model_len: int
-) -> KVWaste:
-    """O(sequences): a run's slots split by arithmetic. A forked child not yet bound reads
-    its parent's run; the run it will take is a spare, counted as reserved."""
-    bs, w = bm.block_size, KVWaste()
-    for group in groups:
-        for seq in group.seqs:
-            run = bm.runs.get(seq.seq_id)
-            if run is None:
-                continue
-            slots = run.num_blocks * bs
-            written = min(
-                final_len(len(seq.prompt_token_ids), group.sampling_params, max_model_len) - 1,
-                slots,
-            )
-            w.token += seq.num_computed_tokens
-            w.reserved += max(written - seq.num_computed_tokens, 0)
-            w.internal += slots - max(written, seq.num_computed_tokens)
-    w.reserved += bm.spare_blocks() * bs
-    w.internal += bm.retired_blocks() * bs  # request batching: held by requests that ended
-    w.external = bm.external_fragmentation_blocks() * bs
-    return w
 
 
 class EngineStats:
@@ -154,63 +98,20 @@ class EngineStats:
         self._sample_memory()
 
     def _sample_memory(self) -> None:
-        """The KV figures of this step: every held block once (a shared block holds the most
-        tokens any sharer has written), walked without a dict entry per full block: full
-        blocks are gathered into one set, and only the partly filled ones (about one per
-        sequence) go through Python (256 sequences of 1k tokens: ~2 ms a sample before)."""
-        block_size = self.bm.block_size
-        tables = self.bm.tables
-        full_blocks: list[int] = []  # blocks some sharer has filled
-        part: dict[
-            int, int
-        ] = {}  # other blocks -> tokens in them (the most any sharer has written)
-        will: dict[int, int] = {}  # partly filled block -> slots any sharer will ever write
-        for group in self.scheduler.running:
-            for seq in group.seqs:
-                table = tables.get(seq.seq_id)
-                if table is None:
-                    continue
-                seq_len = seq.num_computed_tokens
-                n = len(table)
-                full = min(seq_len // block_size, n)
-                full_blocks += table[:full]
-                if full == n:
-                    continue
-                final = (
-                    final_len(len(seq.prompt_token_ids), group.sampling_params, self.max_model_len)
-                    - 1
-                )
-                for i in range(full, n):
-                    block = table[i]
-                    filled = min(max(seq_len - i * block_size, 0), block_size)
-                    if filled >= part.get(block, 0):
-                        part[block] = filled
-                    written = min(max(final - i * block_size, 0), block_size)
-                    if written > will.get(block, 0):
-                        will[block] = written
-        full_set = set(full_blocks)
-        partial = [f for b, f in part.items() if b not in full_set]
-        num_blocks = len(full_set) + len(partial)
-        token = len(full_set) * block_size + sum(partial)
-        internal = sum(
-            block_size - max(w, block_size if b in full_set else part[b]) for b, w in will.items()
-        )
-        self._record_waste(token, num_blocks, internal)
-        if num_blocks:
-            self._util_sum += token / (num_blocks * block_size)
+        """The KV figures of this step, asked of the block manager."""
+        usage = self.bm.kv_usage(self.scheduler.running, self.max_model_len)
+        self._record_waste(usage.waste)
+        held = usage.tables  # its slots: the distinct blocks the tables reach, whole
+        if held.total:
+            self._util_sum += held.token / held.total
             self._util_steps += 1
         logical = self.bm.num_logical_blocks()
         if logical:
+            num_blocks = held.total // self.bm.block_size
             self._saving_sum += 1 - num_blocks / logical
             self._saving_steps += 1
 
-    def _record_waste(self, token: int, num_blocks: int, internal: int) -> None:
-        """``token``: computed tokens in the ``num_blocks`` distinct held blocks; ``internal``:
-        their slots that no sharer will ever write (paged allocation)."""
-        if isinstance(self.bm, ContiguousBlockManager):
-            waste = contiguous_waste(self.bm, self.scheduler.running, self.max_model_len)
-        else:
-            waste = KVWaste(token, num_blocks * self.bm.block_size - token - internal, internal, 0)
+    def _record_waste(self, waste: KVWaste) -> None:
         if waste.total == 0:
             return
         for kind, share in waste.shares().items():
@@ -238,7 +139,7 @@ class EngineStats:
             "num_cow_copies": bm.num_cow_copies,
             "num_shared_blocks": bm.num_shared_blocks(),
             # Reserved prefixes' blocks, never evicted (core/reserved_prefix.py).
-            "num_pinned_kv_blocks": bm.num_pinned_blocks() if isinstance(bm, BlockManager) else 0,
+            "num_pinned_kv_blocks": bm.num_pinned_blocks(),
             "sharing_savings": self._saving_sum / self._saving_steps if self._saving_steps else 0.0,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
@@ -247,7 +148,7 @@ class EngineStats:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
-            "kv_allocation": getattr(bm, "policy", "paged"),
+            "kv_allocation": bm.policy,
             **{f"kv_{kind}_share": shares[kind] for kind in WASTE_KINDS},
             # Raw sums and counts, so a client can average over its own window (differences).
             "kv_waste_share_sums": dict(self.waste_share_sums),
