@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from streamkv.engine.async_engine import AsyncEngine, RequestStream
+from streamkv.engine.request_metrics import REQUEST_LATENCY_BUCKETS
 from streamkv.sequence import RequestOutput
 
 
@@ -85,29 +86,7 @@ ITL_BUCKETS = (
     40.0,
     80.0,
 )
-E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+E2E_BUCKETS = REQUEST_LATENCY_BUCKETS  # vLLM's request latency buckets, as the engine's
 LOOP_LAG_BUCKETS = (
     0.0002,
     0.0005,
