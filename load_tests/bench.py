@@ -36,7 +36,7 @@ MAX_REQUESTS, MAX_DURATION = 5000, 3600.0
 
 def build_parser() -> argparse.ArgumentParser:
     from streamkv.config import KV_ALLOCATIONS
-    from streamkv.entrypoints.cli import add_engine_args
+    from streamkv.entrypoints.args import add_engine_args
 
     p = argparse.ArgumentParser(
         prog="python -m load_tests.bench",
@@ -230,7 +230,7 @@ def load_requests(path: str) -> list[BenchRequest]:
 
 
 def make_engine(args: argparse.Namespace):
-    from streamkv.entrypoints.cli import engine_kwargs
+    from streamkv.entrypoints.args import engine_kwargs
     from streamkv.entrypoints.llm import build_engine, engine_config
 
     config = engine_config(args.model, **engine_kwargs(args))

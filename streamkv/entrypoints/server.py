@@ -366,7 +366,7 @@ async def _watch_load(
         on_failure()
 
 
-# -- helpers of `streamkv serve` (its flags and command: entrypoints/serve_cli.py) ----------
+# -- helpers of `streamkv serve` (its flags and command: entrypoints/cli/serve.py) ----------
 def served_name(model: str | None) -> str:
     from streamkv.models.loader import DEFAULT_MODEL_NAME
 

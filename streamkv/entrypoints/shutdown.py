@@ -55,7 +55,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.engine, self.drain_timeout, self.grace = engine, drain_timeout, grace
         # A Ctrl-C ends the process with 130 (the shell's convention), whether or not uvicorn
-        # re-raises it as KeyboardInterrupt: the re-raise reached serve_cli only now and then.
+        # re-raises it as KeyboardInterrupt: the re-raise reached cli/serve.py only now and then.
         self.interrupted = False
         # sse-starlette would cut every stream the moment the signal arrives; here the
         # engine ends them (end_all below), each with its error event and [DONE].

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from streamkv.entrypoints.cli import build_parser, main, parse_args
+from streamkv.entrypoints.cli.main import build_parser, main, parse_args
 from streamkv.entrypoints.llm import EngineStats
 from tests.entrypoints.conftest import run_server
 

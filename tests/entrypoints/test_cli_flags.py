@@ -17,7 +17,8 @@ import pytest
 
 from streamkv import __version__
 from streamkv.engine.watchdog import STEP_TIMEOUT_S
-from streamkv.entrypoints.cli import build_parser, load_chat_template, main, parse_args
+from streamkv.entrypoints.cli.common import load_chat_template
+from streamkv.entrypoints.cli.main import build_parser, main, parse_args
 from tests.entrypoints.conftest import run_server
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}]}

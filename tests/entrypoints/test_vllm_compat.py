@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from streamkv import __version__
-from streamkv.entrypoints.cli import build_parser
+from streamkv.entrypoints.cli.main import build_parser
 from streamkv.sampling_params import InvalidParameter
 from tests.entrypoints.fake_engine import FakeEngine
 from tests.entrypoints.test_app_fake_engine import make_client, sse_events, wait_healthy
@@ -359,7 +359,7 @@ def test_several_served_model_names(tmp_path):
     ]
     path = tmp_path / "serve.yaml"
     path.write_text("served-model-name: [smol, gpt-4o]\n")
-    from streamkv.entrypoints.cli import parse_args
+    from streamkv.entrypoints.cli.main import parse_args
 
     assert parse_args(build_parser(), ["serve", "--config", str(path)]).served_model_name == [
         "smol",

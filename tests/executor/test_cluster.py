@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from streamkv.entrypoints.cli import build_parser
+from streamkv.entrypoints.cli.main import build_parser
 from streamkv.entrypoints.llm import LLM
 from streamkv.executor.cluster import JoinTimeout, Placement, RankListener, RemoteRank
 from streamkv.executor.launcher import JoinRefused, LaunchSpec, _join, parse_ranks

@@ -18,7 +18,8 @@ import torch
 from streamkv import SamplingParams
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.llm_engine import LLMEngine
-from streamkv.entrypoints.cli import build_parser, engine_kwargs
+from streamkv.entrypoints.args import engine_kwargs
+from streamkv.entrypoints.cli.main import build_parser
 from streamkv.entrypoints.llm import LLM, engine_config
 from streamkv.executor.multiproc import MultiprocExecutor, WorkerError, verify_tensor_parallel
 from streamkv.models.loader import load_config, resolve_model_dir

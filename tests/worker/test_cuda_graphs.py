@@ -20,7 +20,8 @@ import torch
 
 from streamkv import SamplingParams
 from streamkv.config import ModelConfig
-from streamkv.entrypoints.cli import build_parser, engine_kwargs
+from streamkv.entrypoints.args import engine_kwargs
+from streamkv.entrypoints.cli.main import build_parser
 from streamkv.entrypoints.llm import LLM, engine_config
 from streamkv.executor.rank import config_from_dict
 from streamkv.worker.cuda_graphs import (

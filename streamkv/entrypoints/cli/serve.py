@@ -25,7 +25,7 @@ logger = logging.getLogger("streamkv.entrypoints.server")
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     from streamkv.engine.watchdog import STEP_TIMEOUT_S
-    from streamkv.entrypoints.cli_common import (
+    from streamkv.entrypoints.cli.common import (
         HelpFormatter,
         add_common_args,
         add_server_limit_args,
@@ -196,7 +196,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from streamkv.entrypoints.cli_common import check_server_limit_args
+    from streamkv.entrypoints.cli.common import check_server_limit_args
 
     for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
         if getattr(args, name) < 1:
@@ -230,7 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamkv.engine.async_engine import AsyncEngine
     from streamkv.engine.recovery import RestartBudget
     from streamkv.entrypoints.args import engine_kwargs
-    from streamkv.entrypoints.cli_common import load_chat_template, set_chat_template
+    from streamkv.entrypoints.cli.common import load_chat_template, set_chat_template
     from streamkv.entrypoints.connections import (
         ConnectionLimits,
         GuardedH11Protocol,

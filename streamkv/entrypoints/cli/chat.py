@@ -14,7 +14,7 @@ HELP = "/reset forgets the conversation, /exit (or Ctrl-D) quits"
 
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
-    from streamkv.entrypoints.cli_common import HelpFormatter
+    from streamkv.entrypoints.cli.common import HelpFormatter
 
     p = sub.add_parser(
         "chat",

@@ -12,21 +12,21 @@ from streamkv import __version__
 
 # The engine's flags are derived from the config dataclasses (one source, entrypoints/args.py).
 from streamkv.entrypoints.args import add_engine_args, engine_kwargs
-from streamkv.entrypoints.cli_common import (  # noqa: F401 - load_chat_template: tests
+from streamkv.entrypoints.cli.common import (
     LOG_LEVELS,
     HelpFormatter,
     add_common_args,
     load_chat_template,
     set_chat_template,
 )
-from streamkv.entrypoints.config_file import (
+from streamkv.entrypoints.cli.config_file import (
     ConfigFileError,
     command_index,
     config_tokens,
     read_config_file,
 )
 
-__all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -162,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from streamkv.entrypoints.chat_cli import add_chat_parser
-    from streamkv.entrypoints.serve_cli import add_serve_parser
+    from streamkv.entrypoints.cli.chat import add_chat_parser
+    from streamkv.entrypoints.cli.serve import add_serve_parser
     from streamkv.executor.launcher import add_worker_parser  # ranks on another host (issue 17)
 
     bench = sub.add_parser(
@@ -218,7 +218,3 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return args.func(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

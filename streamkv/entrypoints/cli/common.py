@@ -1,4 +1,4 @@
-"""What the ``streamkv`` commands share (cli.py builds the parser, serve_cli.py the
+"""What the ``streamkv`` commands share (main.py builds the parser, serve.py the
 ``serve`` command): the help format, the common flags, the server's limit flags and the
 chat-template loader. A module of its own so that neither command module imports the other."""
 
