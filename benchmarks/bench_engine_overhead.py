@@ -178,7 +178,7 @@ def run(args, mode: str, async_scheduling: bool, profile: bool = False) -> dict:
         else SlowDeviceExecutor(blocks, args.seed, gpu_s, args.model)
     )
     engine = _engine(args, executor, async_scheduling)
-    if args.gc_freeze:  # what `streamkv serve` does once the engine is up (entrypoints/server.py)
+    if args.gc_freeze:  # what `streamkv serve` does once the engine is up (server/app.py)
         gc.collect()
         gc.freeze()
     gc_time = _GcTimer()

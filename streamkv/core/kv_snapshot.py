@@ -1,6 +1,6 @@
 """A compact picture of the paged KV cache at one instant (the paper's Figures 6 and 7):
 the state of every physical block, each live sequence's block table, the event counters,
-and the headline numbers. Built for the live view (entrypoints/kv_view.py).
+and the headline numbers. Built for the live view (entrypoints/server/kv_view.py).
 
 It only reads the block manager, its pools and the scheduler, through their attributes;
 it must run where they cannot change underneath it (the engine thread, between steps).

@@ -1,6 +1,6 @@
 """Per-step and per-request histograms under vLLM's definitions, counted on the engine
 thread (where the schedule and finish times are) and published with ``stats()``; the
-server exports them as ``vllm:*`` metrics (entrypoints/metrics.py).
+server exports them as ``vllm:*`` metrics (entrypoints/server/metrics.py).
 
 The intervals of a request (vLLM's docs/design/metrics.md, "Interval Calculations"):
 

@@ -11,7 +11,7 @@ exception). That lands at the thread's next Python bytecode, so a step looping i
 between torch calls ends there; the engine thread then rebuilds the engine and resumes the
 running requests, less the suspected ones (engine_thread.py). A thread stuck inside one long
 native call cannot be interrupted: the report stands, and a shutdown still ends the process
-on time (entrypoints/shutdown.py).
+on time (entrypoints/server/shutdown.py).
 """
 
 from __future__ import annotations

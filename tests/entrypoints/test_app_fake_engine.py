@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.entrypoints.security import HostPolicy
-from streamkv.entrypoints.server import ServerConfig, build_app
+from streamkv.entrypoints.server.app import ServerConfig, build_app
+from streamkv.entrypoints.server.security import HostPolicy
 from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
 
 

@@ -157,7 +157,7 @@ def test_watchdog_and_kv_view_flags_reach_the_engine_and_the_app(
     monkeypatch, argv, timeout, kv_view
 ):
     import streamkv.engine.async_engine as async_engine
-    import streamkv.entrypoints.server as server
+    import streamkv.entrypoints.server.app as server
 
     built = {}
 

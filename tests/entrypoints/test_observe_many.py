@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from streamkv.entrypoints.metrics import observe_many
+from streamkv.entrypoints.server.metrics import observe_many
 
 
 def test_observe_many_equals_repeated_observe():

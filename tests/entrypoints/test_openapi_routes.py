@@ -1,5 +1,5 @@
 """/openapi.json lists every route the app serves (the list is taken from the app itself, so
-a new route without an entry in entrypoints/openapi.py fails here), and /docs shows them."""
+a new route without an entry in entrypoints/server/openapi.py fails here), and /docs shows them."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def test_every_route_is_in_the_openapi_document(client):
     listed = {(method, path) for path, ops in doc["paths"].items() for method in ops}
     routes = served(client.app)
     assert len(routes) >= 20 and ("get", "/web/{path}") in routes
-    assert routes - listed == set(), "routes without an entry in entrypoints/openapi.py"
-    assert listed - routes == set(), "entries in entrypoints/openapi.py for routes the app lacks"
+    assert routes - listed == set(), "routes without an entry in entrypoints/server/openapi.py"
+    assert listed - routes == set(), (
+        "entries in entrypoints/server/openapi.py for routes the app lacks"
+    )
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert op["summary"] and "\n" not in op["summary"], (method, path)

@@ -1,4 +1,4 @@
-"""The reserved-prefix admin API (entrypoints/prefixes.py) on a real engine (the embedded
+"""The reserved-prefix admin API (entrypoints/server/prefixes.py) on a real engine (the embedded
 model, CPU): register by text and by ids, completions that start with a prefix map its
 blocks, /metrics shows the pinned blocks, delete frees them, bad input gets OpenAI-shaped
 400s / 404s."""
@@ -12,8 +12,8 @@ from starlette.testclient import TestClient
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.entrypoints.llm import build_engine, engine_config
-from streamkv.entrypoints.security import HostPolicy
-from streamkv.entrypoints.server import ServerConfig, build_app
+from streamkv.entrypoints.server.app import ServerConfig, build_app
+from streamkv.entrypoints.server.security import HostPolicy
 
 pytestmark = (
     pytest.mark.slow

@@ -12,14 +12,14 @@ from starlette.websockets import WebSocketDisconnect
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.entrypoints.openai_protocol import APIError
-from streamkv.entrypoints.security import (
+from streamkv.entrypoints.server.app import ServerConfig, build_app
+from streamkv.entrypoints.server.security import (
     AuthFailures,
     HostPolicy,
     check_api_key,
     origin_allowed,
     split_host,
 )
-from streamkv.entrypoints.server import ServerConfig, build_app
 from tests.entrypoints.fake_engine import FakeEngine
 
 

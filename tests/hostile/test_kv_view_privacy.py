@@ -9,9 +9,9 @@ import json
 from starlette.testclient import TestClient
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.entrypoints.kv_view import _Viewer
-from streamkv.entrypoints.security import HostPolicy
-from streamkv.entrypoints.server import ServerConfig, build_app
+from streamkv.entrypoints.server.app import ServerConfig, build_app
+from streamkv.entrypoints.server.kv_view import _Viewer
+from streamkv.entrypoints.server.security import HostPolicy
 from tests.entrypoints.fake_engine import FakeEngine
 
 TOKEN = "k7Qv2mXbL9pTzR4w"

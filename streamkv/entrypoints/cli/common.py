@@ -12,7 +12,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # -- serve: connection, security and shutdown flags ---------------------------------------
 # Kept apart from the engine flags above (those come from the config dataclasses); these
-# configure only the HTTP server (entrypoints/connections.py, security.py, shutdown.py).
+# configure only the HTTP server (entrypoints/server/connections.py, security.py, shutdown.py).
 def add_server_limit_args(g) -> None:
     g.add_argument(
         "--allowed-hosts",

@@ -1,5 +1,5 @@
 """``streamkv serve``: its flags (grouped as vLLM groups them) and the command that runs the
-app of entrypoints/server.py on uvicorn.
+app of entrypoints/server/app.py on uvicorn.
 
 Start-up, as the operator sees it: uvicorn listens at once and ``/health`` answers 503
 while the model loads; one ``ready: URL (model, KV blocks, max context)`` line follows when
@@ -231,15 +231,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamkv.engine.recovery import RestartBudget
     from streamkv.entrypoints.args import engine_kwargs
     from streamkv.entrypoints.cli.common import load_chat_template, set_chat_template
-    from streamkv.entrypoints.connections import (
+    from streamkv.entrypoints.llm import build_engine, engine_config
+    from streamkv.entrypoints.server.app import (
+        ServerConfig,
+        build_app,
+        served_name,
+        serving_backend,
+    )
+    from streamkv.entrypoints.server.connections import (
         ConnectionLimits,
         GuardedH11Protocol,
         QuietDenialWebSocket,
     )
-    from streamkv.entrypoints.llm import build_engine, engine_config
-    from streamkv.entrypoints.security import HostPolicy
-    from streamkv.entrypoints.server import ServerConfig, build_app, served_name, serving_backend
-    from streamkv.entrypoints.shutdown import DrainingServer
+    from streamkv.entrypoints.server.security import HostPolicy
+    from streamkv.entrypoints.server.shutdown import DrainingServer
     from streamkv.models.loader import phase
 
     _check_args(args)

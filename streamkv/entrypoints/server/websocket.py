@@ -29,7 +29,7 @@ from streamkv.entrypoints.openai_serving import (
     engine_error,
     request_failed,
 )
-from streamkv.entrypoints.security import check_api_key, check_origin, check_subprotocols
+from streamkv.entrypoints.server.security import check_api_key, check_origin, check_subprotocols
 from streamkv.entrypoints.streaming import usage_of
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 request models; and ``/docs``: a self-contained HTML page rendered from that document on the
 server (no script, nothing fetched from elsewhere).
 
-The routes are listed here by hand, beside the code that serves them (server.py,
+The routes are listed here by hand, beside the code that serves them (app.py,
 vllm_routes.py, prefixes.py, kv_view.py, websocket.py); tests/entrypoints/test_openapi_routes.py
 fails for a route of the app that this list lacks."""
 

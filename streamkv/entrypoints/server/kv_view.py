@@ -14,7 +14,7 @@ those whose request id holds the secret token it opened the stream with (``?toke
 other row is anonymous: its id and sequence ids are keyed hashes under a key of this viewer's
 connection, stable while it watches (the page can follow a row) but linkable neither to the
 request id nor across viewers. The route honours ``--api-key`` (the caller's wrapper) and is
-off unless enabled, by default, when the server listens beyond loopback (server.py).
+off unless enabled, by default, when the server listens beyond loopback (app.py).
 """
 
 from __future__ import annotations

@@ -26,22 +26,22 @@ from starlette.staticfiles import StaticFiles
 
 from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
-from streamkv.entrypoints.kv_view import KVView
-from streamkv.entrypoints.metrics import ServerMetrics
 from streamkv.entrypoints.openai_protocol import APIError, RequestTypes, parse_json_body
 from streamkv.entrypoints.openai_serving import ENGINE_ERRORS, OpenAIServing, engine_error
-from streamkv.entrypoints.openapi import docs_page, openapi_document
-from streamkv.entrypoints.prefixes import PrefixAdmin
-from streamkv.entrypoints.security import (
+from streamkv.entrypoints.server.kv_view import KVView
+from streamkv.entrypoints.server.metrics import ServerMetrics
+from streamkv.entrypoints.server.openapi import docs_page, openapi_document
+from streamkv.entrypoints.server.prefixes import PrefixAdmin
+from streamkv.entrypoints.server.security import (
     AuthFailures,
     Guard,
     HostPolicy,
     check_api_key,
     check_origin,
 )
+from streamkv.entrypoints.server.websocket import chat_ws
 from streamkv.entrypoints.tokenize_serving import TokenizeServing
 from streamkv.entrypoints.vllm_routes import VLLMRoutes, model_permission
-from streamkv.entrypoints.websocket import chat_ws
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ def find_web_dir() -> Path | None:
     """The demo page's folder: shipped in the package as ``streamkv/web`` (pyproject.toml,
     setup.py), or the repository's ``web/`` when running from a checkout."""
     for folder in (
-        Path(__file__).resolve().parents[1] / "web",
         Path(__file__).resolve().parents[2] / "web",
+        Path(__file__).resolve().parents[3] / "web",
     ):
         if (folder / "index.html").is_file():
             return folder
@@ -240,7 +240,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
                 body=False,
             ),
         ),  # the live KV-cache view
-        *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (entrypoints/prefixes.py)
+        *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (prefixes.py)
         *VLLMRoutes(engine, serving, health).routes(
             api
         ),  # /ping, /invocations, /load, ... (vllm_routes.py)
