@@ -1,7 +1,7 @@
 """/v1/completions and /v1/chat/completions: validated requests in, engine streams out,
 OpenAI responses back — whole, or as SSE chunks (one choice per chunk, ``data: [DONE]``
 last). The chat responses (tool calls included) are built in chat_serving.py; /tokenize and
-/detokenize are tokenize_serving.py's.
+/detokenize are vllm_routes.py's.
 
 A request with several prompts (completions) or n > 1 samples interleaves its choices in
 one stream; choice ``index`` = prompt_index * n + sample_index, and every choice ends with
@@ -20,11 +20,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from streamkv.engine.async_engine import AsyncEngine, RequestStream
-from streamkv.entrypoints.chat_serving import ChatOutput, ChatResponder
-from streamkv.entrypoints.chat_template import chat_size, render_chat
-from streamkv.entrypoints.engine_errors import ENGINE_ERRORS, engine_error, request_failed
-from streamkv.entrypoints.openai_protocol import TOOLS_SYSTEM_PROMPT, APIError, validate
-from streamkv.entrypoints.openai_requests import (
+from streamkv.entrypoints.openai.chat_serving import ChatOutput, ChatResponder
+from streamkv.entrypoints.openai.chat_template import chat_size, render_chat
+from streamkv.entrypoints.openai.protocol import (
+    ENGINE_ERRORS,
+    TOOLS_SYSTEM_PROMPT,
+    APIError,
+    engine_error,
+    request_failed,
+    validate,
+)
+from streamkv.entrypoints.openai.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from streamkv.engine.grammar_limits import check_spec
-from streamkv.entrypoints.lark_grammar import LarkError, is_lark, lark_to_ebnf, regex_to_ebnf
-from streamkv.entrypoints.openai_protocol import APIError, validate
-from streamkv.entrypoints.openai_requests import ChatCompletionRequest
+from streamkv.entrypoints.openai.lark_grammar import LarkError, is_lark, lark_to_ebnf, regex_to_ebnf
+from streamkv.entrypoints.openai.protocol import APIError, validate
+from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
 
 xgr = pytest.importorskip("xgrammar")

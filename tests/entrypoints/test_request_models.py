@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from streamkv.entrypoints.openai_protocol import APIError, validate
-from streamkv.entrypoints.openai_requests import ChatCompletionRequest, CompletionRequest
+from streamkv.entrypoints.openai.protocol import APIError, validate
+from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
 from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -12,8 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from streamkv.entrypoints.openai_protocol import APIError, validate
-from streamkv.entrypoints.openai_requests import ChatCompletionRequest, CompletionRequest
+from streamkv.entrypoints.openai.protocol import APIError, validate
+from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
 from tests.entrypoints.conftest import run_server
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -10,9 +10,9 @@ import jsonschema
 import openai
 import pytest
 
-from streamkv.entrypoints.chat_messages import ChatMessage, Tool
-from streamkv.entrypoints.chat_template import render_chat
-from streamkv.entrypoints.tool_calls import (
+from streamkv.entrypoints.openai.chat_messages import ChatMessage, Tool
+from streamkv.entrypoints.openai.chat_template import render_chat
+from streamkv.entrypoints.openai.tool_calls import (
     HermesStream,
     forced_tool_schema,
     parse_hermes,

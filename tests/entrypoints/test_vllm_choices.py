@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from streamkv.entrypoints.chat_messages import ChatMessage, Tool
-from streamkv.entrypoints.chat_template import render_chat
-from streamkv.entrypoints.openai_protocol import vllm_error_type
+from streamkv.entrypoints.openai.chat_messages import ChatMessage, Tool
+from streamkv.entrypoints.openai.chat_template import render_chat
+from streamkv.entrypoints.openai.protocol import vllm_error_type
 from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
 
 

@@ -26,8 +26,15 @@ from starlette.staticfiles import StaticFiles
 
 from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
-from streamkv.entrypoints.openai_protocol import APIError, RequestTypes, parse_json_body
-from streamkv.entrypoints.openai_serving import ENGINE_ERRORS, OpenAIServing, engine_error
+from streamkv.entrypoints.openai.protocol import (
+    ENGINE_ERRORS,
+    APIError,
+    RequestTypes,
+    engine_error,
+    parse_json_body,
+)
+from streamkv.entrypoints.openai.vllm_routes import TokenizeServing, VLLMRoutes, model_permission
+from streamkv.entrypoints.openai_serving import OpenAIServing
 from streamkv.entrypoints.server.kv_view import KVView
 from streamkv.entrypoints.server.metrics import ServerMetrics
 from streamkv.entrypoints.server.openapi import docs_page, openapi_document
@@ -40,8 +47,6 @@ from streamkv.entrypoints.server.security import (
     check_origin,
 )
 from streamkv.entrypoints.server.websocket import chat_ws
-from streamkv.entrypoints.tokenize_serving import TokenizeServing
-from streamkv.entrypoints.vllm_routes import VLLMRoutes, model_permission
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +248,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (prefixes.py)
         *VLLMRoutes(engine, serving, health).routes(
             api
-        ),  # /ping, /invocations, /load, ... (vllm_routes.py)
+        ),  # /ping, /invocations, /load, ... (openai/vllm_routes.py)
     ]
     if config.web_dir is not None and config.web_dir.is_dir():
         routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))

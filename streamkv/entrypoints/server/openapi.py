@@ -3,8 +3,8 @@ request models; and ``/docs``: a self-contained HTML page rendered from that doc
 server (no script, nothing fetched from elsewhere).
 
 The routes are listed here by hand, beside the code that serves them (app.py,
-vllm_routes.py, prefixes.py, kv_view.py, websocket.py); tests/entrypoints/test_openapi_routes.py
-fails for a route of the app that this list lacks."""
+openai/vllm_routes.py, prefixes.py, kv_view.py, websocket.py);
+tests/entrypoints/test_openapi_routes.py fails for a route of the app that this list lacks."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from streamkv import __version__
-from streamkv.entrypoints.openai_requests import ChatCompletionRequest, CompletionRequest
-from streamkv.entrypoints.tokenize_serving import DetokenizeRequest, TokenizeRequest
+from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
+from streamkv.entrypoints.openai.vllm_routes import DetokenizeRequest, TokenizeRequest
 
 MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,

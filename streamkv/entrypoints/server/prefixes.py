@@ -31,7 +31,7 @@ from streamkv.core.reserved_prefix import ReservedPrefixError
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
 from streamkv.engine.llm_engine import LLMEngine
 from streamkv.entrypoints.llm import PREFIX_PARAMS, register_prefix, reserved_prefixes
-from streamkv.entrypoints.openai_protocol import APIError
+from streamkv.entrypoints.openai.protocol import APIError
 
 T = TypeVar("T")
 # How long a call waits for the engine thread (between two steps: normally milliseconds).

@@ -21,8 +21,8 @@ import uuid
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamkv.entrypoints.openai_protocol import APIError, parse_json_body, validate
-from streamkv.entrypoints.openai_requests import ChatCompletionRequest
+from streamkv.entrypoints.openai.protocol import APIError, parse_json_body, validate
+from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from streamkv.entrypoints.openai_serving import (
     ENGINE_ERRORS,
     OpenAIServing,

@@ -1,13 +1,17 @@
 """The OpenAI error shape, strict JSON bodies, and validation through the request models.
 
 A body is parsed as strict JSON (``parse_json_body``), then validated by its endpoint's
-pydantic model (openai_requests.py) with ``validate``. Types are coerced as vLLM's models
+pydantic model (requests.py) with ``validate``. Types are coerced as vLLM's models
 coerce them (pydantic's lax mode: ``"5"`` is 5, ``"true"`` is true); ``serve
 --strict-request-types`` refuses them, as OpenAI does. A pydantic error becomes a 400 whose
 ``param`` is the error's location (``messages[0].content``). Fields no model declares are
 ignored and named in one warning per request, as vLLM does: strict rejection breaks the
 clients that send newer OpenAI fields. Fields we know but cannot honour (they would change
-the output) are declared as ``Unsupported`` and refused by name.
+the output) are declared as ``Unsupported`` and refused by name; the fields that change
+nothing are ``PassiveFields``.
+
+Every way the engine can refuse or drop a request is mapped here once (``engine_error``), so
+that HTTP, SSE and the WebSocket report the same status and ``code`` for the same failure.
 """
 
 from __future__ import annotations
@@ -19,6 +23,17 @@ from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from streamkv.engine.async_engine import (
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineRecoveringError,
+    EngineStoppingError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from streamkv.engine.recovery import EngineRestartedError
+from streamkv.engine.tokenizer_lanes import TokenizerBusyError
 
 logger = logging.getLogger("streamkv.entrypoints.requests")
 
@@ -67,6 +82,61 @@ def vllm_error_type(status: int) -> str:
     except ValueError:
         name = "Unknown"
     return name if name.endswith("Error") else name + "Error"
+
+
+ENGINE_ERRORS = (
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineRecoveringError,
+    EngineRestartedError,
+    EngineStoppingError,
+    QueueFullError,
+    RequestAbortedError,
+    TokenizerBusyError,
+)
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, QueueFullError):
+        return APIError(
+            "the server's request queue is full; retry later",
+            429,
+            "rate_limit_error",
+            code="queue_full",
+            headers={"retry-after": "1"},
+        )
+    if isinstance(e, TokenizerBusyError):
+        return APIError(
+            str(e), 429, "rate_limit_error", code="tokenizer_busy", headers={"retry-after": "1"}
+        )
+    if isinstance(e, EngineRecoveringError):
+        return APIError(
+            str(e),
+            503,
+            "service_unavailable_error",
+            code="engine_recovering",
+            headers={"retry-after": "5"},
+        )
+    code = {
+        EngineDeadError: "engine_dead",
+        EngineNotReadyError: "engine_loading",
+        EngineRestartedError: "engine_restarted",
+        EngineStoppingError: "server_shutting_down",
+        RequestAbortedError: "request_aborted",
+    }[type(e)]
+    message = "the request was aborted" if isinstance(e, RequestAbortedError) else str(e)
+    return APIError(message, 503, "service_unavailable_error", code=code)
+
+
+def request_failed(error: str) -> APIError:
+    """A request the engine took but could not finish (the KV cache is too small for it, or
+    its step failed): the other requests go on."""
+    return APIError(
+        f"the engine could not finish the request: {error}",
+        503,
+        "service_unavailable_error",
+        code="engine_error",
+    )
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -142,6 +212,24 @@ Unsupported = Annotated[
 ]
 # JSON integers wider than 64 bits fit no engine field (a seed is hashed as 64 bits).
 Int = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+
+
+class PassiveFields(OpenAIModel):
+    """The fields both generation endpoints take that change nothing in the output (inert:
+    accepted, documented) and vLLM's extras this engine cannot honour (a 400 unless unset):
+    the request models' passive part (requests.py has the fields that shape the output)."""
+
+    # Inert: OpenAI fields that do not change the output.
+    user: str | None = Field(None, description="inert: an end-user id")
+    metadata: dict[str, str] | None = Field(None, description="inert")
+    store: bool | None = Field(None, description="inert: nothing is stored")
+    service_tier: str | None = Field(None, description="inert")
+    prompt_cache_key: str | None = Field(None, description="inert: prefix caching is automatic")
+    safety_identifier: str | None = Field(None, description="inert")
+    # vLLM extras this engine does not implement.
+    priority: Unsupported = None
+    bad_words: Unsupported = None
+    logits_processors: Unsupported = None
 
 
 # Whether this request's types are strict: the app's --strict-request-types, set for each

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from streamkv.entrypoints.chat_messages import ChatMessage, Tool
-from streamkv.entrypoints.openai_protocol import APIError
-from streamkv.entrypoints.tool_calls import CLOSE, OPEN
+from streamkv.entrypoints.openai.chat_messages import ChatMessage, Tool
+from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.tool_calls import CLOSE, OPEN
 
 _TOOLS_PROMPT = (
     "You can call functions to help with the user's request. The functions are described as "

@@ -18,9 +18,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from streamkv.entrypoints.openai_requests import ChatCompletionRequest
+from streamkv.entrypoints.openai.requests import ChatCompletionRequest
+from streamkv.entrypoints.openai.tool_calls import (
+    HermesStream,
+    parse_hermes,
+    parse_required,
+    tool_call,
+)
 from streamkv.entrypoints.streaming import ChoiceState, LogprobFormatter, deltas
-from streamkv.entrypoints.tool_calls import HermesStream, parse_hermes, parse_required, tool_call
 from streamkv.sequence import CompletionOutput, RequestOutput
 
 

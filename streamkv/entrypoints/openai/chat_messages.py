@@ -1,7 +1,7 @@
 """Chat messages, tools and tool choice as request models (OpenAI's shapes).
 
 Unions are told apart by callable discriminators whose tags are written ``<like-this>``, so
-that an error's location names fields only (openai_protocol.param_of skips the tags).
+that an error's location names fields only (protocol.param_of skips the tags).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from streamkv.entrypoints.openai_protocol import OpenAIModel
+from streamkv.entrypoints.openai.protocol import OpenAIModel
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

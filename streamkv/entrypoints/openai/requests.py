@@ -1,6 +1,6 @@
 """The request models of the generation endpoints (completions, chat completions), with
 OpenAI's field names and vLLM's extras; each builds its ``SamplingParams``. (/tokenize's
-and /detokenize's are tokenize_serving.py's.)
+and /detokenize's are vllm_routes.py's.)
 
 Ranges of sampling fields are ``SamplingParams``' own checks (an ``InvalidParameter`` naming
 the field); whether a request can ever run is the engine's admission (core/admission.py).
@@ -13,12 +13,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from streamkv.entrypoints.chat_messages import ChatMessage, NamedToolChoice, Tool, ToolChoice
-from streamkv.entrypoints.chat_template import check_template_kwargs
-from streamkv.entrypoints.openai_protocol import APIError, Int, OpenAIModel, Unsupported
-from streamkv.entrypoints.request_fields import PassiveFields
-from streamkv.entrypoints.structured_request import StructuredFields, structured_outputs
-from streamkv.entrypoints.tool_calls import forced_tool_schema
+from streamkv.entrypoints.openai.chat_messages import ChatMessage, NamedToolChoice, Tool, ToolChoice
+from streamkv.entrypoints.openai.chat_template import check_template_kwargs
+from streamkv.entrypoints.openai.protocol import (
+    APIError,
+    Int,
+    OpenAIModel,
+    PassiveFields,
+    Unsupported,
+)
+from streamkv.entrypoints.openai.structured_request import StructuredFields, structured_outputs
+from streamkv.entrypoints.openai.tool_calls import forced_tool_schema
 from streamkv.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_CACHE_SALT,
@@ -54,7 +59,7 @@ class StreamOptions(OpenAIModel):
 
 class SamplingRequest(StructuredFields, PassiveFields):
     """The fields both generation endpoints share (those that change nothing, or that are
-    refused, in request_fields.py)."""
+    refused, are protocol.py's ``PassiveFields``)."""
 
     model: str | None = Field(None, description="the served model's id; another name is a 404")
     n: Samples = 1

@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamkv.entrypoints.chat_messages import Tool
-from streamkv.entrypoints.openai_protocol import APIError
+from streamkv.entrypoints.openai.chat_messages import Tool
+from streamkv.entrypoints.openai.protocol import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ANY_OBJECT = {"type": "object"}
