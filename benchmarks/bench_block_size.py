@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from streamkv.kernels import ops  # noqa: E402
-from streamkv.kernels.decode_variants import BLOCK_SIZES  # noqa: E402
+from streamkv.kernels.decode_attention import BLOCK_SIZES  # noqa: E402
 
 L2_ROTATE_BYTES = 256 << 20
 MAX_SETS = 16
