@@ -109,3 +109,24 @@ def write_point(directory: str, record: dict) -> str:
     with open(path, "w") as f:
         json.dump(record, f, indent=1, default=str)
     return path
+
+
+def sweep_capacity(result: dict) -> tuple[float | None, bool]:
+    """A sweep's capacity: the most requests/s completed at a point past its knee, and True;
+    where no point was overloaded, the most completed at any point (a lower bound) and False."""
+    runs = [r for r in result.get("runs", []) if (r.get("capacity") or {}).get("completed_req_s")]
+    over = [r["capacity"]["completed_req_s"] for r in runs if r["capacity"]["overloaded"]]
+    if over:
+        return max(over), True
+    return max((r["capacity"]["completed_req_s"] for r in runs), default=None), False
+
+
+def capacity_ratio(a: float | None, a_over: bool, b: float | None, b_over: bool) -> str:
+    """``a / b`` as a capacity ratio: a side not overloaded only bounds its capacity from
+    below, so the ratio is then a bound ('>=' or '<='), or unknown when both are."""
+    if not a or not b:
+        return "not run"
+    if not a_over and not b_over:
+        return f"? ({a / b:.2f}x, neither overloaded)"
+    bound = "" if a_over and b_over else ">= " if b_over else "<= "
+    return f"{bound}{a / b:.2f}x"

@@ -10,6 +10,7 @@
 #   bash load_tests/capacity_point.sh paged sharegpt 20 1000 150
 #   BLOCK_SIZE=256 FIGURE=18b bash load_tests/capacity_point.sh paged sharegpt 20 1000 150
 #   SIM=1 bash load_tests/capacity_point.sh paged sharegpt 20 50 600   # the CPU, simulated model
+#   SIM=1 SIM_ARGS="--sim-base-ms 8 --sim-kv-us 0.2" bash load_tests/capacity_point.sh ...
 #
 # The requests are token ids saved on a CPU box (the GPU box has neither data nor tokenizer):
 #   python -m load_tests.bench --workload sharegpt --num-requests 1000 --save-workload bench_inputs/sharegpt-1000.json
@@ -34,7 +35,8 @@ esac
 LABEL=$SYSTEM
 [ "$BS" = 16 ] || LABEL=$SYSTEM-b$BS
 if [ "${SIM:-0}" = 1 ]; then
-  MODEL=(--simulate)
+  # shellcheck disable=SC2206  # SIM_ARGS: --sim-* flags, split on spaces on purpose
+  MODEL=(--simulate ${SIM_ARGS:-})
 else
   MODEL=(--load-format dummy --device cuda --dtype float16)
 fi

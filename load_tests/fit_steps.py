@@ -14,6 +14,12 @@ kernel sweep; default 0) unless ``--fit-blocks`` asks for it (records at several
 sizes).
 
     python -m load_tests.fit_steps docs/paper/h200/*.json [--block-us 0.4] [--json-out FIT.json]
+    python -m load_tests.fit_steps docs/paper/h200/*.json \
+        --block-us-from docs/paper/h200/kernel-block-size.json --json-out FIT.json
+
+Files without step records (the kernel sweep's JSON, an earlier fit) are skipped. The JSON
+holds the constants, the files and devices they came from, and the flags; it is what
+``load_tests.paper_sharing --calibration`` and ``load_tests.plot_sharing --calibration`` read.
 
 Prints the constants, the fit's error (RMS and median relative error per step, R^2) per
 file and pooled, and the ``load_tests.bench --sim-*`` flags that use them.
@@ -53,13 +59,13 @@ class StepFit:
     def flags(self) -> list[str]:
         return [
             "--sim-base-ms",
-            f"{self.base_ms:.4g}",
+            f"{self.base_ms:.6g}",
             "--sim-token-ms",
-            f"{self.per_token_ms:.4g}",
+            f"{self.per_token_ms:.6g}",
             "--sim-kv-us",
-            f"{self.per_kv_token_us:.4g}",
+            f"{self.per_kv_token_us:.6g}",
             "--sim-block-us",
-            f"{self.per_block_us:.4g}",
+            f"{self.per_block_us:.6g}",
         ]
 
 
@@ -118,12 +124,27 @@ def errors(fit: StepFit, y, computed, context, blocks) -> tuple[float, float, fl
 
 def load_records(path: str) -> list[StepRecord]:
     """Step records of a capacity point (``steps`` at the top) or of a sweep (per run)."""
+    return _load(path)[0]
+
+
+def _load(path: str) -> tuple[list[StepRecord], str]:
+    """A file's step records and the device they were measured on."""
     with open(path) as f:
         d = json.load(f)
+    device = d.get("device") or (d.get("hardware") or {}).get("gpu") or "unknown"
     blocks = (
         [d["steps"]] if "steps" in d else [r["steps"] for r in d.get("runs", []) if r.get("steps")]
     )
-    return [rec for b in blocks for rec in records_from_dict(b)]
+    return [rec for b in blocks for rec in records_from_dict(b)], device
+
+
+def kernel_block_us(path: str) -> float:
+    """The per-block cost per step (all layers) that the kernel sweep measured."""
+    with open(path) as f:
+        fit = json.load(f).get("block_cost_fit") or {}
+    if fit.get("sim_block_us") is None:
+        raise SystemExit(f"error: {path} holds no block_cost_fit.sim_block_us")
+    return float(fit["sim_block_us"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,11 +161,25 @@ def main(argv: list[str] | None = None) -> int:
         help="per-block cost held fixed (us per block touched)",
     )
     p.add_argument(
+        "--block-us-from",
+        default=None,
+        metavar="KERNEL_JSON",
+        help="take --block-us from benchmarks/bench_block_size.py's JSON (block_cost_fit."
+        "sim_block_us); files in the list that hold no steps (such a JSON) are skipped",
+    )
+    p.add_argument(
         "--fit-blocks", action="store_true", help="fit the per-block term too (several block sizes)"
     )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    per_file = {path: load_records(path) for path in args.files}
+    if args.block_us_from:
+        args.block_us = kernel_block_us(args.block_us_from)
+    loaded = {path: _load(path) for path in args.files}
+    for path in [p for p, (recs, _) in loaded.items() if not recs]:
+        print(f"skipped {path}: no step records")
+        del loaded[path]
+    args.files = list(loaded)
+    per_file = {path: recs for path, (recs, _) in loaded.items()}
     pooled = [r for recs in per_file.values() for r in recs]
     try:
         fit = fit_step_cost(pooled, args.block_us, args.fit_blocks)
@@ -171,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(
-                {"fit": asdict(fit), "files": args.files, "block_us_fixed": not args.fit_blocks},
+                {
+                    "fit": asdict(fit),
+                    "files": args.files,
+                    "devices": [loaded[p][1] for p in args.files],
+                    "steps_per_file": {p: len(r) for p, r in per_file.items()},
+                    "block_us_fixed": not args.fit_blocks,
+                    "flags": fit.flags(),
+                },
                 f,
                 indent=1,
             )
