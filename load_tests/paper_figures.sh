@@ -6,14 +6,25 @@
 # counts come from the embedded SmolLM2 tokenizer (a BPE of similar granularity to OPT's).
 #
 #   bash load_tests/paper_figures.sh [OUT_DIR]      (default docs/paper; ~8 min of CPU)
+#   CALIBRATION=docs/paper/h200/stepcost-fit.json bash load_tests/paper_figures.sh OUT_DIR
+#       on the StepCost fitted to H200 steps (load_tests.fit_steps --json-out), captioned so
+#       (Figs 14-17 and 19b: python -m load_tests.paper_sharing calibrated)
 #
 # Every system sees the same requests and the same arrival times (--workload-seed).
 set -euo pipefail
 OUT=${1:-docs/paper}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
+CAPTION="uncalibrated StepCost"
+SIM_FLAGS=()
+if [ -n "${CALIBRATION:-}" ]; then
+  read -r -a SIM_FLAGS <<< "$("$PY" -c 'import sys; from load_tests import calibration as c
+print(" ".join(c.sim_flags(c.load_fit(sys.argv[1]))))' "$CALIBRATION")"
+  CAPTION=$("$PY" -c 'import sys; from load_tests import calibration as c
+print(c.caption(c.load_fit(sys.argv[1])))' "$CALIBRATION")
+fi
 COMMON=(--backend offline --simulate --model opt-13b --num-kv-blocks 983 --num-swap-blocks 0 --block-size 16
-        --max-model-len 2048 --no-enable-prefix-caching --max-duration 3600 --disable-tqdm)
+        --max-model-len 2048 --no-enable-prefix-caching --max-duration 3600 --disable-tqdm "${SIM_FLAGS[@]}")
 sweep() {  # sweep WORKLOAD NUM_REQUESTS RATES SYSTEM...
   local workload=$1 num=$2 rates=$3
   shift 3
@@ -42,7 +53,7 @@ declare -A FIG2_RATE=([sharegpt]=5 [alpaca]=100 [chat]=1)
 for w in sharegpt alpaca chat; do
   files=("$OUT/$w-paged.json" "$OUT/$w-orca-oracle.json" "$OUT/$w-orca-pow2.json" "$OUT/$w-orca-max.json")
   [ -f "$OUT/$w-ft-max.json" ] && files+=("$OUT/$w-ft-max.json")
-  plot latency "${files[@]}" --ylim 1.0 --title "$w, OPT-13B KV pool (983 blocks), simulated model" --out "$OUT/$w-latency.png"
+  plot latency "${files[@]}" --ylim 1.0 --title "$w, OPT-13B KV pool (983 blocks), $CAPTION" --out "$OUT/$w-latency.png"
   plot latency "${files[@]}" --logy --title "$w (log scale)" --out "$OUT/$w-latency-log.png"
   plot waste "${files[@]}" --rate "${FIG2_RATE[$w]}" --title "$w at ${FIG2_RATE[$w]} req/s: KV memory held" --out "$OUT/$w-waste.png"
   plot batched "${files[@]}" --title "$w: average batched requests" --out "$OUT/$w-batched.png"
@@ -50,7 +61,7 @@ done
 
 # Fig 13 at the paper's operating point (8 req/s: paged's knee in this step model), three ways of
 # counting the batch, and the buddy-allocator what-if (docs/paper.md, Fig 13).
-F13=docs/paper/fig13
+F13=$OUT/fig13
 mkdir -p "$F13"
 [ -f bench_inputs/sharegpt-1000.json ] || nice -n 5 "$PY" -m load_tests.bench --workload sharegpt \
   --num-requests 1000 --save-workload bench_inputs/sharegpt-1000.json
