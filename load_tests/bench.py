@@ -276,7 +276,7 @@ def _with_allocator(engine, args: argparse.Namespace):
 
 def reserve_common_prefix(engine, requests: list[BenchRequest]) -> dict:
     """Register the token prefix every prompt shares as a reserved prefix (computed now)."""
-    from streamkv.entrypoints.llm import compute_prefixes, register_prefix
+    from streamkv.engine.reserved_prefixes import compute_prefixes, register_prefix
 
     first = requests[0].prompt_ids
     n = min(len(r.prompt_ids) for r in requests)

@@ -1,6 +1,6 @@
 """The offline API, with vLLM's names: ``LLM(...).generate(prompts, sampling_params)``;
-and the engine-level side of reserved prefixes (``build_engine``, ``register_prefix``), which
-the server shares."""
+and ``build_engine``, an engine with its ``--reserved-prefix`` files registered, which the
+server shares (the prefixes themselves are engine/reserved_prefixes.py's)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ from collections.abc import Sequence as Seq
 
 from streamkv.config import EngineConfig
 from streamkv.engine.llm_engine import LLMEngine
-from streamkv.engine.reserved_prefixes import (  # noqa: F401 - the server's prefix API imports them here
-    PREFIX_PARAMS,
-    compute_prefixes,
-    register_prefix,
-    reserved_prefixes,
-)
+from streamkv.engine.reserved_prefixes import compute_prefixes, register_prefix, reserved_prefixes
 from streamkv.entrypoints.args import engine_config
 from streamkv.executor.base import Executor
 from streamkv.sampling_params import BeamSearchParams, SamplingParams
@@ -26,8 +21,6 @@ __all__ = [
     "EngineStats",
     "build_engine",
     "engine_config",
-    "register_prefix",
-    "reserved_prefixes",
 ]
 
 

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from streamkv.core.reserved_prefix import ReservedPrefixError
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
 from streamkv.engine.llm_engine import LLMEngine
-from streamkv.entrypoints.llm import PREFIX_PARAMS, register_prefix, reserved_prefixes
+from streamkv.engine.reserved_prefixes import PREFIX_PARAMS, register_prefix, reserved_prefixes
 from streamkv.entrypoints.openai.protocol import APIError
 
 T = TypeVar("T")
