@@ -24,8 +24,7 @@ from streamkv.engine.stats import EngineStats
 from streamkv.engine.step_builder import StepBuilder
 from streamkv.engine.step_pipeline import InFlight, StepPipeline
 from streamkv.engine.structured import StructuredOutputManager
-from streamkv.executor.base import Executor
-from streamkv.executor.factory import create_executor
+from streamkv.executor.base import Executor, create_executor
 from streamkv.messages import StepFailed, StepOutput
 from streamkv.model_info import ModelInfo
 from streamkv.models.loader import load_tokenizer, resolve_model_dir, resolve_model_info

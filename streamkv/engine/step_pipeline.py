@@ -26,9 +26,9 @@ ran 0.48x of unconstrained; filling on a Python thread of ours while the engine 
 and builds N+2 (the native fill releases the GIL) was no faster than filling in place
 (0.71x against 0.72x), the thread's wake-ups costing what the overlap saved.
 
-That needs a handle with ``attach_masks`` (the in-process executor's); with any other, a
-step that samples a structured row runs synchronously. A structured row that ends in N
-(its grammar, EOS, a stop) gets no mask: its N+1 sample is discarded like any other.
+That needs a handle that ``accepts_masks`` (StepHandle: the in-process executor's do); with
+any other, a step that samples a structured row runs synchronously. A structured row that
+ends in N (its grammar, EOS, a stop) gets no mask: its N+1 sample is discarded like any other.
 
 Why a sequence that ends in step N may run in N+1 harmlessly: its N+1 output is discarded
 (OutputProcessor.process skips finished sequences), and its blocks are freed on the host
@@ -68,14 +68,8 @@ def overlappable(sched: SchedulerOutput, handle: StepHandle | None = None) -> bo
     every sequence it samples is ``simple``, where structured rows are when the executor
     that ran ``sched`` (its ``handle``) takes a step's token masks after the step. Call
     before the step's tokens are counted as computed (``do_sample`` reads the computed count)."""
-    follow = accepts_masks(handle)
+    follow = handle is not None and handle.accepts_masks
     return all(simple(s.group, s.seq, follow) for s in sched.scheduled if s.do_sample)
-
-
-def accepts_masks(handle: StepHandle | None) -> bool:
-    """Whether ``handle``'s executor takes a step's token masks after the step: the handle
-    has ``attach_masks(masks)`` (an optional method; see ``send_masks`` below)."""
-    return handle is not None and hasattr(handle, "attach_masks")
 
 
 @dataclass(slots=True)

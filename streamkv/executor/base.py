@@ -1,19 +1,40 @@
-"""Where workers live. The engine only sees this interface."""
+"""Where workers live. The engine only sees this interface, and ``create_executor`` is the
+one place that names the implementations (imported there, so this module imports none)."""
 
 from __future__ import annotations
 
 import abc
 import time
-from typing import ClassVar, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from streamkv.config import EngineConfig
 from streamkv.messages import StepInput, StepOutput
+from streamkv.model_info import ModelInfo
+
+if TYPE_CHECKING:
+    from streamkv.layers.token_mask import TokenMask
 
 
 class StepHandle(Protocol):
+    """A step handed to an executor (``Executor.submit``)."""
+
+    __slots__ = ()
+
+    # Whether the step's token masks may follow it (``attach_masks``): only then does the
+    # engine overlap a step that samples a structured row (engine/step_pipeline.py). The
+    # in-process executor's handles take them (worker/worker.py's LaunchedStep).
+    accepts_masks: ClassVar[bool] = False
+
     def result(self) -> StepOutput: ...
 
+    def attach_masks(self, masks: Mapping[int, TokenMask]) -> None:
+        """The token masks of the rows sent with MASK_FOLLOWS, by sequence id; only on a
+        handle that ``accepts_masks``."""
+        raise NotImplementedError(f"{type(self).__name__} takes no token masks after the step")
 
-class DoneStep:
+
+class DoneStep(StepHandle):
     """The handle of a step that already ran, in ``seconds``."""
 
     __slots__ = ("output", "seconds")
@@ -56,3 +77,14 @@ class Executor(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - executors without resources need nothing
         """Release workers and their memory."""
+
+
+def create_executor(config: EngineConfig, model_info: ModelInfo) -> Executor:
+    """The executor ``config.model.executor_backend`` names: "inprocess" or "mp"."""
+    if config.model.executor_backend == "mp":
+        from streamkv.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, model_info=model_info)
+    from streamkv.executor.inprocess import InProcessExecutor
+
+    return InProcessExecutor(config, model_info)

@@ -17,23 +17,6 @@ class InProcessExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         self.worker = Worker(config, model_info=model_info)
-        self.model_info = self.worker.model_info
-
-    @property
-    def model_dir(self):
-        return self.model_info.model_dir
-
-    @property
-    def hf_config(self) -> dict:
-        return self.model_info.hf_config
-
-    @property
-    def device(self):
-        return self.worker.device
-
-    @property
-    def dtype(self):
-        return self.worker.dtype
 
     def num_available_blocks(self) -> tuple[int, int]:
         return self.worker.num_available_blocks()

@@ -8,7 +8,8 @@ the StepOutput (the others with Ok).
 
 ``submit`` returns once the step is written (async scheduling): the engine sends step N+1
 before it reads step N's reply. Ranks run steps in the order sent and answer in that order,
-so a handle's ``result()`` first reads the replies of every step sent before it. A step
+so replies are matched to steps by position alone: a handle's ``result()`` first reads the
+replies of every step sent before it, and a control call all of them (``StepPipe``). A step
 planned that way takes its input tokens from step N's samples on the device; only rank 0
 samples, so rank 0 broadcasts those tokens to the other ranks when a step needs them
 (worker/token_broadcast.py).
@@ -17,19 +18,18 @@ At tensor_parallel_size 1 the process holds the whole model: the model's Python 
 kernel-launch work then runs under another GIL, so the server's event loop stays
 responsive while a step runs.
 
-Each rank is a fresh interpreter (``python -m streamkv.executor.rank``, see rank.py for why
-not multiprocessing's spawn) holding one end of a socket pair; ranks on other hosts hold a
-TCP connection instead (executor/cluster.py, launcher.py) and are otherwise the same.
-Failures: every rank answers every step, so a step whose model or sampler raised on any rank
-(StepFailed) fails on all of them together and the engine goes on; a rank that fails a step
-alone while the others stay in it has diverged from them, which ends the executor. A rank
-that raises anything else sends its traceback before it exits; a rank that dies (killed, out
-of memory, a crash in C++) closes its end of the pipe, which every wait for a reply watches.
-Either way the engine gets a WorkerError at once instead of a hang. Once a rank failed, or a call
-was interrupted (Ctrl-C) with its reply unread, the executor is dead: it stops the ranks and
-every later call raises. Shutdown asks the ranks to exit, then terminates and kills what is
-left, and reaps them all; a finalizer does the same if the executor is dropped or the
-interpreter exits without a shutdown.
+The ranks' processes are started, watched and stopped by supervisor.py; ranks on other hosts
+hold a TCP connection instead of a socket pair (executor/cluster.py, launcher.py) and are
+otherwise the same. Failures: every rank answers every step, so a step whose model or
+sampler raised on any rank (StepFailed) fails on all of them together and the engine goes
+on; a rank that fails a step alone while the others stay in it has diverged from them, which
+ends the executor. A rank that raises anything else sends its traceback before it exits; a
+rank that dies (killed, out of memory, a crash in C++) closes its end of the pipe, which
+every wait for a reply watches. Either way the engine gets a WorkerError at once instead of
+a hang. Once a rank failed, or a call was interrupted (Ctrl-C) with its reply unread, the
+executor is dead: it stops the ranks and every later call raises. Shutdown asks the ranks to
+exit, then terminates and kills what is left, and reaps them all; a finalizer does the same
+if the executor is dropped or the interpreter exits without a shutdown.
 """
 
 from __future__ import annotations
@@ -41,22 +41,21 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
 
 from streamkv.config import EngineConfig
 from streamkv.executor import ipc
-from streamkv.executor.base import Executor
+from streamkv.executor.base import Executor, StepHandle
 from streamkv.executor.cluster import JoinTimeout, Placement, RemoteRank, rendezvous
-from streamkv.executor.local_ranks import spawn_rank, stop_ranks
-from streamkv.executor.piped_step import PipedStep, StepPipe
-from streamkv.executor.rank_replies import death_message, gather
-from streamkv.executor.supervisor import Supervisor
+from streamkv.executor.supervisor import Supervisor, death_message, gather, spawn_rank, stop_ranks
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
 from streamkv.models.loader import resolve_model_info
-from streamkv.worker.worker import resolve_device, resolve_dtype
+from streamkv.worker.worker import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +98,9 @@ class MultiprocExecutor(Executor):
         self.placement = placement or Placement.from_env(os.environ, self.tp)
         # Resolved once here (a GGUF is converted before the ranks race) and sent to every rank.
         self.model_info = model_info or resolve_model_info(mc)
-        self.model_dir, self.hf_config = self.model_info.model_dir, self.model_info.hf_config
         self.device = resolve_device(mc.device)  # resolved by the engine, unless built alone
-        self.dtype = resolve_dtype(mc.dtype, self.device)
         local = self.tp if self.placement is None else self.placement.local_ranks
-        verify_tensor_parallel(self.hf_config, self.tp, self.device, local)
+        verify_tensor_parallel(self.model_info.hf_config, self.tp, self.device, local)
         self._decoder = ipc.engine_decoder()
         self._dead: str | None = None
         self._pipe = StepPipe(self._read_step_reply)  # steps sent, replies not read yet
@@ -113,9 +110,8 @@ class MultiprocExecutor(Executor):
         self._resources: list = []  # the remote ranks' listener and store, dropped at shutdown
         # Set up before the first process starts, so that even a failure halfway through
         # starting them leaves nothing behind; it also runs at interpreter exit.
-        self._supervisor = (
-            Supervisor()
-        )  # heartbeats: a frozen rank is killed, so it fails like a dead one
+        # Heartbeats: a frozen rank is killed, so it fails like a dead one.
+        self._supervisor = Supervisor()
         self._finalizer = weakref.finalize(
             self,
             stop_ranks,
@@ -247,9 +243,7 @@ class MultiprocExecutor(Executor):
             return self._gather(ipc.Out, self.step_timeout)[0]
         except (WorkerError, StepFailed):
             raise
-        except (
-            BaseException
-        ):  # interrupted with a reply unread: a later read would take it as its own
+        except BaseException:  # interrupted with a reply unread: a later read would take it
             self._retire(
                 f"a call to the workers was interrupted while awaiting {ipc.kind(ipc.Out)!r}"
             )
@@ -270,7 +264,7 @@ class MultiprocExecutor(Executor):
                 self._fail(self._death_message(rank))
 
     def _gather(self, reply: type, timeout: float | None) -> list:
-        """One ``reply`` from each rank, in rank order (executor/rank_replies.py)."""
+        """One ``reply`` from each rank, in rank order (supervisor.gather)."""
         return gather(
             self._conns,
             self._decoder,
@@ -295,3 +289,62 @@ class MultiprocExecutor(Executor):
                 proc.terminate()
         self._finalizer()
         raise WorkerError(message)
+
+
+# -- steps in flight ------------------------------------------------------------------------
+class PipedStep(StepHandle):
+    """A step written to every rank. ``result()`` returns its StepOutput or raises its
+    StepFailed (or the executor's WorkerError)."""
+
+    __slots__ = ("_pipe", "sent", "done", "output", "error")
+
+    def __init__(self, pipe: StepPipe, sent: float) -> None:
+        self._pipe = pipe
+        self.sent = sent  # time.perf_counter() when its sending began
+        self.done = False
+        self.output: StepOutput | None = None
+        self.error: StepFailed | None = None
+
+    def result(self) -> StepOutput:
+        while not self.done:
+            self._pipe.read_next()
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+
+class StepPipe:
+    """``read_reply()`` reads the oldest unread step's replies from every rank and returns
+    rank 0's Out, or raises StepFailed (that step failed) or anything else (the executor is
+    dead: every later read raises too)."""
+
+    def __init__(self, read_reply: Callable[[], ipc.Out]) -> None:
+        self._read_reply = read_reply
+        self._unread: deque[PipedStep] = deque()  # oldest first
+        self.steps, self.roundtrip_s, self.worker_s = 0, 0.0, 0.0
+
+    def sent(self, start: float) -> PipedStep:
+        """The handle of the step just written, whose sending began at ``start``
+        (time.perf_counter())."""
+        handle = PipedStep(self, start)
+        self._unread.append(handle)
+        return handle
+
+    def drain(self) -> None:
+        """Read every unread step's replies (before a control call's)."""
+        while self._unread:
+            self.read_next()
+
+    def read_next(self) -> None:
+        step = self._unread[0]
+        try:
+            out = self._read_reply()
+        except StepFailed as e:
+            step.error = e
+        else:
+            step.output = out.output
+            self.steps += 1
+            self.roundtrip_s += time.perf_counter() - step.sent
+            self.worker_s += out.worker_s
+        self._unread.popleft()
+        step.done = True

@@ -1,17 +1,28 @@
-"""Worker supervision for the multiprocess executor: every worker process sends a heartbeat
-over its own socket pair, and a watcher thread in the engine's process notices a worker that
-stops sending it.
+"""The multiprocess executor's hold on its rank processes (executor/multiproc.py): starting
+and stopping them, watching their heartbeats, and reading their replies, with every way a
+rank can fail.
 
-A dead worker closes its pipes, which the executor's waits see at once. A frozen one (SIGSTOP,
-a deadlock, a hung driver call) closes nothing: with a step timeout of 600 s, a worker stopped
-for 27 s left ``/health`` at 200 while every request stalled (issue 13). The watcher kills a
-worker that has been silent for ``timeout`` seconds, which turns the freeze into a death the
-executor reports as a WorkerError, and records why. The engine then restarts the workers and
-resumes their requests (engine/async_engine.py, engine/recovery.py).
+A rank is a fresh interpreter (``python -m streamkv.executor.rank FD``, see rank.py for why
+not multiprocessing's spawn) holding one end of a socket pair to the engine and one of a
+heartbeat pair. Stopping asks, then terminates and kills what is left, and reaps all; it is
+apart from the executor so that the executor's finalizer holds only plain objects (a
+finalizer that referenced the executor would keep it alive).
 
-The heartbeat is a thread of its own in the worker, so a long step does not delay it; it only
-stops when the whole process does. ``timeout`` must cover the worst pause a loaded machine
-gives a runnable thread (default 5 s; beats every 0.5 s).
+Heartbeats: every worker process sends one over its own socket pair, and a watcher thread in
+the engine's process notices a worker that stops sending it. A dead worker closes its pipes,
+which the executor's waits see at once. A frozen one (SIGSTOP, a deadlock, a hung driver
+call) closes nothing: with a step timeout of 600 s, a worker stopped for 27 s left
+``/health`` at 200 while every request stalled (issue 13). The watcher kills a worker that
+has been silent for ``timeout`` seconds, which turns the freeze into a death the executor
+reports as a WorkerError, and records why. The engine then restarts the workers and resumes
+their requests (engine/async_engine.py, engine/recovery.py). The heartbeat is a thread of
+its own in the worker, so a long step does not delay it; it only stops when the whole
+process does. ``timeout`` must cover the worst pause a loaded machine gives a runnable
+thread (default 5 s; beats every 0.5 s).
+
+Replies (``gather``): one from each rank, in rank order; a step that some rank failed (the
+lockstep failure protocol: every rank answers every step); a rank that died, reported an
+error or went silent; ranks that diverged.
 """
 
 from __future__ import annotations
@@ -19,13 +30,29 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import NoReturn
+
+import msgspec
+
+import streamkv
+from streamkv.executor import ipc
+from streamkv.executor.cluster import RankListener, RemoteRank
+from streamkv.messages import StepFailed
 
 logger = logging.getLogger(__name__)
 
+
+# -- heartbeats ----------------------------------------------------------------------------
 HEARTBEAT_ENV = "STREAMKV_HEARTBEAT_FD"
 INTERVAL = 0.5
 TIMEOUT = 5.0
@@ -157,3 +184,165 @@ class Supervisor:
         if self._failure is None:
             self._failure = message
             logger.error("%s", message)
+
+
+# -- starting and stopping ranks on this host ----------------------------------------------
+def spawn_rank(supervisor: Supervisor) -> tuple[subprocess.Popen, Connection]:
+    """A rank process on this host, waiting for its Setup on the returned connection."""
+    ours, theirs = socket.socketpair()
+    beat = supervisor.add_rank()
+    env = dict(os.environ)
+    env.pop("LOCAL_RANK", None)  # an engine started by torchrun: rank r here is GPU r
+    env[HEARTBEAT_ENV] = str(beat.fileno())
+    # The ranks import the same streamkv as this process, installed or not.
+    root = str(Path(streamkv.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamkv.executor.rank", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(), beat.fileno()),
+            env=env,
+        )
+    finally:
+        theirs.close()
+        beat.close()
+    return proc, Connection(ours.detach())
+
+
+def stop_ranks(
+    procs: list, conns: list[Connection], tmpdir: str, supervisor: Supervisor, resources: list
+) -> None:
+    """``procs``: Popen for ranks started here, cluster.RemoteRank for ranks on other hosts
+    (their launchers reap them; here they have exited once their connection closed)."""
+    supervisor.stop(close=False)  # ranks exiting now are no failure
+    bye = ipc.encode(ipc.Shutdown())
+    for conn in conns:
+        try:
+            conn.send_bytes(bye)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:  # e.g. stuck in a collective whose peer died
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # Last: a remote rank still alive is killed by its launcher when its heartbeat closes, and
+    # ranks tearing down their process group may still need the store until they are gone.
+    supervisor.close()
+    for conn in conns:
+        conn.close()
+    for resource in resources:
+        if isinstance(resource, RankListener):
+            resource.close()
+    resources.clear()  # the TCPStore stops with its last reference
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# -- replies -------------------------------------------------------------------------------
+def gather(
+    conns: list[Connection],
+    decoder: msgspec.msgpack.Decoder,
+    reply: type,
+    timeout: float | None,
+    diverge_timeout: float,
+    fail: Callable[[str], NoReturn],
+    death: Callable[[int], str],
+) -> list:
+    """One ``reply`` message from each rank, in rank order (to a step, ranks other than 0
+    answer Ok); raises WorkerError as soon as any rank reports an error or dies, or at the
+    timeout (``fail`` raises it; ``death(rank)`` says what became of a rank whose pipe
+    closed). A step that some rank failed (StepError) raises StepFailed once every rank
+    answered, and the ranks that failed it may go on (Resume); ranks silent
+    ``diverge_timeout`` seconds after another failed it have diverged from it (stuck in a
+    collective it left): WorkerError. Only ranks yet to answer are read: the others'
+    next messages answer the next step."""
+    kind = ipc.kind(reply)
+    pending = set(range(len(conns)))
+    replies: dict[int, ipc.FromWorker] = {}
+    failed: dict[int, str] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            if failed:
+                fail(
+                    f"worker rank(s) {sorted(failed)} failed "
+                    f"a step ({next(iter(failed.values()))}) "
+                    f"while rank(s) {sorted(pending)} did not "
+                    f"finish it within {diverge_timeout:.0f}s:"
+                    " the ranks diverged"
+                )
+            fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
+        for conn in wait([conns[r] for r in pending], left):
+            rank = conns.index(conn)
+            try:
+                msg = decoder.decode(conn.recv_bytes())
+            except (EOFError, OSError):  # its end of the pipe closed: the process is gone
+                fail(death(rank))
+            except msgspec.DecodeError as e:
+                fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
+            if isinstance(msg, ipc.Error):
+                text = (
+                    f"worker rank {rank} failed: {msg.message}\n--- "
+                    f"worker traceback ---\n{msg.traceback}"
+                )
+                cause = _peer_death(conns, rank, death)
+                fail(f"{cause}; then {text}" if cause else text)
+            want = ipc.Ok if reply is ipc.Out and rank != 0 else reply
+            if isinstance(msg, ipc.StepError) and reply is ipc.Out and rank in pending:
+                failed[rank] = msg.message
+                end = time.monotonic() + diverge_timeout
+                deadline = end if deadline is None else min(deadline, end)
+            elif not isinstance(msg, want) or rank not in pending:
+                fail(
+                    f"worker rank {rank} sent {ipc.kind(msg)!r} "
+                    f"while {ipc.kind(want)!r} was awaited"
+                )
+            replies[rank] = msg
+            pending.discard(rank)
+    if failed:
+        resume = ipc.encode(ipc.Resume())
+        for rank in sorted(failed):
+            try:
+                conns[rank].send_bytes(resume)
+            except OSError:
+                fail(death(rank))
+        rank, message = min(failed.items())
+        raise StepFailed(
+            message
+            if len(failed) == len(conns)
+            else f"{message} (on worker rank(s) {sorted(failed)})"
+        )
+    return [replies[r] for r in sorted(replies)]
+
+
+def _peer_death(conns: list[Connection], rank: int, death: Callable[[int], str]) -> str | None:
+    """A rank's error is often a peer's death seen from inside a collective: name the
+    death, the real cause, when another rank's pipe is closed too."""
+    others = [c for r, c in enumerate(conns) if r != rank]
+    for conn in wait(others, 0.5):
+        try:
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            return death(conns.index(conn))
+    return None
+
+
+def death_message(proc: subprocess.Popen | RemoteRank, rank: int) -> str:
+    """What became of a rank whose pipe closed."""
+    if isinstance(proc, RemoteRank):
+        return f"{proc.describe()} closed its connection"
+    try:
+        code = proc.wait(timeout=2.0)
+    except subprocess.TimeoutExpired:
+        return f"worker rank {rank} (pid {proc.pid}) closed its pipe"
+    if code < 0:
+        return f"worker rank {rank} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
+    return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"

@@ -244,6 +244,7 @@ class LaunchedStep:
     """A step on its way through the device (Executor.submit's handle for this worker)."""
 
     __slots__ = ("_worker", "_result", "_done")
+    accepts_masks = True  # the StepHandle capability (executor/base.py)
 
     def __init__(self, worker: Worker, result: StepResult, done: torch.cuda.Event | None) -> None:
         self._worker, self._result, self._done = worker, result, done

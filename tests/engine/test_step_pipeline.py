@@ -185,6 +185,8 @@ def test_masks_follow_once_the_step_before_is_processed():
     attached = []
 
     class Handle(DoneStep):
+        accepts_masks = True
+
         def attach_masks(self, masks) -> None:
             attached.append(sorted(masks))
 

@@ -301,6 +301,8 @@ class _NoMaskHandleExecutor(Executor):
         out, calls = self.execute(step), self.calls
 
         class Handle:
+            accepts_masks = False
+
             def result(self) -> StepOutput:
                 calls.append(("result", n))
                 return out
@@ -368,6 +370,8 @@ class _MaskHandleExecutor(_NoMaskHandleExecutor):
         follow = {s.seq_id for s in step.seqs if s.sample and s.token_mask == MASK_FOLLOWS}
 
         class Handle:
+            accepts_masks = True
+
             def attach_masks(self, masks) -> None:
                 calls.append(("attach", n))
                 assert set(masks) <= follow
