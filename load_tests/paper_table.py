@@ -25,10 +25,10 @@ import os
 import re
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-from load_tests import calibration
-from load_tests.capacity import capacity_ratio, sweep_capacity
+from load_tests.capacity import capacity_ratio
+from load_tests.paper_rows import Row, load_json, rerun_rows
 
 CAPACITY = "completed req/s, 10th-90th pct completions, under overload"
 BASELINES = (  # (system, the paper's number for paged over it on ShareGPT, Fig 12a)
@@ -39,18 +39,6 @@ BASELINES = (  # (system, the paper's number for paged over it on ShareGPT, Fig 
 )
 FIG2_PAPER = {"paged": "96.3%", "orca-oracle": "38.2%", "orca-pow2": "26.8%", "orca-max": "20.4%"}
 FIG13_PAPER = {"orca-oracle": "2.2x", "orca-max": "4.3x (30.42 / 7.00)"}
-
-
-@dataclass(slots=True)
-class Row:
-    figure: str
-    what: str
-    paper: str
-    ours: str = "not run"
-    source: str = "not run"
-    trace: str = "-"
-    how: str = ""
-    value: float | None = None
 
 
 def load_points(directory: str) -> dict[tuple[str, str, int], dict]:
@@ -219,104 +207,10 @@ def calibration_row(fit: dict | None) -> Row:
     return row
 
 
-RERUNS = (  # (figure, what, paged file, baseline file, the paper's number) in --calibrated
-    *(
-        (
-            "14",
-            f"alpaca n={w}: paged ÷ orca-oracle",
-            f"fig14-n{w}-paged",
-            f"fig14-n{w}-orca-oracle",
-            "1.7-2.8x (n = 2-6)",
-        )
-        for w in (2, 4, 6)
-    ),
-    *(
-        (
-            "14",
-            f"alpaca beam {w}: paged ÷ orca-oracle",
-            f"fig14-beam{w}-paged",
-            f"fig14-beam{w}-orca-oracle",
-            "1.8-2.6x (width 2-6)",
-        )
-        for w in (2, 4, 6)
-    ),
-    (
-        "16",
-        "1-shot prefix: paged ÷ orca-oracle",
-        "fig16-1shot-paged",
-        "fig16-1shot-orca-oracle",
-        "1.67x",
-    ),
-    (
-        "16",
-        "5-shot prefix: paged ÷ orca-oracle",
-        "fig16-5shot-paged",
-        "fig16-5shot-orca-oracle",
-        "3.58x",
-    ),
-    *(
-        ("17", f"chat: paged ÷ {s}", "fig17-paged", f"fig17-{s}", "2x")
-        for s in ("orca-oracle", "orca-pow2", "orca-max")
-    ),
-)
-FIG15_PAPER = {
-    ("alpaca", "parallel n"): "6.1-9.8%",
-    ("sharegpt", "parallel n"): "16.2-30.5%",
-    ("alpaca", "beam width"): "37.6-55.2%",
-    ("sharegpt", "beam width"): "44.3-66.3%",
-}
-
-
-def _load(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def rerun_rows(directory: str | None) -> list[Row]:
-    """The modelled figures (``load_tests.paper_sharing``), on the fitted StepCost or not."""
-    d = directory or ""
-    cal = _load(os.path.join(d, "calibration.json")) if directory else None
-    src = calibration.caption(cal)
-    rows = []
-    for figure, what, a, b, paper in RERUNS:
-        row = Row(
-            figure, what + ", capacity", paper, how="sweep: the most completed req/s past the knee"
-        )
-        pa, pb = (_load(os.path.join(d, f"{n}.json")) if directory else None for n in (a, b))
-        if pa and pb:
-            (x, x_over), (y, y_over) = sweep_capacity(pa), sweep_capacity(pb)
-            row.ours, row.source = capacity_ratio(x, x_over, y, y_over), src
-            if not x or not y:
-                row.ours = "not read: the runs predate completed_req_s"
-            row.value = x / y if x and y else None
-            row.trace = f"{pa['args']['num_requests']:,} req a point, {len(pa['runs'])} rates"
-        rows.append(row)
-    fig15 = _load(os.path.join(d, "fig15.json")) if directory else None
-    for (workload, mode), paper in FIG15_PAPER.items():
-        row = Row(
-            "15",
-            f"{workload}: memory saved, {mode} 2/4/6",
-            paper,
-            how="1 - blocks used / unshared, time-averaged",
-        )
-        cells = [
-            r
-            for r in (fig15 or {}).get("sharing", [])
-            if (r["workload"], r["mode"]) == (workload, mode)
-        ]
-        if cells:
-            row.ours = " / ".join(f"{100 * r['sharing_savings']:.1f}" for r in cells) + "%"
-            row.source, row.trace = src, f"{cells[0]['requests']:,} req"
-        rows.append(row)
-    return rows
-
-
 def build(directory: str, modelled: str | None) -> dict:
     points = load_points(directory)
-    kernel = _load(os.path.join(directory, "kernel-block-size.json"))
-    fit = _load(os.path.join(directory, "stepcost-fit.json"))
+    kernel = load_json(os.path.join(directory, "kernel-block-size.json"))
+    fit = load_json(os.path.join(directory, "stepcost-fit.json"))
     kernel_table, blocks = kernel_by_block(kernel), block_size_table(points)
     rows = [
         *capacity_rows(points, "sharegpt", BASELINES, "12a"),
