@@ -37,7 +37,7 @@ from streamkv.entrypoints.openai.protocol import (
     validate,
 )
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest
-from streamkv.entrypoints.openai_serving import OpenAIServing
+from streamkv.entrypoints.openai.serving import OpenAIServing
 
 _PLAIN = (str, int, float, bool, type(None))
 

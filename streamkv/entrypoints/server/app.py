@@ -33,8 +33,8 @@ from streamkv.entrypoints.openai.protocol import (
     engine_error,
     parse_json_body,
 )
+from streamkv.entrypoints.openai.serving import OpenAIServing
 from streamkv.entrypoints.openai.vllm_routes import TokenizeServing, VLLMRoutes, model_permission
-from streamkv.entrypoints.openai_serving import OpenAIServing
 from streamkv.entrypoints.server.kv_view import KVView
 from streamkv.entrypoints.server.metrics import ServerMetrics
 from streamkv.entrypoints.server.openapi import docs_page, openapi_document

@@ -21,14 +21,16 @@ import uuid
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamkv.entrypoints.openai.protocol import APIError, parse_json_body, validate
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest
-from streamkv.entrypoints.openai_serving import (
+from streamkv.entrypoints.openai.protocol import (
     ENGINE_ERRORS,
-    OpenAIServing,
+    APIError,
     engine_error,
+    parse_json_body,
     request_failed,
+    validate,
 )
+from streamkv.entrypoints.openai.requests import ChatCompletionRequest
+from streamkv.entrypoints.openai.serving import OpenAIServing
 from streamkv.entrypoints.server.security import check_api_key, check_origin, check_subprotocols
 from streamkv.entrypoints.streaming import usage_of
 
