@@ -145,3 +145,17 @@ def test_fit_at_several_block_sizes_recovers_the_simulator_and_drives_the_reruns
     scaled = paper_sharing.default_rates(ns, "5,10").split(",")
     assert float(scaled[0]) == pytest.approx(5 * calibration.speedup(fit), rel=1e-2)
     assert calibration.speedup(None) == 1.0 and calibration.caption(None).startswith("modelled")
+
+
+def test_plot_capacity_draws_what_it_has(h200, tmp_path):
+    from load_tests import plot_capacity
+
+    out = tmp_path / "png"
+    assert plot_capacity.main(["--dir", str(h200), "--out", str(out)]) == 0
+    # No point carries the engine's KV window here, so no Fig 2 bars.
+    assert sorted(p.name for p in out.iterdir()) == [
+        "batched.png",
+        "blocks.png",
+        "capacity.png",
+        "kernel.png",
+    ]
