@@ -3,8 +3,9 @@ the same K/V laid out contiguously, on the paper's shapes (OPT-13B: 40 heads x 1
 multi-head, fp16; batch 8 and 32; contexts 64-256), on one device.
 
 - paged: ``streamkv.kernels.ops.paged_attention_decode``, i.e. the CUDA kernel of
-  kernels_cu/paged_attention.cu on a GPU (block sizes 1, 2, 4, ..., 256: the kernel's
-  ``BLOCK_SIZES``), the pure-torch reference (gather, then matmul; any block size) on a CPU;
+  kernels_cu/paged_attention.cu on a GPU (block sizes 1, 2, 4, ..., 256:
+  ``streamkv.config.BLOCK_SIZES``), the pure-torch reference (gather, then matmul; any block
+  size) on a CPU;
   block tables are random permutations of a pool twice the size needed, as after churn.
 - contiguous: torch SDPA over [batch, heads, context, dim] copies of exactly the same K/V
   (flash attention on a GPU).
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from streamkv.config import BLOCK_SIZES  # noqa: E402  (the sizes the engine and its kernels serve)
 from streamkv.kernels import ops  # noqa: E402
-from streamkv.kernels.decode_attention import BLOCK_SIZES  # noqa: E402
 
 L2_ROTATE_BYTES = 256 << 20
 MAX_SETS = 16
