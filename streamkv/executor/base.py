@@ -4,7 +4,6 @@ one place that names the implementations (imported there, so this module imports
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -35,12 +34,12 @@ class StepHandle(Protocol):
 
 
 class DoneStep(StepHandle):
-    """The handle of a step that already ran, in ``seconds``."""
+    """The handle of a step that already ran."""
 
-    __slots__ = ("output", "seconds")
+    __slots__ = ("output",)
 
-    def __init__(self, output: StepOutput, seconds: float) -> None:
-        self.output, self.seconds = output, seconds
+    def __init__(self, output: StepOutput) -> None:
+        self.output = output
 
     def result(self) -> StepOutput:
         return self.output
@@ -67,9 +66,7 @@ class Executor(abc.ABC):
         """Hand a step over and return at once if the executor can; ``result()`` of the
         handle returns (or raises) what ``execute`` would. Steps run in submission order.
         The default runs the step here, synchronously."""
-        start = time.perf_counter()
-        output = self.execute(step)
-        return DoneStep(output, time.perf_counter() - start)
+        return DoneStep(self.execute(step))
 
     def check_workers(self) -> None:  # noqa: B027 - nothing to check without worker processes
         """Raise WorkerError if a worker process died or froze while no step was waiting on

@@ -36,7 +36,7 @@ def _step(name: str, *, rows: int = 1, runs: bool = True, structured: bool = Fal
             status=SequenceStatus.RUNNING,
         )
         sched.scheduled.append(ScheduledSeq(SequenceGroup(name, [seq], params), seq, 1))
-    return InFlight(sched, 0.0, handle=DoneStep(StepOutput(), 0.0) if runs else None)
+    return InFlight(sched, 0.0, handle=DoneStep(StepOutput()) if runs else None)
 
 
 class _Engine:
@@ -190,12 +190,12 @@ def test_masks_follow_once_the_step_before_is_processed():
         def attach_masks(self, masks) -> None:
             attached.append(sorted(masks))
 
-    follow.handle = Handle(StepOutput(), 0.0)
+    follow.handle = Handle(StepOutput())
     seq = follow.sched.scheduled[0].seq
     # Planned while the step before samples its input token.
     seq.grammar, seq.num_pending, seq.num_computed_tokens = object(), 1, 4
     first = _step("s0", structured=True)
-    first.handle = Handle(StepOutput(), 0.0)
+    first.handle = Handle(StepOutput())
     engine = _Engine(first, follow)
     pipe = _pipeline(engine, masks_follow=True)
     pipe.step(False, ())
