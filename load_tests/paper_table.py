@@ -2,6 +2,7 @@
 is real or modelled, the trace it came from and how it was read.
 
     python -m load_tests.paper_table [--dir docs/paper/h200] [--modelled docs/paper/calibrated]
+        [--check docs/paper/calibrated/h200-check/h200]
         [--md-out docs/paper/table.md] [--json-out docs/paper/table.json]
 
 Reads from --dir the capacity points (one JSON per system, workload and rate:
@@ -14,6 +15,10 @@ load_tests/capacity.py, written by load_tests/capacity_point.sh), the kernel swe
 Every ratio of systems is a capacity ratio: the requests/s each completed under overload
 (``completed_req_s``), '>=' or '<=' where a side was not overloaded (its figure then only
 bounds its capacity from below). A row whose inputs are missing says "not run".
+
+``--check`` sets the capacity points rerun on the calibrated model (``SIM=1
+load_tests/capacity_point.sh`` with the fit's ``--sim-*`` flags) beside the device's, so the
+table says how far the model behind the modelled rows is off where it can be checked.
 """
 
 from __future__ import annotations
@@ -165,7 +170,7 @@ def kernel_rows(kernel: dict | None, table: list[dict]) -> list[Row]:
             + kernel["device"]
             + ")"
         )
-        row.trace = f"{len(kernel['rows'])} kernel timings"
+        row.trace = f"{t['rows']} timings at block 16 ({len(kernel['rows'])} in the sweep)"
     return [row]
 
 
@@ -190,9 +195,11 @@ def block_size_row(table: list[dict]) -> Row:
     if len(table) >= 2:
         best = max(table, key=lambda t: t["completed_req_s"] or 0)
         row.value = best["block_size"]
-        row.ours = f"{best['block_size']} of {', '.join(str(t['block_size']) for t in table)}"
+        each = ", ".join(f"{t['block_size']}: {t['completed_req_s']:.2f}" for t in table)
+        row.ours = f"{best['block_size']} ({each} req/s; only these sizes run)"
         row.source = source(*(t["point"] for t in table))
-        row.trace = f"{min(t['point']['num_requests'] for t in table):,}+ req a point"
+        sizes = sorted(t["point"]["num_requests"] for t in table)
+        row.trace = f"{sizes[0]:,}-{sizes[-1]:,} req a point"
     return row
 
 
@@ -207,7 +214,27 @@ def calibration_row(fit: dict | None) -> Row:
     return row
 
 
-def build(directory: str, modelled: str | None) -> dict:
+def model_check(points: dict, check: str | None) -> list[dict]:
+    """The capacity points rerun on the calibrated model (``SIM=1 capacity_point.sh`` with the
+    fit's flags), each beside the device's: how far the model is off where it can be checked."""
+    model = load_points(check) if check else {}
+    return [
+        {
+            "workload": w,
+            "system": s,
+            "real_req_s": points[key]["completed_req_s"],
+            "model_req_s": m["completed_req_s"],
+            "model_over_real": m["completed_req_s"] / points[key]["completed_req_s"],
+            "real_batched": _batched(points[key]),
+            "model_batched": _batched(m),
+        }
+        for key, m in sorted(model.items())
+        if key in points and key[2] == 16
+        for w, s, _ in [key]
+    ]
+
+
+def build(directory: str, modelled: str | None, check: str | None = None) -> dict:
     points = load_points(directory)
     kernel = load_json(os.path.join(directory, "kernel-block-size.json"))
     fit = load_json(os.path.join(directory, "stepcost-fit.json"))
@@ -232,6 +259,7 @@ def build(directory: str, modelled: str | None) -> dict:
         "rows": [asdict(r) for r in rows],
         "kernel_by_block_size": kernel_table,
         "end_to_end_by_block_size": blocks,
+        "model_check": model_check(points, check),
     }
 
 
@@ -267,6 +295,19 @@ def markdown(table: dict) -> str:
             f"{t['normalized_latency_s_per_token']:.3f} | {t['batched'] or 0:.1f} |"
             for t in table["end_to_end_by_block_size"]
         ]
+    if table.get("model_check"):
+        out += [
+            "",
+            "| workload | system | real req/s | calibrated model req/s | model ÷ real "
+            "| batched, real / model |",
+            "|---|---|---:|---:|---:|---|",
+        ]
+        out += [
+            f"| {c['workload']} | {c['system']} | {c['real_req_s']:.2f} | {c['model_req_s']:.2f} "
+            f"| {c['model_over_real']:.2f}x | {c['real_batched'] or 0:.1f} / "
+            f"{c['model_batched'] or 0:.1f} |"
+            for c in table["model_check"]
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -278,12 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dir", default="docs/paper/h200", help="capacity points, kernel sweep, fit")
     p.add_argument("--modelled", default=None, help="load_tests.paper_sharing's --out")
+    p.add_argument(
+        "--check",
+        default=None,
+        metavar="DIR",
+        help="the same capacity points on the calibrated model, to set beside the real ones",
+    )
     p.add_argument("--md-out", default=None, help="write the markdown table here")
     p.add_argument("--json-out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if not os.path.isdir(args.dir):
         raise SystemExit(f"error: {args.dir} is not a directory")
-    table = build(args.dir, args.modelled)
+    table = build(args.dir, args.modelled, args.check)
     text = markdown(table)
     print(text, end="")
     for path, body in ((args.md_out, text), (args.json_out, json.dumps(table, indent=1))):

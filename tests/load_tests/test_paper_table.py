@@ -76,6 +76,19 @@ def test_capacity_batched_waste_and_kernel_ratios(h200):
     assert rows["sharegpt: best block size (capacity)"]["value"] == 16
 
 
+def test_model_check_sets_the_model_beside_the_device(h200, tmp_path):
+    model = tmp_path / "check"
+    sim = "simulated StepCost (fitted)"
+    write(model, "sharegpt-paged-20", point("paged", "sharegpt", 20, 6.6, 40.0, 0.97, device=sim))
+    write(model, "sharegpt-ft-max-3", point("ft-max", "sharegpt", 3, 1.0, 3.0, 0.1, device=sim))
+    table = paper_table.build(str(h200), None, str(model))
+    # Only points the device measured too; ft-max has no H200 point here.
+    (check,) = table["model_check"]
+    assert (check["system"], check["real_req_s"], check["model_req_s"]) == ("paged", 6.0, 6.6)
+    assert check["model_over_real"] == pytest.approx(1.1)
+    assert "| sharegpt | paged | 6.00 | 6.60 | 1.10x | 42.0 / 40.0 |" in paper_table.markdown(table)
+
+
 def test_missing_inputs_say_not_run(h200, tmp_path):
     table = paper_table.build(str(h200), str(tmp_path / "no-reruns"))
     rows = by_claim(table)
