@@ -122,6 +122,35 @@ def errors(fit: StepFit, y, computed, context, blocks) -> tuple[float, float, fl
     return float(np.sqrt((rel**2).mean())), float(np.median(np.abs(rel))), r2
 
 
+COMPUTED_BINS = (1, 64, 256, 512, 1024, 1600, 4096)
+SEQS_BINS = (1, 32, 64, 128, 192, 257)
+
+
+def residuals(fit: StepFit, records: list[StepRecord]) -> dict:
+    """Where the fit is off: measured against predicted mean step time by tokens computed and
+    by sequences per step, and the total (capacity follows the total, not the median step)."""
+    y, computed, context, blocks = _columns(records)
+    seqs = np.array([r.seqs for r in records if not r.swapped and r.seqs], dtype=float)
+    pred = fit.predict(computed, context, blocks)
+
+    def by(col: np.ndarray, edges: tuple[int, ...]) -> list[dict]:
+        out = []
+        for lo, hi in zip(edges, edges[1:]):
+            m = (col >= lo) & (col < hi)
+            if m.any():
+                ms = float(y[m].mean() * 1e3), float(pred[m].mean() * 1e3)
+                out.append(
+                    {"from": lo, "to": hi, "steps": int(m.sum()), "ms": ms[0], "fit_ms": ms[1]}
+                )
+        return out
+
+    return {
+        "fit_over_measured_total": float(pred.sum() / y.sum()) if len(y) else None,
+        "by_computed": by(computed, COMPUTED_BINS),
+        "by_seqs": by(seqs, SEQS_BINS),
+    }
+
+
 def load_records(path: str) -> list[StepRecord]:
     """Step records of a capacity point (``steps`` at the top) or of a sweep (per run)."""
     return _load(path)[0]
@@ -211,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                     "files": args.files,
                     "devices": [loaded[p][1] for p in args.files],
                     "steps_per_file": {p: len(r) for p, r in per_file.items()},
+                    "residuals": residuals(fit, pooled),
+                    "residuals_per_file": {p: residuals(fit, r) for p, r in per_file.items()},
                     "block_us_fixed": not args.fit_blocks,
                     "flags": fit.flags(),
                 },
