@@ -240,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                     "files": args.files,
                     "devices": [loaded[p][1] for p in args.files],
                     "steps_per_file": {p: len(r) for p, r in per_file.items()},
+                    "errors_per_file": {
+                        p: dict(zip(("rms_rel_err", "median_rel_err"), errors(fit, *_columns(r))))
+                        for p, r in per_file.items()
+                        if r
+                    },
                     "residuals": residuals(fit, pooled),
                     "residuals_per_file": {p: residuals(fit, r) for p, r in per_file.items()},
                     "block_us_fixed": not args.fit_blocks,
