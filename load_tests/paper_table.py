@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict
 
 from load_tests.capacity import capacity_ratio
-from load_tests.paper_rows import Row, load_json, rerun_rows
+from load_tests.paper_rows import Row, load_json, measured_rows, rerun_rows
 
 CAPACITY = "completed req/s, 10th-90th pct completions, under overload"
 BASELINES = (  # (system, the paper's number for paged over it on ShareGPT, Fig 12a)
@@ -250,6 +250,7 @@ def build(directory: str, modelled: str | None, check: str | None = None) -> dic
         block_size_row(blocks),
         calibration_row(fit),
         *rerun_rows(modelled),
+        *measured_rows(os.path.dirname(os.path.normpath(directory)), modelled),
     ]
     for b in blocks:
         b["point"] = os.path.basename(b["point"]["path"])

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from load_tests import calibration, paper_sharing, paper_table
+from load_tests import calibration, paper_rows, paper_sharing, paper_table
 from load_tests.capacity import capacity_ratio, sweep_capacity
 
 H200 = "NVIDIA H200"
@@ -172,3 +172,25 @@ def test_plot_capacity_draws_what_it_has(h200, tmp_path):
         "capacity.png",
         "kernel.png",
     ]
+
+
+def test_measured_rows_read_fig19a_fig15_real_and_fig19b(tmp_path):
+    swap = [
+        {"block_size": b, "context_len": 2000, "swap_ms": ms, "recompute_ms": 88.0}
+        for b, ms in ((1, 98.0), (256, 63.0))
+    ]
+    write(tmp_path, "swap-recompute-h200", {"source": f"bench on {H200}, wall", "swap": swap})
+    beam = [
+        {"workload": "alpaca", "requests": 6, "real": {"sharing_savings": s}} for s in (0.4, 0.5)
+    ]
+    write(tmp_path / "sharing", "fig15-beam-real", {"args": {"max_output_len": 64}, "rows": beam})
+    modelled = tmp_path / "cal"
+    for mode, bs, latency in (("swap", 1, 0.2), ("recompute", 1, 0.1), ("swap", 16, 0.1)):
+        run = {"summary": {"normalized_latency_s": latency}}
+        write(modelled, f"fig19b-{mode}-b{bs}", {"args": {"num_requests": 2000}, "runs": [run]})
+    rows = paper_rows.measured_rows(str(tmp_path), str(modelled))
+    assert rows[0].ours == "swap 98.0 ms at block 1, 63.0 at 256; recompute 88.0 ms"
+    assert rows[0].source == f"real ({H200})"
+    assert rows[1].ours == "40.0 / 50.0%" and rows[2].ours == "not run"
+    assert rows[3].ours == "1: recompute, 16: swap" and rows[3].trace.startswith("2,000 req")
+    assert rows[3].source.startswith("modelled (uncalibrated")  # no calibration.json there
