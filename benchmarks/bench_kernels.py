@@ -5,7 +5,8 @@
 3. Time (CUDA graphs, median of replays, inputs rotated so they do not sit in L2):
    - decode attention at batch x context, bf16, head 128, 32 query / 8 KV heads, block 16,
      against the device-to-device copy bandwidth and torch SDPA (flash) on the same data
-     laid out contiguously, and over the partition sizes the kernel can use;
+     laid out contiguously, and over the partition sizes and the kernel variants of
+     benchmarks/decode_variants.py (the production kernel is the ``ours`` column);
    - reshape_and_cache and copy_blocks in GB/s;
    - swap out / in in GB/s against one large pinned cudaMemcpy of the same bytes.
 Prints tables and writes everything to --out as JSON.
@@ -28,14 +29,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from streamkv.kernels import cuda_ops, nvrtc, ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import decode_variants as dv  # noqa: E402
+from streamkv.kernels import decode_attention as da  # noqa: E402
+from streamkv.kernels import decode_kernels as dk  # noqa: E402
+from streamkv.kernels import launch, nvrtc, ops  # noqa: E402
 
 HEAD, Q_HEADS, KV_HEADS, BLOCK = 128, 32, 8, 16
 DTYPE = torch.bfloat16
 L2_ROTATE_BYTES = 256 << 20  # rotate inputs until one timed replay touches this much
 SWEEP_STAGES = (0, 2, 3, 4)
 KERNELS = ("tensor_core", "cuda_core")
-TC_UNROLLS = (1, 2, 3, 4)  # the tensor-core kernel's chunks per warp step, all swept
 WARMUP_S = 0.3  # seconds of the default configuration before a row's first timing
 SPIN_CYCLES = 200_000  # ~100 µs: the host queues the timed work while the GPU spins
 
@@ -95,25 +100,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------------------------- build
 def build() -> dict:
-    names = cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[DTYPE], HEAD, BLOCK, (4,))
+    names = dk.attention_names(launch.DTYPE_NAMES[DTYPE], HEAD, BLOCK, (4,))
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor
     with tempfile.TemporaryDirectory() as tmp:
         old = os.environ.get("STREAMKV_CACHE_DIR")
         os.environ["STREAMKV_CACHE_DIR"] = tmp
         t = time.perf_counter()
-        compiled = nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, arch)
+        compiled = nvrtc.compile_program(dk.ATTENTION_SOURCE, names, arch)
         cold = time.perf_counter() - t
         t = time.perf_counter()
-        nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, arch)
+        nvrtc.compile_program(dk.ATTENTION_SOURCE, names, arch)
         warm = time.perf_counter() - t
         if old is None:
             del os.environ["STREAMKV_CACHE_DIR"]
         else:
             os.environ["STREAMKV_CACHE_DIR"] = old
-    verbose = nvrtc.compile_program(
-        cuda_ops.ATTENTION_SOURCE, names, arch, ("--ptxas-options=-v",)
-    ).log
+    verbose = nvrtc.compile_program(dk.ATTENTION_SOURCE, names, arch, ("--ptxas-options=-v",)).log
     regs = [line.strip() for line in verbose.splitlines() if "registers" in line]
     return {
         "arch": f"sm_{arch}",
@@ -160,12 +163,12 @@ def checks() -> list[dict]:
     for kernel in KERNELS:
         for fused in (True, False):
             cases += [
-                (torch.bfloat16, 4, None, cuda_ops.DECODE_STAGES, kernel, fused),
-                (torch.bfloat16, 8, 128, cuda_ops.DECODE_STAGES, kernel, fused),
-                (torch.float16, 1, 256, cuda_ops.DECODE_STAGES, kernel, fused),
-                (torch.bfloat16, 4, 128, cuda_ops.DECODE_STAGES, kernel, fused),
+                (torch.bfloat16, 4, None, 0, kernel, fused),
+                (torch.bfloat16, 8, 128, 0, kernel, fused),
+                (torch.float16, 1, 256, 0, kernel, fused),
+                (torch.bfloat16, 4, 128, 0, kernel, fused),
             ]
-    cases.append((torch.float32, 4, 512, cuda_ops.DECODE_STAGES, "cuda_core", True))
+    cases.append((torch.float32, 4, 512, 0, "cuda_core", True))
     for dtype, group, partition, stages, kernel, fused in cases:
         ctx = [1, 127, 128, 129, 513, 1500, 4100, 37]
         q, k, v, bt, lens = paged_inputs(len(ctx), ctx, gen, dtype, group, extra=1000)
@@ -175,7 +178,8 @@ def checks() -> list[dict]:
             f"fused {fused}"
         )
         try:
-            cuda_ops.paged_attention_decode(
+            dv.launch_variant(
+                dv.DecodeVariant(kernel=kernel, stages=stages, fused_merge=fused),
                 q,
                 k,
                 v,
@@ -184,8 +188,7 @@ def checks() -> list[dict]:
                 HEAD**-0.5,
                 max(ctx),
                 partition,
-                out=out,
-                variant=cuda_ops.DecodeVariant(kernel=kernel, stages=stages, fused_merge=fused),
+                out,
             )
         except Exception as e:
             results.append({"check": name, "ok": False, "error": str(e)})
@@ -287,26 +290,16 @@ def bench_attention(
         "rotated_sets": sets,
     }
 
-    def ours(
-        partition=None,
-        stages=cuda_ops.DECODE_STAGES,
-        fused=cuda_ops.FUSED_MERGE,
-        kernel=cuda_ops.DECODE_KERNEL,
-        warp_softmax=None,
-        unroll=None,
-    ):
+    def ours(partition=None, **variant):
+        """The production kernel, or a variant (dv.DecodeVariant's fields) of it."""
+        kv = dv.DecodeVariant(**variant)
+        if kv == dv.PRODUCTION and partition is None:
+            return lambda: [
+                da.paged_attention_decode(q, k, v, bt, lens, scale, ctx)
+                for q, k, v, bt, lens in inputs
+            ]
         return lambda: [
-            cuda_ops.paged_attention_decode(
-                q,
-                k,
-                v,
-                bt,
-                lens,
-                scale,
-                ctx,
-                partition,
-                variant=cuda_ops.DecodeVariant(kernel, stages, warp_softmax, unroll, fused),
-            )
+            dv.launch_variant(kv, q, k, v, bt, lens, scale, ctx, partition)
             for q, k, v, bt, lens in inputs
         ]
 
@@ -347,7 +340,7 @@ def bench_attention(
     )
     if best is not None:
         q, k, v, bt, lens = inputs[0]
-        ours_out = cuda_ops.paged_attention_decode(q, k, v, bt, lens, scale, ctx)
+        ours_out = da.paged_attention_decode(q, k, v, bt, lens, scale, ctx)
         row.update(
             sdpa_us=best[0] * 1e3,
             sdpa_form=best[1],
@@ -371,25 +364,25 @@ def _sweep(ours, ctx: int, head: int, iters: int, sets: int) -> dict:
 
     for kernel in KERNELS:
         for fused in (False, True):
-            for p in (None, *cuda_ops.PARTITION_SIZES):
+            for p in (None, *dk.PARTITION_SIZES):
                 if p is not None and p > 2 * ctx:
                     continue  # one partition already holds the context
                 measure(
                     f"{kernel} fused {fused} partition {p}",
                     partition=p,
-                    fused=fused,
+                    fused_merge=fused,
                     kernel=kernel,
                 )
     measure("cuda_core fused False partition None stages 0", stages=0, kernel="cuda_core")
     for p in (None, 512):
         measure(
-            f"tensor_core warp softmax {not cuda_ops.TC_WARP_SOFTMAX} partition {p}",
+            f"tensor_core warp softmax True partition {p}",
             partition=p,
             kernel="tensor_core",
-            warp_softmax=not cuda_ops.TC_WARP_SOFTMAX,
+            warp_softmax=True,
         )
-    for unroll in TC_UNROLLS:
-        if unroll != cuda_ops.TC_UNROLL.get(head, 1):
+    for unroll in dv.TC_UNROLLS:
+        if unroll != dk.TC_UNROLL.get(head, 1):
             measure(
                 f"tensor_core unroll {unroll} partition None",
                 kernel="tensor_core",
@@ -425,10 +418,8 @@ def _time_sdpa(inputs: list, ctx: int, scale: float, iters: int, sets: int, row:
 def bench_reduce_alone(batch: int, ctx: int, partition: int, iters: int) -> dict:
     """The partition-merge kernel by itself, to see what a fused merge could save."""
     parts = -(-ctx // partition)
-    names = cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[DTYPE], HEAD, BLOCK, (4,))
-    reduce = cuda_ops._module(cuda_ops.ATTENTION_SOURCE, names, torch.device("cuda")).kernel(
-        names[-1]
-    )
+    names = dk.attention_names(launch.DTYPE_NAMES[DTYPE], HEAD, BLOCK, (4,))
+    reduce = launch.module(dk.ATTENTION_SOURCE, names, torch.device("cuda")).kernel(names[-1])
     out = torch.empty((batch, Q_HEADS, HEAD), dtype=DTYPE, device="cuda")
     part_out = torch.randn((batch, Q_HEADS, parts, HEAD), device="cuda")
     stats = torch.rand((2, batch, Q_HEADS, parts), device="cuda") + 0.5
@@ -437,16 +428,16 @@ def bench_reduce_alone(batch: int, ctx: int, partition: int, iters: int) -> dict
     def run():
         reduce.launch(
             (Q_HEADS, batch, 1),
-            (cuda_ops.ATTENTION_THREADS, 1, 1),
+            (dk.ATTENTION_THREADS, 1, 1),
             [
-                (cuda_ops._P, out.data_ptr()),
-                (cuda_ops._P, part_out.data_ptr()),
-                (cuda_ops._P, stats[0].data_ptr()),
-                (cuda_ops._P, stats[1].data_ptr()),
-                (cuda_ops._P, lens.data_ptr()),
-                (cuda_ops._I, Q_HEADS),
-                (cuda_ops._I, partition),
-                (cuda_ops._I, parts),
+                (launch.PTR, out.data_ptr()),
+                (launch.PTR, part_out.data_ptr()),
+                (launch.PTR, stats[0].data_ptr()),
+                (launch.PTR, stats[1].data_ptr()),
+                (launch.PTR, lens.data_ptr()),
+                (launch.INT, Q_HEADS),
+                (launch.INT, partition),
+                (launch.INT, parts),
             ],
             torch.cuda.current_stream().cuda_stream,
             parts * 4,
@@ -576,8 +567,8 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
 def print_attention_tables(rows: list[dict], gpu: str, copy_gbs: float) -> None:
     print(
         f"\nDecode attention, {DTYPE}, head {HEAD}, {KV_HEADS} KV heads, block {BLOCK}, "
-        f"{gpu}; copy {copy_gbs:.0f} GB/s; defaults: {cuda_ops.DECODE_KERNEL}, "
-        f"fused merge {cuda_ops.FUSED_MERGE}, ring {cuda_ops.DECODE_STAGES}"
+        f"{gpu}; copy {copy_gbs:.0f} GB/s; ours: the production kernel per case "
+        f"(streamkv/kernels/decode_attention.py)"
     )
     for r in rows:
         best = r.get("sweep_best")

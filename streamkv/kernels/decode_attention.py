@@ -1,36 +1,42 @@
 """Paged decode attention on CUDA (``kernels_cu/paged_attention.cu``): one query token per
 sequence over its paged context, split into partitions (flash-decoding) and merged.
 
-``paged_attention_decode`` picks the instantiation for its tensors (``decode_variants``),
-chooses the partition size from the grid it would launch (``choose_partition_size``) and
-launches on torch's current stream; it never synchronises the host. ``max_context_len``
+One kernel per case (``decode_kernels.decode_name``): the tensor-core kernel for fp16 / bf16
+with a head size that is a multiple of 64 and 2+ query heads per CTA, the CUDA-core kernel
+(register loads) for the rest; the merge kernel when a context spans 2+ partitions. The
+other configurations the templates take (cp.async rings, per-warp softmax, other unrolls,
+the fused merge) are experiments of ``benchmarks/decode_variants.py``.
+
+``paged_attention_decode`` picks the kernel and the partition size (``choose_partition_size``)
+and launches on torch's current stream; it never synchronises the host. ``max_context_len``
 bounds the partitions: a CUDA graph is captured for one bound per context bucket
 (worker/cuda_graphs.py), an eager call uses the batch's own maximum.
 
 With an fp8 cache the kernels run in the query's dtype and widen K/V in registers; the K
 scale folds into the softmax scale and the V scale multiplies the output (an extra
-elementwise op only when it is not 1.0).
+elementwise op only when it is not 1.0). ``dtype`` below is always the kernels' CUDA type.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from streamkv.kernels import launch, nvrtc
-from streamkv.kernels.decode_variants import (
+from streamkv.kernels.decode_kernels import (
     ATTENTION_SOURCE,
     ATTENTION_THREADS,
     PARTITION_SIZES,
-    DecodeVariant,
     attention_names,
-    attention_smem,
     check_block_size,
     decode_name,
+    decode_smem,
+    group_pad,
     reduce_name,
-    resolve_kernel,
+    uses_tensor_cores,
 )
 from streamkv.kernels.fp8 import FP8_CUDA_NAME, is_fp8
 from streamkv.kernels.launch import DTYPE_NAMES, FLOAT, INT, LONG, PTR
@@ -39,29 +45,32 @@ from streamkv.kernels.launch import DTYPE_NAMES, FLOAT, INT, LONG, PTR
 # spans at least this many (per kernel; docs/kernels.md has the sweeps).
 TC_LONG_WAVES = 2
 CUDA_CORE_LONG_WAVES = 8
-DEFAULT_VARIANT = DecodeVariant()
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeKernels:
+    """A decode kernel and the merge of its partitions, with what the launch needs of them."""
+
+    decode: nvrtc.Kernel
+    merge: nvrtc.Kernel
+    shared_mem: Callable[[int], int]  # dynamic shared memory at a partition size
+    long_waves: int  # choose_partition_size's, for this kernel
 
 
 @lru_cache(maxsize=256)
-def _attention_kernels(
-    dtype: str,
-    head: int,
-    block: int,
-    gpad: int,
-    variant: DecodeVariant,
-    device: int,
-    cache: str | None = None,
-) -> tuple[str, nvrtc.Kernel, nvrtc.Kernel]:
-    """(resolved kernel kind, decode kernel, merge kernel) for one variant on one device:
-    looked up once, not on every layer's call. ``cache``: the fp8 cache's element type."""
-    v = variant
-    kind = resolve_kernel(v.kernel, dtype, head, gpad)
-    names = attention_names(dtype, head, block, (gpad,), v.stages, v.warp_softmax, v.unroll, cache)
+def case_kernels(
+    dtype: str, head: int, block: int, gpad: int, device: int, cache: str | None = None
+) -> DecodeKernels:
+    """The kernels of one case on one device: looked up once, not on every layer's call."""
+    tc = uses_tensor_cores(dtype, head, gpad)
+    names = attention_names(dtype, head, block, (gpad,), cache)
     module = launch.module(ATTENTION_SOURCE, names, torch.device("cuda", device))
-    decode = module.kernel(
-        decode_name(dtype, head, block, gpad, v.stages, kind, v.warp_softmax, v.unroll, cache)
+    return DecodeKernels(
+        module.kernel(decode_name(dtype, head, block, gpad, cache)),
+        module.kernel(reduce_name(dtype, head)),
+        lambda p: decode_smem(p, gpad, head, tc),
+        TC_LONG_WAVES if tc else CUDA_CORE_LONG_WAVES,
     )
-    return kind, decode, module.kernel(reduce_name(dtype, head))
 
 
 def choose_partition_size(
@@ -96,7 +105,7 @@ def choose_partition_size(
     return sizes[-1]
 
 
-def _check(query, key_cache, value_cache) -> None:
+def check_inputs(query, key_cache, value_cache) -> None:
     head, (_, num_kv_heads, _, cache_head) = query.shape[-1], key_cache.shape
     dtype = key_cache.dtype
     if is_fp8(dtype) and query.dtype not in DTYPE_NAMES:
@@ -127,63 +136,60 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int | None = None,
-    partition_size: int | None = None,
-    out: torch.Tensor | None = None,
-    variant: DecodeVariant = DEFAULT_VARIANT,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """``partition_size`` (tokens per CTA), ``out`` (the kernels' dtype, [seqs, heads,
-    head]) and ``variant`` are for tests and benchmarks; ops.py leaves them be. The kernels
-    run in the cache's dtype, or in the query's over an fp8 cache, whose ``k_scale`` and
-    ``v_scale`` they apply (other caches ignore them)."""
-    _check(query, key_cache, value_cache)
-    if is_fp8(key_cache.dtype):
-        out = _decode(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            context_lens,
-            scale * k_scale,
-            max_context_len,
-            partition_size,
-            out,
-            variant,
-            FP8_CUDA_NAME,
-        )
-        return out if v_scale == 1.0 else out.mul_(v_scale)
-    return _decode(
+    """The case's kernel at the partition size the rule picks. The kernels run in the
+    cache's dtype, or in the query's over an fp8 cache, whose ``k_scale`` and ``v_scale``
+    they apply (other caches ignore them)."""
+    check_inputs(query, key_cache, value_cache)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    fp8 = is_fp8(key_cache.dtype)
+    out = launch_decode(
+        kernels_for(query, key_cache),
         query,
         key_cache,
         value_cache,
         block_tables,
         context_lens,
-        scale,
+        scale * k_scale if fp8 else scale,
         max_context_len,
-        partition_size,
-        out,
-        variant,
+    )
+    return out.mul_(v_scale) if fp8 and v_scale != 1.0 else out
+
+
+def kernels_for(query: torch.Tensor, key_cache: torch.Tensor) -> DecodeKernels:
+    """The kernels of the case these tensors make (check_inputs first)."""
+    fp8 = is_fp8(key_cache.dtype)
+    return case_kernels(
+        DTYPE_NAMES[query.dtype if fp8 else key_cache.dtype],
+        query.shape[-1],
+        key_cache.shape[2],
+        group_pad(query.shape[1] // key_cache.shape[1]),
+        launch.device_index(query.device),
+        FP8_CUDA_NAME if fp8 else None,
     )
 
 
-def _decode(
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    context_lens,
-    scale,
-    max_context_len,
-    partition_size,
-    out,
-    variant,
-    cache: str | None = None,
+def launch_decode(
+    kernels: DecodeKernels,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    partition_size: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The launches; ``cache`` is the fp8 cache's CUDA type (kernels in the query's dtype)."""
+    """The decode launch and, past one partition, the merge. ``partition_size`` (None: the
+    rule's) and ``out`` (the kernels' dtype, [seqs, heads, head]) are for tests and
+    benchmarks. An fp8 cache's K scale is already in ``scale``."""
     num_seqs, num_heads, head = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
-    dtype = query.dtype if cache is not None else key_cache.dtype
+    dtype = query.dtype if is_fp8(key_cache.dtype) else key_cache.dtype
     q = query.to(dtype)
     if q.stride(-1) != 1 or q.stride(1) != head or not launch.aligned16(q):
         q = q.contiguous()
@@ -201,25 +207,16 @@ def _decode(
     if num_seqs == 0:
         return out.to(query.dtype)
     group = num_heads // num_kv_heads
-    gpad = min(8, launch.next_pow2(group))
-    chunks = -(-group // gpad)
-    device = launch.device_index(query.device)
-    kind, decode, reduce = _attention_kernels(
-        DTYPE_NAMES[dtype], head, block_size, gpad, variant, device, cache
-    )
-
-    def smem(p: int) -> int:
-        return attention_smem(p, gpad, head, key_cache.dtype, variant.stages, kind)
-
+    columns = num_kv_heads * -(-group // group_pad(group))  # grid.y: kv heads x head chunks
     if partition_size is None:
         partition_size = choose_partition_size(
-            decode,
-            num_seqs * num_kv_heads * chunks,
+            kernels.decode,
+            num_seqs * columns,
             max_context_len,
             block_size,
-            smem,
+            kernels.shared_mem,
             query.device,
-            TC_LONG_WAVES if kind == "tensor_core" else CUDA_CORE_LONG_WAVES,
+            kernels.long_waves,
         )
     if partition_size % block_size or not 0 < partition_size <= PARTITION_SIZES[0]:
         raise ValueError(f"partition size {partition_size} vs block size {block_size}")
@@ -233,25 +230,17 @@ def _decode(
             (2, num_seqs, num_heads, max_parts), dtype=torch.float32, device=query.device
         )
         part_ptrs = (part_out.data_ptr(), part_stats[0].data_ptr(), part_stats[1].data_ptr())
-    fused = variant.fused_merge and max_parts > 1
-    # The fused merge's arrival counters, one per (sequence, kv head chunk): zeroed here
-    # (inside a graph the memset replays with it); the merging CTAs leave them at zero.
-    counters = (
-        torch.zeros(num_seqs * num_kv_heads * chunks, dtype=torch.int32, device=query.device)
-        if fused
-        else None
-    )
     stream = launch.stream(query.device)
     pdl = launch.use_pdl(query.device)
-    decode.launch(
-        (max_parts, num_kv_heads * chunks, num_seqs),
+    kernels.decode.launch(
+        (max_parts, columns, num_seqs),
         (ATTENTION_THREADS, 1, 1),
         [
             (PTR, out.data_ptr()),
             (PTR, part_ptrs[0]),
             (PTR, part_ptrs[1]),
             (PTR, part_ptrs[2]),
-            (PTR, 0 if counters is None else counters.data_ptr()),
+            (PTR, 0),  # merge_counters: none, the merge kernel merges
             (PTR, q.data_ptr()),
             (PTR, key_cache.data_ptr()),
             (PTR, value_cache.data_ptr()),
@@ -266,12 +255,11 @@ def _decode(
             (INT, max_parts),
         ],
         stream,
-        smem(partition_size),
-        # The fused merge's counters are zeroed just before: no kernel to overlap with.
-        pdl=pdl and not fused,
+        kernels.shared_mem(partition_size),
+        pdl=pdl,
     )
-    if max_parts > 1 and not fused:
-        reduce.launch(
+    if max_parts > 1:
+        kernels.merge.launch(
             (num_heads, num_seqs, 1),
             (ATTENTION_THREADS, 1, 1),
             [

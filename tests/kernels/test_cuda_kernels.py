@@ -1,4 +1,5 @@
-"""Each CUDA kernel against the pure-torch reference in ops.py (skipped without a GPU).
+"""Each CUDA kernel production launches against the pure-torch reference in ops.py (skipped
+without a GPU). The decode kernels' experimental variants: tests/benchmarks/test_decode_variants.py.
 
 Inputs are fresh random data on random block tables over a large pool; outputs start as
 NaN so an element the kernel never writes fails; cache slots no sequence owns hold NaN so a
@@ -11,6 +12,7 @@ import math
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
@@ -27,41 +29,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 HEADS = (64, 80, 96, 128, 256)
 BLOCKS = (8, 16, 32)
 # The rest of the paper's 1-256 sweep: the same kernels instantiated at other BLOCKs, tested
-# on a few shapes each (decode: the tensor-core and the CUDA-core kernel).
+# on a few shapes each (decode: a tensor-core and a CUDA-core case).
 NEW_BLOCKS = (1, 2, 4, 64, 128, 256)
-NEW_BLOCK_SHAPES = (  # dtype, head, group, kernel, fused merge
-    (torch.bfloat16, 128, 4, "auto", False),
-    (torch.float32, 256, 2, "cuda_core", True),
-)
+NEW_BLOCK_SHAPES = ((torch.bfloat16, 128, 4), (torch.float32, 256, 2))  # dtype, head, group
+# Production's decode kernel by case: tensor cores for fp16 / bf16 at head 64, 128, 256 with
+# 2+ query heads per KV head (groups 4, 8), the CUDA-core kernel for the rest (group 1,
+# fp32, head 80 / 96).
 GROUPS = (1, 4, 8)
 POOL_BLOCKS = 2048
-RING_DEPTHS = (0, 3, 4, 6)  # besides the default: register loads and other cp.async depths
-STAGE_CASES = ((torch.bfloat16, 128), (torch.float32, 256), (torch.float16, 80))
-# The tensor-core kernel exists for fp16 / bf16 with head 64, 128, 256; "auto" picks it there
-# when a KV head serves 2+ query heads, else the CUDA-core kernel.
-# "+warp_softmax": the tensor-core kernel with its per-warp softmax (the other variant than
-# the default, TC_WARP_SOFTMAX).
-KERNELS = ("tensor_core", "tensor_core+warp_softmax", "cuda_core", "auto")
-# The tensor-core kernel's chunks per warp step (UNROLL).
-TC_UNROLLS = (1, 2, 3, 4)
-TC_DTYPES = (torch.float16, torch.bfloat16)
-TC_HEADS = ((64, 8), (128, 16), (256, 32))  # (head size, block size)
-
-
-def kernel_kwargs(kernel: str) -> dict:
-    from streamkv.kernels import cuda_ops
-
-    name, _, variant = kernel.partition("+")
-    return {"kernel": name, **({"warp_softmax": not cuda_ops.TC_WARP_SOFTMAX} if variant else {})}
-
-
-def skip_unsupported(kernel: str, dtype, head: int) -> None:
-    from streamkv.kernels import cuda_ops
-
-    if kernel.startswith("tensor_core") and not cuda_ops.tensor_core_ok(
-        cuda_ops.DTYPE_NAMES[dtype], head
-    ):
-        pytest.skip("no tensor-core kernel for this dtype / head size")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,41 +44,21 @@ def _precompile():
     """Compile every program this module uses at once, in threads (NVRTC drops the GIL)."""
     if not torch.cuda.is_available():
         return
-    from streamkv.kernels import cuda_ops, launch, nvrtc
+    from streamkv.kernels import cuda_ops, nvrtc
+    from streamkv.kernels import decode_kernels as dk
 
     major, minor = torch.cuda.get_device_capability()
     jobs = [
-        (cuda_ops.ATTENTION_SOURCE, cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[d], h, b, (g,)))
+        (dk.ATTENTION_SOURCE, dk.attention_names(dk.DTYPE_NAMES[d], h, b, (g,)))
         for d in DTYPES
         for h in HEADS
         for b in BLOCKS
-        for g in cuda_ops.GROUP_PADS
+        for g in dk.GROUP_PADS
     ]
     jobs += [
-        (
-            cuda_ops.ATTENTION_SOURCE,
-            cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[d], h, 16, (8,), st),
-        )
-        for d, h in STAGE_CASES
-        for st in RING_DEPTHS
-    ]
-    jobs += [
-        (
-            cuda_ops.ATTENTION_SOURCE,
-            cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[d], h, b, (g,), None, None, u),
-        )
-        for d in TC_DTYPES
-        for h, b in TC_HEADS
-        for g in (4, 8)
-        for u in TC_UNROLLS
-    ]
-    jobs += [
-        (
-            cuda_ops.ATTENTION_SOURCE,
-            cuda_ops.attention_names(cuda_ops.DTYPE_NAMES[d], h, b, (min(8, launch.next_pow2(g)),)),
-        )
+        (dk.ATTENTION_SOURCE, dk.attention_names(dk.DTYPE_NAMES[d], h, b, (dk.group_pad(g),)))
         for b in NEW_BLOCKS
-        for d, h, g, _, _ in NEW_BLOCK_SHAPES
+        for d, h, g in NEW_BLOCK_SHAPES
     ]
     jobs.append((cuda_ops.CACHE_OPS_SOURCE, cuda_ops.cache_ops_names()))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
@@ -173,13 +128,13 @@ def attention_case(
     seed: int,
     num_kv_heads: int = 2,
     strided_query: bool = False,
-    stages: int | None = None,
-    fused_merge: bool | None = None,
-    kernel: str | None = None,
-    unroll: int | None = None,
     pool_blocks: int = POOL_BLOCKS,
+    launch=None,
 ) -> float:
-    from streamkv.kernels import cuda_ops
+    """Relative error of a decode launch (default: production's kernel for the case at
+    ``partition_size``; ``launch(query, key, value, tables, lens, scale, max_context,
+    partition_size, out)`` for another) against the float64 reference."""
+    from streamkv.kernels import decode_attention as da
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     key, value, tables = make_paged(
@@ -195,58 +150,40 @@ def attention_case(
     lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
     scale = head**-0.5
     out = torch.full((seqs, num_heads, head), math.nan, dtype=dtype, device="cuda")
-    extra = {} if stages is None else {"stages": stages}
-    if fused_merge is not None:
-        extra["fused_merge"] = fused_merge
-    if kernel is not None:
-        extra.update(kernel_kwargs(kernel))
-    if unroll is not None:
-        extra["unroll"] = unroll
-    cuda_ops.paged_attention_decode(
-        query,
-        key,
-        value,
-        tables,
-        lens,
-        scale,
-        max(context_lens),
-        partition_size,
-        out=out,
-        variant=cuda_ops.DecodeVariant(**extra),
-    )
+    if launch is None:
+        launch = partial(da.launch_decode, da.kernels_for(query, key))
+    launch(query, key, value, tables, lens, scale, max(context_lens), partition_size, out)
     ref = reference(query, key, value, tables, lens, scale)
     return rel_err(out, ref)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_paged_attention_decode(dtype, head: int, block: int, group: int, kernel: str) -> None:
-    skip_unsupported(kernel, dtype, head)
-    seed = zlib.crc32(f"{dtype}{head}{block}{group}{kernel}".encode())
+def test_paged_attention_decode(dtype, head: int, block: int, group: int) -> None:
+    seed = zlib.crc32(f"{dtype}{head}{block}{group}auto".encode())
     rng = torch.Generator().manual_seed(seed)
     partition = (128, 256, 512, 1024)[seed % 4]
     # Contexts around partition and block boundaries, plus random ones.
     lens = [1, block - 1, partition - 1, partition, partition + 1, 2 * partition + block + 3]
     lens += torch.randint(1, 1500, (4,), generator=rng).tolist()
     lens = [max(1, n) for n in lens]
-    err = attention_case(dtype, head, block, group, lens, partition, seed, kernel=kernel)
+    err = attention_case(dtype, head, block, group, lens, partition, seed)
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("shape", NEW_BLOCK_SHAPES, ids=lambda s: f"{s[0]}-{s[1]}-{s[3]}")
+@pytest.mark.parametrize("shape", NEW_BLOCK_SHAPES, ids=lambda s: f"{s[0]}-{s[1]}")
 @pytest.mark.parametrize("block", NEW_BLOCKS)
 def test_paged_attention_decode_new_block_sizes(block: int, shape) -> None:
     # Contexts around block and partition edges; a partition that holds whole blocks (block
     # 256 has no 128-token partition), or the launch's own choice; one context long enough
     # for several partitions to merge. The pool holds about as many tokens at every size.
-    from streamkv.kernels import cuda_ops
+    from streamkv.kernels import decode_kernels as dk
 
-    dtype, head, group, kernel, fused = shape
+    dtype, head, group = shape
     seed = zlib.crc32(f"{block}{dtype}{head}".encode())
-    sizes = [p for p in cuda_ops.PARTITION_SIZES if p % block == 0]
+    sizes = [p for p in dk.PARTITION_SIZES if p % block == 0]
     partition = [*sizes, None][seed % (len(sizes) + 1)]
     p = partition or 1024
     rng = torch.Generator().manual_seed(seed)
@@ -260,8 +197,6 @@ def test_paged_attention_decode_new_block_sizes(block: int, shape) -> None:
         lens,
         partition,
         seed,
-        fused_merge=fused,
-        kernel=kernel,
         pool_blocks=max(64, 16384 // block),
     )
     assert err <= TOLERANCE[dtype], f"partition {partition}: relative error {err:.2e}"
@@ -270,66 +205,17 @@ def test_paged_attention_decode_new_block_sizes(block: int, shape) -> None:
 @pytest.mark.parametrize(
     "group,num_kv_heads", [(3, 3), (7, 2), (16, 1), (12, 2)], ids=["g3", "g7", "g16", "g12"]
 )
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_uneven_and_large_groups(dtype, group: int, num_kv_heads: int, kernel: str) -> None:
+def test_decode_uneven_and_large_groups(dtype, group: int, num_kv_heads: int) -> None:
     # Groups that are not a power of two pad the CTA's heads; groups over 8 split into chunks.
-    skip_unsupported(kernel, dtype, 64)
     lens = [5, 300, 777, 2049]
-    err = attention_case(
-        dtype, 64, 16, group, lens, None, group, num_kv_heads=num_kv_heads, kernel=kernel
-    )
+    err = attention_case(dtype, 64, 16, group, lens, None, group, num_kv_heads=num_kv_heads)
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("stages", RING_DEPTHS)
-@pytest.mark.parametrize("dtype,head", STAGE_CASES, ids=str)
-def test_decode_ring_depths(dtype, head: int, stages: int) -> None:
-    # fp32 head 256 at depth 6 needs more than 48 KiB of shared memory (the opt-in path).
-    lens = [1, 700, 1500, 63]
-    for kernel in ("auto", "cuda_core"):
-        err = attention_case(dtype, head, 16, 8, lens, 512, stages, stages=stages, kernel=kernel)
-        assert err <= TOLERANCE[dtype], f"{kernel}: relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("unroll", TC_UNROLLS)
-@pytest.mark.parametrize("head,block", TC_HEADS, ids=str)
-@pytest.mark.parametrize("dtype", TC_DTYPES, ids=str)
-def test_tensor_core_chunks_per_step(dtype, head: int, block: int, unroll: int) -> None:
-    # Contexts that end inside a step (partial chunks, whole chunks past the context within a
-    # step) and partitions of every size.
-    lens = [1, 17, 100, 129, 700, 1025, 1500, 2100]
-    for group, partition in ((8, 128), (4, 512), (3, 1024), (2, 256), (8, None)):
-        err = attention_case(
-            dtype,
-            head,
-            block,
-            group,
-            lens,
-            partition,
-            unroll * 10 + group + head,
-            kernel="tensor_core",
-            unroll=unroll,
-        )
-        assert err <= TOLERANCE[dtype], f"group {group}: relative error {err:.2e}"
-
-
-def test_tensor_core_kernel_only_where_it_applies() -> None:
-    # The choice itself is tested without a GPU (test_partition_choice.py); here, that a
-    # launch refuses what the tensor-core kernel cannot run.
-    with pytest.raises(ValueError, match="multiple of 64"):
-        attention_case(torch.float32, 64, 16, 1, [10], None, 0, kernel="tensor_core")
-    with pytest.raises(ValueError, match="decode kernel"):
-        attention_case(torch.float16, 64, 16, 1, [10], None, 0, kernel="three_pass")
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("partition_size", [None, 128, 512, 1024])
-def test_decode_long_context_and_strided_query(
-    partition_size, fused_merge: bool, kernel: str
-) -> None:
-    # 20k tokens: 40-157 partitions to merge; q is a view into qkv.
+def test_decode_long_context_and_strided_query(partition_size) -> None:
+    # 20k tokens: 20-157 partitions to merge; q is a view into qkv.
     lens = [20000, 3, 9000, 512]
     err = attention_case(
         torch.bfloat16,
@@ -341,35 +227,28 @@ def test_decode_long_context_and_strided_query(
         7,
         num_kv_heads=8,
         strided_query=True,
-        fused_merge=fused_merge,
-        kernel=kernel,
     )
     assert err <= TOLERANCE[torch.bfloat16], f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused-merge", "merge-kernel"])
-def test_decode_empty_context_gives_zeros(fused_merge: bool, kernel: str) -> None:
-    # A padded batch slot (context 0) next to multi-partition sequences.
-    from streamkv.kernels import cuda_ops
+@pytest.mark.parametrize("group", [1, 4], ids=["cuda-core", "tensor-core"])
+def test_decode_empty_context_gives_zeros(group: int) -> None:
+    empty_context_case(group)
+
+
+def empty_context_case(group: int, launch=None) -> None:
+    """A padded batch slot (context 0) next to multi-partition sequences gets zeros; ``launch``
+    as attention_case's."""
+    from streamkv.kernels import decode_attention as da
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     key, value, tables = make_paged([700, 1, 300], 2, 16, 64, torch.float16, gen)
-    query = torch.randn((3, 8, 64), generator=gen, device="cuda", dtype=torch.float16)
+    query = torch.randn((3, 2 * group, 64), generator=gen, device="cuda", dtype=torch.float16)
     lens = torch.tensor([700, 0, 300], dtype=torch.int32, device="cuda")
     out = torch.full_like(query, math.nan)
-    cuda_ops.paged_attention_decode(
-        query,
-        key,
-        value,
-        tables,
-        lens,
-        0.125,
-        700,
-        128,
-        out=out,
-        variant=cuda_ops.DecodeVariant(fused_merge=fused_merge, **kernel_kwargs(kernel)),
-    )
+    if launch is None:
+        launch = partial(da.launch_decode, da.kernels_for(query, key))
+    launch(query, key, value, tables, lens, 0.125, 700, 128, out)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = torch.tensor([0, 2], device="cuda")
     ref = reference(query[keep], key, value, tables[keep], lens[keep], 0.125)
@@ -532,44 +411,3 @@ def test_swap_between_device_pools() -> None:
     ops.swap_blocks(src, dst, mapping)
     for a, b in zip(dst, ref, strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_fused_merge_counters_reset_across_launches_and_graph_replays(kernel: str) -> None:
-    # The fused merge's counters: zeroed per launch (a memset node in the graph), left at zero
-    # by the merging CTAs; the merge must be right on every launch and every replay.
-    from streamkv.kernels import cuda_ops
-
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    lens = [3000, 700, 129]
-    key, value, tables = make_paged(lens, 2, 16, 128, torch.bfloat16, gen)
-    query = torch.randn((3, 8, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ref = reference(query, key, value, tables, lens_t, 0.08)
-    out = torch.full_like(query, math.nan)
-
-    def launch():
-        cuda_ops.paged_attention_decode(
-            query,
-            key,
-            value,
-            tables,
-            lens_t,
-            0.08,
-            3000,
-            128,
-            out=out,
-            variant=cuda_ops.DecodeVariant(fused_merge=True, **kernel_kwargs(kernel)),
-        )
-
-    for _ in range(3):
-        out.fill_(math.nan)
-        launch()
-        assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    for _ in range(3):
-        out.fill_(math.nan)
-        graph.replay()
-        assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]

@@ -1,4 +1,5 @@
-"""Every kernel variant compiles with NVRTC for sm_80 and sm_90; no GPU needed (runs in CI)."""
+"""Every program production loads compiles with NVRTC for sm_80 and sm_90; no GPU needed (runs
+in CI). The decode kernels' experimental variants: tests/benchmarks/test_decode_variants.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from streamkv.kernels import cuda_ops, decode_variants, nvrtc  # noqa: E402
+from streamkv.kernels import cuda_ops, launch, nvrtc  # noqa: E402
+from streamkv.kernels import decode_kernels as dk  # noqa: E402
 
 ARCHS = (80, 90)
 
@@ -27,57 +29,39 @@ def _assert_complete(compiled: nvrtc.Compiled, names: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", sorted(cuda_ops.DTYPE_NAMES.values()))
-def test_attention_variants_compile(dtype: str, arch: int, fresh_cache) -> None:
+@pytest.mark.parametrize("dtype", sorted(launch.DTYPE_NAMES.values()))
+def test_attention_programs_compile(dtype: str, arch: int, fresh_cache) -> None:
     # One program per (dtype, head, block) holds every GQA padding and the reduce kernel, so
     # the front end runs once per program; NVRTC releases the GIL, so threads share the CPUs.
     # The other block sizes: test_nvrtc_compile_block_sizes.py.
     jobs = [
-        cuda_ops.attention_names(dtype, head, block)
-        for head in cuda_ops.HEAD_SIZES
-        for block in decode_variants.TUNED_BLOCK_SIZES
+        dk.attention_names(dtype, head, block)
+        for head in dk.HEAD_SIZES
+        for block in dk.TUNED_BLOCK_SIZES
     ]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(
-            pool.map(
-                lambda names: nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, arch), jobs
-            )
+            pool.map(lambda names: nvrtc.compile_program(dk.ATTENTION_SOURCE, names, arch), jobs)
         )
     for names, compiled in zip(jobs, results, strict=True):
         _assert_complete(compiled, names)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", sorted(cuda_ops.DTYPE_NAMES.values()))
-def test_fp8_cache_attention_variants_compile(dtype: str, arch: int, fresh_cache) -> None:
+@pytest.mark.parametrize("dtype", sorted(launch.DTYPE_NAMES.values()))
+def test_fp8_cache_attention_programs_compile(dtype: str, arch: int, fresh_cache) -> None:
     # The fp8 cache's decode kernels for a `dtype` query, every head size; the block size only
     # addresses rows (the default programs compile every one of them).
     from streamkv.kernels.fp8 import FP8_CUDA_NAME
 
-    jobs = [
-        cuda_ops.attention_names(dtype, head, 16, cache=FP8_CUDA_NAME)
-        for head in cuda_ops.HEAD_SIZES
-    ]
+    jobs = [dk.attention_names(dtype, head, 16, cache=FP8_CUDA_NAME) for head in dk.HEAD_SIZES]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(
-            pool.map(
-                lambda names: nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, arch), jobs
-            )
+            pool.map(lambda names: nvrtc.compile_program(dk.ATTENTION_SOURCE, names, arch), jobs)
         )
     for names, compiled in zip(jobs, results, strict=True):
         assert all(name.endswith(f", {FP8_CUDA_NAME}>") for name in names if "reduce" not in name)
         _assert_complete(compiled, names)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tensor_core_step_variants_compile(arch: int, fresh_cache) -> None:
-    # Every chunks-per-step choice of the tensor-core kernel, not only the defaults
-    # (tests/kernels/test_cuda_kernels.py runs them), at the largest head size.
-    names = tuple(
-        cuda_ops.decode_name("__nv_bfloat16", 256, 16, 8, 0, "tensor_core", False, u)
-        for u in (1, 2, 3, 4)
-    )
-    _assert_complete(nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, arch), names)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -90,26 +74,26 @@ def test_compile_error_carries_nvrtc_log(fresh_cache) -> None:
     # A bf16 head of 12 elements is not a whole number of 16-byte vectors: a static_assert.
     names = ("streamkv::paged_attention_decode_kernel<__nv_bfloat16, 12, 16, 4, 4>",)
     with pytest.raises(nvrtc.NVRTCError) as err:
-        nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, 90)
+        nvrtc.compile_program(dk.ATTENTION_SOURCE, names, 90)
     assert "multiple of 16 bytes" in str(err.value)
     assert "paged_attention.cu" in str(err.value)
 
 
 def test_disk_cache_is_reused(fresh_cache, monkeypatch) -> None:
-    names = cuda_ops.attention_names("__half", 64, 16, (4,))
-    first = nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, 90)
+    names = dk.attention_names("__half", 64, 16, (4,))
+    first = nvrtc.compile_program(dk.ATTENTION_SOURCE, names, 90)
     assert list(fresh_cache.glob("*.bin")) and list(fresh_cache.glob("*.json"))
 
     def no_compile(*args, **kwargs):
         raise AssertionError("recompiled despite a cache entry")
 
     monkeypatch.setattr(nvrtc, "_compile", no_compile)
-    again = nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, 90)
+    again = nvrtc.compile_program(dk.ATTENTION_SOURCE, names, 90)
     assert again.image == first.image and again.lowered == first.lowered
     # Another architecture is another key.
     monkeypatch.undo()
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(fresh_cache))
-    other = nvrtc.compile_program(cuda_ops.ATTENTION_SOURCE, names, 80)
+    other = nvrtc.compile_program(dk.ATTENTION_SOURCE, names, 80)
     assert other.image != first.image
     assert len(list(fresh_cache.glob("*.bin"))) == 2
 

@@ -17,13 +17,13 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from streamkv.kernels import decode_variants as dv  # noqa: E402
+from streamkv.kernels import decode_kernels as dk  # noqa: E402
 from streamkv.kernels import nvrtc  # noqa: E402
 
 ARCHS = (80, 90)
-NEW_BLOCK_SIZES = tuple(b for b in dv.BLOCK_SIZES if b not in dv.TUNED_BLOCK_SIZES)
+NEW_BLOCK_SIZES = tuple(b for b in dk.BLOCK_SIZES if b not in dk.TUNED_BLOCK_SIZES)
 CASES = (
-    ("__nv_bfloat16", 128, dv.GROUP_PADS),
+    ("__nv_bfloat16", 128, dk.GROUP_PADS),
     ("__half", 64, (2, 8)),
     ("__half", 80, (4,)),
     ("float", 256, (1, 8)),
@@ -37,19 +37,19 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 def block_program(block: int) -> tuple[str, ...]:
-    names = (n for d, h, g in CASES for n in dv.attention_names(d, h, block, g))
+    names = (n for d, h, g in CASES for n in dk.attention_names(d, h, block, g))
     return tuple(dict.fromkeys(names))
 
 
 def test_new_sizes_are_the_rest_of_the_sweep() -> None:
     assert NEW_BLOCK_SIZES == (1, 2, 4, 64, 128, 256)
-    assert dv.TUNED_BLOCK_SIZES == (8, 16, 32)
+    assert dk.TUNED_BLOCK_SIZES == (8, 16, 32)
 
 
 def test_every_kernel_kind_is_in_each_program() -> None:
     names = block_program(256)
-    assert sum("decode_tc_kernel<" in n for n in names) == len(dv.GROUP_PADS) + 2
-    assert sum("decode_kernel<" in n for n in names) == len(dv.GROUP_PADS) + 5
+    assert sum("decode_tc_kernel<" in n for n in names) == len(dk.GROUP_PADS) + 2
+    assert sum("decode_kernel<" in n for n in names) == len(dk.GROUP_PADS) + 5
     assert all(", 256, " in n for n in names if "reduce" not in n)
 
 
@@ -58,7 +58,7 @@ def test_decode_kernels_compile_at_every_new_block_size(arch: int, fresh_cache) 
     jobs = [block_program(b) for b in NEW_BLOCK_SIZES]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(
-            pool.map(lambda names: nvrtc.compile_program(dv.ATTENTION_SOURCE, names, arch), jobs)
+            pool.map(lambda names: nvrtc.compile_program(dk.ATTENTION_SOURCE, names, arch), jobs)
         )
     for names, compiled in zip(jobs, results, strict=True):
         assert set(compiled.lowered) == set(names)
@@ -69,7 +69,7 @@ def test_decode_kernels_compile_at_every_new_block_size(arch: int, fresh_cache) 
 def test_a_block_that_does_not_divide_a_partition_is_a_compile_error(fresh_cache) -> None:
     # The launch code refuses it first (check_block_size); the kernel's static_assert is the
     # backstop for a name built by hand.
-    names = (dv.decode_name("__half", 64, 48, 4, 0, "cuda_core"),)
+    names = (dk.decode_name("__half", 64, 48, 1),)
     with pytest.raises(nvrtc.NVRTCError) as err:
-        nvrtc.compile_program(dv.ATTENTION_SOURCE, names, 90)
+        nvrtc.compile_program(dk.ATTENTION_SOURCE, names, 90)
     assert "whole blocks" in str(err.value)

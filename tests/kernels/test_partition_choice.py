@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("cuda.bindings.driver")
 
-from streamkv.kernels import decode_attention, decode_variants, launch  # noqa: E402
+from streamkv.kernels import decode_attention, decode_kernels, launch  # noqa: E402
 
 SMS = 132
 
@@ -55,21 +55,46 @@ def test_tail_of_a_second_wave_is_avoided() -> None:
 
 def test_kernel_choice() -> None:
     # Tensor cores for fp16 / bf16, head sizes that are multiples of 64, 2+ heads per CTA.
-    assert decode_variants.resolve_kernel("auto", "__nv_bfloat16", 128) == "tensor_core"
-    assert decode_variants.resolve_kernel("auto", "__nv_bfloat16", 128, gpad=1) == "cuda_core"
-    assert decode_variants.resolve_kernel("auto", "__half", 64, gpad=2) == "tensor_core"
-    assert decode_variants.resolve_kernel("auto", "__half", 64, gpad=4) == "tensor_core"
-    assert decode_variants.resolve_kernel("auto", "__half", 256, gpad=8) == "tensor_core"
-    assert decode_variants.resolve_kernel("auto", "float", 128) == "cuda_core"
-    assert decode_variants.resolve_kernel("auto", "__half", 80) == "cuda_core"
-    assert decode_variants.resolve_kernel("cuda_core", "__half", 128) == "cuda_core"
-    with pytest.raises(ValueError, match="multiple of 64"):
-        decode_variants.resolve_kernel("tensor_core", "float", 128)
-    with pytest.raises(ValueError, match="decode kernel"):
-        decode_variants.resolve_kernel("three_pass", "__half", 128)
+    assert decode_kernels.uses_tensor_cores("__nv_bfloat16", 128, 8)
+    assert not decode_kernels.uses_tensor_cores("__nv_bfloat16", 128, 1)
+    assert decode_kernels.uses_tensor_cores("__half", 64, 2)
+    assert decode_kernels.uses_tensor_cores("__half", 64, 4)
+    assert decode_kernels.uses_tensor_cores("__half", 256, 8)
+    assert not decode_kernels.uses_tensor_cores("float", 128, 8)
+    assert not decode_kernels.uses_tensor_cores("__half", 80, 8)
+    # Groups pad to a power of two up to 8; larger groups run in chunks of 8.
+    assert [decode_kernels.group_pad(g) for g in (1, 2, 3, 5, 8, 12, 16)] == [1, 2, 4, 8, 8, 8, 8]
 
 
-@pytest.mark.parametrize("block", decode_variants.BLOCK_SIZES)
+def test_one_kernel_per_case() -> None:
+    # The defaults the kernels were tuned with: register loads on CUDA cores; on tensor cores
+    # the per-CTA softmax and TC_UNROLL's chunks per step. fp8 adds the cache's type.
+    name = decode_kernels.decode_name
+    assert name("__nv_bfloat16", 128, 16, 4) == (
+        "streamkv::paged_attention_decode_tc_kernel<__nv_bfloat16, 128, 16, 4, false, 2>"
+    )
+    assert name("__half", 64, 8, 2) == (
+        "streamkv::paged_attention_decode_tc_kernel<__half, 64, 8, 2, false, 4>"
+    )
+    assert name("__half", 256, 32, 8, "__nv_fp8_e4m3") == (
+        "streamkv::paged_attention_decode_tc_kernel<__half, 256, 32, 8, false, 1, __nv_fp8_e4m3>"
+    )
+    assert name("__nv_bfloat16", 128, 16, 1) == (
+        "streamkv::paged_attention_decode_kernel<__nv_bfloat16, 128, 16, 1, 0>"
+    )
+    assert name("float", 80, 16, 4, "__nv_fp8_e4m3") == (
+        "streamkv::paged_attention_decode_kernel<float, 80, 16, 4, 0, __nv_fp8_e4m3>"
+    )
+    # The program holds the case's kernel, the other kind at the same padding, and the merge.
+    names = decode_kernels.attention_names("__nv_bfloat16", 128, 16, (4,))
+    assert names == (
+        "streamkv::paged_attention_decode_kernel<__nv_bfloat16, 128, 16, 4, 0>",
+        name("__nv_bfloat16", 128, 16, 4),
+        "streamkv::paged_attention_reduce_kernel<__nv_bfloat16, 128>",
+    )
+
+
+@pytest.mark.parametrize("block", decode_kernels.BLOCK_SIZES)
 def test_partition_holds_whole_blocks_at_every_block_size(block: int) -> None:
     # One sequence never fills the GPU, so the rule falls to its shortest allowed partition:
     # 128 tokens, except at block 256, whose shortest whole-block partition is 256.
@@ -81,4 +106,4 @@ def test_partition_holds_whole_blocks_at_every_block_size(block: int) -> None:
 @pytest.mark.parametrize("block", [0, 3, 12, 48, 512, 1024])
 def test_decode_refuses_other_block_sizes(block: int) -> None:
     with pytest.raises(ValueError, match="block size must be a power of two from 1 to 256"):
-        decode_variants.check_block_size(block)
+        decode_kernels.check_block_size(block)
