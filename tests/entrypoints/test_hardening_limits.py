@@ -162,10 +162,27 @@ def test_protocol_errors_are_openai_json(server):
         b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
         b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\nzz\r\n",
         b"NOT HTTP AT ALL\r\n\r\n",
+        b"GET /health HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host
     ):
         with raw(server, request) as s:
             status, err = error_of(read_all(s))
         assert status == 400 and err["code"] == "invalid_http_request", request
+    # A head over --max-header-bytes (16 KiB): 431 from the connection, before the
+    # application sees it, whether it arrives whole or as one header line that never ends
+    # (the parser would hold it all until the head deadline).
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "
+    for data, pause in ((head + b"a" * 20000 + b"\r\n\r\n", 0.0), (head + b"a" * 4096, 0.05)):
+        with raw(server) as s:
+            try:
+                for _ in range(1 if pause == 0 else 4):  # refused once the 4th 4 KiB is in
+                    s.sendall(data)
+                    time.sleep(pause)
+                    data = b"a" * 4096
+            except OSError:  # closed while we were still sending
+                pass
+            status, err = error_of(read_all(s))
+        assert status == 431 and err["code"] == "headers_too_large"
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_stop_strings_and_min_tokens_are_bounded(server):
