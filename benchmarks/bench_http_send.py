@@ -37,7 +37,7 @@ def serve(protocol: str, port: int, events: int) -> None:
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from streamkv.entrypoints.streaming import DONE, SSEResponse, sse_event
+    from streamkv.entrypoints.openai.streaming import DONE, SSEResponse, sse_event
 
     async def stream(request):
         async def body():

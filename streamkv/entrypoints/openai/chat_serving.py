@@ -25,7 +25,7 @@ from streamkv.entrypoints.openai.tool_calls import (
     parse_required,
     tool_call,
 )
-from streamkv.entrypoints.streaming import ChoiceState, LogprobFormatter, deltas
+from streamkv.entrypoints.openai.streaming import ChoiceState, LogprobFormatter, deltas
 from streamkv.sequence import CompletionOutput, RequestOutput
 
 

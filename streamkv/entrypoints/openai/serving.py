@@ -35,7 +35,7 @@ from streamkv.entrypoints.openai.requests import (
     CompletionRequest,
     SamplingRequest,
 )
-from streamkv.entrypoints.streaming import (
+from streamkv.entrypoints.openai.streaming import (
     DONE,
     ChoiceState,
     LogprobFormatter,
