@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest
+from streamkv.entrypoints.openai.streaming import ChoiceState, LogprobFormatter, deltas
 from streamkv.entrypoints.openai.tool_calls import (
     HermesStream,
     parse_hermes,
     parse_required,
     tool_call,
 )
-from streamkv.entrypoints.openai.streaming import ChoiceState, LogprobFormatter, deltas
 from streamkv.sequence import CompletionOutput, RequestOutput
 
 

@@ -31,8 +31,8 @@ from streamkv.entrypoints.openai.protocol import (
 )
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from streamkv.entrypoints.openai.serving import OpenAIServing
-from streamkv.entrypoints.server.security import check_api_key, check_origin, check_subprotocols
 from streamkv.entrypoints.openai.streaming import usage_of
+from streamkv.entrypoints.server.security import check_api_key, check_origin, check_subprotocols
 
 logger = logging.getLogger(__name__)
 
