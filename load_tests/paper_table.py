@@ -9,8 +9,10 @@ Reads from --dir the capacity points (one JSON per system, workload and rate:
 load_tests/capacity.py, written by load_tests/capacity_point.sh), the kernel sweep
 ``kernel-block-size.json`` (benchmarks/bench_block_size.py) and the step fit
 ``stepcost-fit.json`` (load_tests.fit_steps); from --modelled the modelled figures' runs
-(``load_tests.paper_sharing``: Figs 14-17; calibrated when the directory holds the
-``calibration.json`` that ``--calibration`` writes, uncalibrated otherwise).
+(``load_tests.paper_sharing``: Figs 14-17 and 19b; calibrated when the directory holds the
+``calibration.json`` that ``--calibration`` writes, uncalibrated otherwise); from the
+directory above --dir the swap micro-benchmark (``swap-recompute-h200.json``, Fig 19a) and
+the beam rows with real logits (``sharing/fig15-beam-real.json``).
 
 Every ratio of systems is a capacity ratio: the requests/s each completed under overload
 (``completed_req_s``), '>=' or '<=' where a side was not overloaded (its figure then only
