@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One capacity point of docs/paper.md ("Next GPU run", issue 30): the real engine with
+# One capacity point of docs/paper.md ("Commands", issue 30): the real engine with
 # OPT-13B's shape (dummy fp16 weights on CUDA) and an A100-40GB's KV pool (15,728 token
 # slots: 983 blocks of 16), one system, one workload, one rate past its knee. Writes one JSON
 # under $OUT/h200/ (load_tests/capacity.py: completed_req_s, normalized latency, batched

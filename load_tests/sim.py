@@ -14,7 +14,7 @@ reading 26 GB of weights at ~1.5 TB/s is ~17 ms (base 20 ms with the rest of a s
 a prompt token costs 2 x 13e9 FLOP, ~0.08 ms at ~300 TFLOP/s; attention reads 800 KB of
 K/V per context token (40 layers x 5120 x 2 x 2 bytes), ~0.55 us at 1.5 TB/s; no per-block
 term. None of them is calibrated: load_tests/fit_steps.py fits them to the step records of
-measured runs (docs/paper.md, "Next GPU run").
+measured runs (docs/paper.md, "The calibrated model").
 
 A step advances the virtual clock by its modelled time and costs only the engine's own CPU
 work, so a sweep of thousands of requests runs in seconds of CPU on a shared 2-core box.

@@ -1,4 +1,4 @@
-"""Capacity points and the step-cost fit (docs/paper.md, "Next GPU run"): the sustained
+"""Capacity points and the step-cost fit (docs/paper.md, "The calibrated model"): the sustained
 completion rate, the bounded step sample, and a fit that recovers known constants."""
 
 from __future__ import annotations
