@@ -182,7 +182,15 @@ def _fig19b_row(row: Row, modelled: str | None) -> Row:
             if mode != "auto" and (bs not in best or latency < best[bs][0]):
                 best[bs] = (latency, mode)
     if best:
-        row.ours = ", ".join(f"{bs}: {mode}" for bs, (_, mode) in sorted(best.items()))
+        runs_of: list[list] = []  # [mode, first block size, last block size]
+        for bs, (_, mode) in sorted(best.items()):
+            if runs_of and runs_of[-1][0] == mode:
+                runs_of[-1][2] = bs
+            else:
+                runs_of.append([mode, bs, bs])
+        row.ours = "; ".join(
+            f"{m} at {lo}" + (f"-{hi}" if hi != lo else "") for m, lo, hi in runs_of
+        )
         cal = load_json(os.path.join(modelled, "calibration.json"))
         row.source, row.trace = calibration.caption(cal), f"{runs:,} req a point, one rate"
     return row

@@ -192,5 +192,5 @@ def test_measured_rows_read_fig19a_fig15_real_and_fig19b(tmp_path):
     assert rows[0].ours == "swap 98.0 ms at block 1, 63.0 at 256; recompute 88.0 ms"
     assert rows[0].source == f"real ({H200})"
     assert rows[1].ours == "40.0 / 50.0%" and rows[2].ours == "not run"
-    assert rows[3].ours == "1: recompute, 16: swap" and rows[3].trace.startswith("2,000 req")
+    assert rows[3].ours == "recompute at 1; swap at 16" and rows[3].trace.startswith("2,000 req")
     assert rows[3].source.startswith("modelled (uncalibrated")  # no calibration.json there
