@@ -107,3 +107,11 @@ def test_partition_holds_whole_blocks_at_every_block_size(block: int) -> None:
 def test_decode_refuses_other_block_sizes(block: int) -> None:
     with pytest.raises(ValueError, match="block size must be a power of two from 1 to 256"):
         decode_kernels.check_block_size(block)
+
+
+def test_kernel_block_sizes_are_the_engines() -> None:
+    # config.py (a leaf) states the sizes the engine accepts, decode_kernels.py the ones the
+    # kernels instantiate: one fact in two packages that may not import each other.
+    from streamkv.config import BLOCK_SIZES
+
+    assert decode_kernels.BLOCK_SIZES == BLOCK_SIZES
