@@ -64,9 +64,12 @@ def caption(fit: dict | None, names: bool = False) -> str:
         return UNCALIBRATED
     f, files = fit["fit"], fit["files"]
     devices = ", ".join(sorted(set(fit.get("devices") or []))) or "measured"
+    where = os.path.commonpath(files) if files else ""
+    where = os.path.dirname(where) if where in files else where  # one file: its directory
     text = (
         f"calibrated model: StepCost fitted to {f['steps']:,} steps of {len(files)} "
-        f"{devices[:48]} runs (median error {f['median_rel_err']:.1%})"
+        f"{devices[:48]} runs{f' in {where}' if where else ''} "
+        f"(median error {f['median_rel_err']:.1%})"
     )
     if names:
         text += ": " + ", ".join(os.path.splitext(os.path.basename(p))[0] for p in files)
