@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 
 from load_tests import calibration
 from load_tests.capacity import capacity_ratio, sweep_capacity
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.file = args.file or os.path.join(args.dir, "fig15.json")
     args.fit = calibration.load_fit(args.calibration) if args.calibration else None
-    args.caption = calibration.caption(args.fit)
+    # Wrapped: the one-axis figures (17, 18b, 19b) are too narrow for the caption's line.
+    args.caption = textwrap.fill(calibration.caption(args.fit), 84)
     if args.figure == "fig14":
         rate_figure(
             args,
