@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from streamkv.layers.host_copy import on_device
@@ -70,30 +71,34 @@ class TokenCounts:
 
 def apply_penalties(
     logits: torch.Tensor,
-    rows: list[int],
+    rows: np.ndarray,
     counts: TokenCounts,
-    count_rows: list[int],
-    params: list[tuple[float, float, float]],
+    count_rows: np.ndarray,
+    params: np.ndarray,
 ) -> None:
-    """Penalise ``logits[rows]`` in place from ``counts`` rows ``count_rows``; ``params`` is
-    (presence, frequency, repetition) per row. Repetition divides a positive logit (and
-    multiplies a negative one) of every token seen in the prompt or the output; presence and
-    frequency subtract from every token of the output, once and per occurrence."""
+    """Penalise ``logits[rows]`` (ascending) in place from ``counts`` rows ``count_rows``;
+    ``params`` is float [rows, 3]: (presence, frequency, repetition) per row. Repetition
+    divides a positive logit (and multiplies a negative one) of every token seen in the prompt
+    or the output; presence and frequency subtract from every token of the output, once and
+    per occurrence."""
     dev = logits.device
     # One host-to-device copy: the count rows (exact in float32 below 2**24) and the factors.
-    p = on_device(dev, [(c, *f) for c, f in zip(count_rows, params)], dtype=logits.dtype)
+    host = np.empty((len(rows), 4), dtype=np.float64)
+    host[:, 0] = count_rows
+    host[:, 1:] = params
+    p = on_device(dev, torch.from_numpy(host).to(logits.dtype))
     crow = p[:, 0].long().to(counts.device)
     p = p[:, 1:]
     out = counts.output[crow].to(dev)
     whole = len(rows) == logits.shape[0]  # rows ascend: then they are every row, in order
-    idx = None if whole else on_device(dev, rows)
+    idx = None if whole else on_device(dev, torch.from_numpy(rows))
     x = logits if whole else logits[idx]
     in_output = out > 0
-    if any(r != 1.0 for _, _, r in params):
+    if (params[:, 2] != 1.0).any():
         seen = counts.prompt[crow].to(dev) | in_output
         rep = p[:, 2:3]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    if any(pr or fr for pr, fr, _ in params):
+    if ((params[:, 0] != 0) | (params[:, 1] != 0)).any():
         x = x - p[:, 1:2] * out - p[:, 0:1] * in_output
     if whole:
         logits.copy_(x)

@@ -12,7 +12,7 @@ import torch
 from streamkv.messages import SampleResult
 
 if TYPE_CHECKING:
-    from streamkv.layers.sample_request import SampleRequest
+    from streamkv.layers.sample_request import SamplingRows
 
 
 class SampledBatch(Sequence):
@@ -24,14 +24,14 @@ class SampledBatch(Sequence):
 
     def __init__(
         self,
-        reqs: list[SampleRequest],
+        rows: SamplingRows,
         chosen: torch.Tensor,
         chosen_lp: torch.Tensor,
         asks: list[int],
         top,
         finish: Callable[[], None] | None = None,
     ) -> None:
-        self.reqs, self.tokens, self._asks = reqs, chosen, asks
+        self.rows, self.tokens, self._asks = rows, chosen, asks
         self._device = [chosen, chosen_lp] + ([top.indices, top.values] if top is not None else [])
         # ``finish``: the rest of the torch path's top-p rejection rounds, which read their
         # progress on the host (the CUDA kernel draws them at launch: no ``finish``). It runs
@@ -58,7 +58,7 @@ class SampledBatch(Sequence):
                 self._copy()
 
     def __len__(self) -> int:
-        return len(self.reqs)
+        return len(self.rows)
 
     def __getitem__(self, i):
         return self.results()[i]
@@ -68,12 +68,12 @@ class SampledBatch(Sequence):
             self.finalize()
             if self._ready is not None:
                 self._ready.synchronize()
-            self._results = _to_results(self.reqs, self._asks, *(t.tolist() for t in self._host))
+            self._results = _to_results(self.rows, self._asks, *(t.tolist() for t in self._host))
         return self._results
 
 
 def _to_results(
-    reqs: list[SampleRequest],
+    rows: SamplingRows,
     asks: list[int],
     chosen: list[int],
     lps: list[float],
@@ -83,14 +83,17 @@ def _to_results(
     ids = dict(zip(asks, top_ids or ()))
     vals = dict(zip(asks, top_vals or ()))
     results: list[SampleResult] = []
+    if not asks and (rows.num_samples == 1).all():  # the common step: one token a row
+        return [SampleResult([t], [lp]) for t, lp in zip(chosen, lps)]
     k = 0
-    for i, r in enumerate(reqs):
-        n = r.num_samples
+    for i, (n, lp_k, cand_k) in enumerate(
+        zip(rows.num_samples.tolist(), rows.logprobs.tolist(), rows.num_candidates.tolist())
+    ):
         res = SampleResult(token_ids=chosen[k : k + n], logprobs=lps[k : k + n])
-        if r.logprobs:
-            res.top_logprobs = [list(zip(ids[i][: r.logprobs], vals[i][: r.logprobs]))] * n
-        if r.num_candidates:
-            res.candidates = list(zip(ids[i][: r.num_candidates], vals[i][: r.num_candidates]))
+        if lp_k:
+            res.top_logprobs = [list(zip(ids[i][:lp_k], vals[i][:lp_k]))] * n
+        if cand_k:
+            res.candidates = list(zip(ids[i][:cand_k], vals[i][:cand_k]))
         results.append(res)
         k += n
     return results

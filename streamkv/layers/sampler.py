@@ -39,13 +39,20 @@ import torch
 
 from streamkv.layers.host_copy import on_device as _on
 from streamkv.layers.penalties import apply_penalties
-from streamkv.layers.sample_request import SampleRequest
+from streamkv.layers.sample_request import Draws, SampleRequest, SamplingRows
 from streamkv.layers.sampled_batch import SampledBatch
 from streamkv.layers.stream_hash import hashed_exponentials, stream_bases, stream_keys
 from streamkv.layers.token_mask import apply_token_masks
 from streamkv.layers.torch_draws import full_draws, top_k_draws
 
-__all__ = ["SampleRequest", "SampledBatch", "Sampler", "hashed_exponentials", "stream_keys"]
+__all__ = [
+    "SampleRequest",
+    "SampledBatch",
+    "Sampler",
+    "SamplingRows",
+    "hashed_exponentials",
+    "stream_keys",
+]
 
 
 class Sampler:
@@ -57,185 +64,165 @@ class Sampler:
 
             sampling_cuda.load(torch.device(device))  # at start-up, not in the first step
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> SampledBatch:
+    def __call__(
+        self, logits: torch.Tensor, rows: SamplingRows | Sequence[SampleRequest]
+    ) -> SampledBatch:
+        """``rows``: the worker's columns, or hand-made requests (tests, benchmarks)."""
+        rows = rows if isinstance(rows, SamplingRows) else SamplingRows.of(rows)
         if logits.is_cuda and logits.dtype in _KERNEL_DTYPES and logits.stride(-1) == 1:
-            return self._on_kernel(logits, reqs)
-        return self._in_torch(logits, reqs)
+            return self._on_kernel(logits, rows)
+        return self._in_torch(logits, rows)
 
-    def _in_torch(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> SampledBatch:
+    def _in_torch(
+        self, logits: torch.Tensor, rows: SamplingRows | Sequence[SampleRequest]
+    ) -> SampledBatch:
+        rows = rows if isinstance(rows, SamplingRows) else SamplingRows.of(rows)
         logits = logits.float()
         vocab, dev = logits.shape[1], logits.device
-        _adjust(logits, reqs)
-        draws = _draws(reqs)
-        expanded = len(draws) != len(reqs)
-        src = _on(dev, [d[0] for d in draws]) if expanded else None
-        if all(r.temperature > 0 for r in reqs):
-            chosen = torch.empty(len(draws), dtype=torch.long, device=dev)
+        _adjust(logits, rows)
+        draws = rows.draws()
+        n = len(draws)
+        expanded = n != len(rows)
+        src = _on(dev, torch.from_numpy(draws.row)) if expanded else None
+        sampled = draws.temperature > 0
+        if (rows.temperature > 0).all():
+            chosen = torch.empty(n, dtype=torch.long, device=dev)
         else:
             chosen = logits.argmax(-1)
             chosen = chosen[src] if expanded else chosen
-        top_k, full = [], []
-        for k, d in enumerate(draws):
-            r = d[1]
-            if r.temperature > 0:
-                (top_k if 0 < r.top_k < vocab else full).append((k, *d))
         finish = None
-        if top_k:
-            chosen = _place(chosen, top_k_draws(logits, top_k, self.generator), top_k, len(draws))
-        if full:
-            whole = len(full) == len(draws)  # the rounds may then finish later, in place
-            picked, finish = full_draws(logits, full, self.generator, defer=whole)
-            chosen = _place(chosen, picked, full, len(draws))
+        by_top_k = full = _NONE
+        if sampled.any():
+            by_top_k = sampled & (0 < draws.top_k) & (draws.top_k < vocab)
+            full = sampled & ~by_top_k
+        if by_top_k.any():
+            part = draws.take(np.flatnonzero(by_top_k))
+            chosen = _place(chosen, top_k_draws(logits, part, self.generator), part, n)
+        if full.any():
+            part = draws.take(np.flatnonzero(full))
+            whole = len(part) == n  # the rounds may then finish later, in place
+            picked, finish = full_draws(logits, part, self.generator, defer=whole)
+            chosen = _place(chosen, picked, part, n)
         # One fused log-softmax over every row: torch's logsumexp is several kernels and
         # passes (amax, sub, exp, sum), measured ~1.8x the time of log_softmax on the CPU.
         logprobs = torch.log_softmax(logits, -1)
-        rows = src if expanded else torch.arange(len(reqs), device=dev)
-        chosen_lp = logprobs[rows, chosen]
+        at = src if expanded else torch.arange(len(rows), device=dev)
+        chosen_lp = logprobs[at, chosen]
         if finish is not None:
             rounds = finish
 
             def finish() -> None:
                 rounds()
-                chosen_lp.copy_(logprobs[rows, chosen])
+                chosen_lp.copy_(logprobs[at, chosen])
 
-        asks, top = _top_logprobs(logprobs, reqs, None)
-        return SampledBatch(list(reqs), chosen, chosen_lp, asks, top, finish)
+        asks, top = _top_logprobs(logprobs, rows, None)
+        return SampledBatch(rows, chosen, chosen_lp, asks, top, finish)
 
-    def _on_kernel(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> SampledBatch:
+    def _on_kernel(self, logits: torch.Tensor, rows: SamplingRows) -> SampledBatch:
         """Greedy and full-vocabulary draws in kernels_cu/sampling.cu, top-k draws in torch;
         every draw is final on the device when this returns (no deferred rounds)."""
         from streamkv.kernels import sampling_cuda as kernel
 
         vocab, dev = logits.shape[1], logits.device
-        draws, modes, table, adjust = _kernel_plan(reqs, vocab)
+        draws, modes, table, adjust = _kernel_plan(rows, vocab)
         if adjust:
             logits = logits.float()  # penalties, bias and masks in float32, as in the torch path
-            _adjust(logits, reqs)
-        chosen = torch.empty(len(draws), dtype=torch.long, device=dev)
-        top_k = [(k, *d) for k, (d, m) in enumerate(zip(draws, modes)) if m == kernel.SCORE]
-        if top_k:
-            picked = top_k_draws(logits, top_k, self.generator)
-            if len(top_k) == len(draws):
+            _adjust(logits, rows)
+        n = len(draws)
+        chosen = torch.empty(n, dtype=torch.long, device=dev)
+        scored = np.flatnonzero(modes == kernel.SCORE)
+        if len(scored):
+            part = draws.take(scored)
+            picked = top_k_draws(logits, part, self.generator)
+            if len(part) == n:
                 chosen = picked
             else:
-                chosen[_on(dev, [p[0] for p in top_k])] = picked
+                chosen[_on(dev, torch.from_numpy(part.draw))] = picked
         random_bases = None
-        if kernel.SAMPLE | kernel.UNSEEDED in modes:
+        if (modes == kernel.SAMPLE | kernel.UNSEEDED).any():
             random_bases = torch.randint(
-                0, 2**62, (len(draws),), dtype=torch.int64, device=dev, generator=self.generator
+                0, 2**62, (n,), dtype=torch.int64, device=dev, generator=self.generator
             )
         chosen_lp = kernel.sample(logits, _on(dev, table), chosen, random_bases)
-        asks, top = _top_logprobs(logits, reqs, torch.float32)
-        return SampledBatch(list(reqs), chosen, chosen_lp, asks, top)
+        asks, top = _top_logprobs(logits, rows, torch.float32)
+        return SampledBatch(rows, chosen, chosen_lp, asks, top)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _draws(reqs: Sequence[SampleRequest]) -> list[tuple[int, SampleRequest, int]]:
-    """One draw per output sample: (row, request, sample index)."""
-    return [(i, r, r.sample_index + j) for i, r in enumerate(reqs) for j in range(r.num_samples)]
+_NONE = np.zeros(0, dtype=bool)  # no draw of that kind
 
 
 def _kernel_plan(
-    reqs: Sequence[SampleRequest], vocab: int
-) -> tuple[list[tuple], list[int], torch.Tensor, bool]:
-    """One pass over the requests for the kernel path: the draws (row, request, sample
-    index), each draw's kernel mode, the kernel's draw table (on the host) and whether any
-    row adjusts its logits first."""
+    rows: SamplingRows | Sequence[SampleRequest], vocab: int
+) -> tuple[Draws, np.ndarray, torch.Tensor, bool]:
+    """The kernel path's plan, from the columns: the draws, each draw's kernel mode, the
+    kernel's draw table (on the host) and whether any row adjusts its logits first."""
     from streamkv.kernels import sampling_cuda as kernel
 
-    draws, modes, temperatures, top_ps, min_ps, seeded = [], [], [], [], [], []
-    adjust = False
-    for i, r in enumerate(reqs):
-        adjust = adjust or r.adjusts_logits
-        if r.temperature <= 0:
-            mode = kernel.GREEDY
-        elif 0 < r.top_k < vocab:
-            mode = kernel.SCORE  # torch.topk draws it; the kernel scores its logprob
-        else:
-            mode = kernel.SAMPLE if r.seed is not None else kernel.SAMPLE | kernel.UNSEEDED
-        for j in range(r.num_samples):
-            if mode == kernel.SAMPLE:
-                seeded.append(len(draws))
-            draws.append((i, r, r.sample_index + j))
-            modes.append(mode)
-            temperatures.append(r.temperature)
-            top_ps.append(r.top_p)
-            min_ps.append(r.min_p)
+    rows = rows if isinstance(rows, SamplingRows) else SamplingRows.of(rows)
+    draws = rows.draws()
+    by_top_k = (0 < draws.top_k) & (draws.top_k < vocab)  # torch.topk draws, the kernel scores
+    sample = np.where(draws.seeded, kernel.SAMPLE, kernel.SAMPLE | kernel.UNSEEDED)
+    modes = np.where(
+        draws.temperature <= 0, kernel.GREEDY, np.where(by_top_k, kernel.SCORE, sample)
+    )
     bases = np.zeros(len(draws), dtype=np.uint64)
-    if seeded:
-        bases[seeded] = stream_bases(
-            [draws[k][1].seed for k in seeded],
-            [draws[k][2] for k in seeded],
-            [draws[k][1].output_pos for k in seeded],
-        )
-    table = kernel.draw_table([d[0] for d in draws], modes, temperatures, top_ps, min_ps, bases)
-    return draws, modes, table, adjust
+    seeded = np.flatnonzero(modes == kernel.SAMPLE)
+    if len(seeded):
+        bases[seeded] = stream_bases(*draws.stream_keys_args(seeded))
+    table = kernel.draw_table(draws.row, modes, draws.temperature, draws.top_p, draws.min_p, bases)
+    return draws, modes, table, rows.adjusts_logits()
 
 
-def _top_logprobs(x: torch.Tensor, reqs: Sequence[SampleRequest], dtype: torch.dtype | None):
+def _top_logprobs(x: torch.Tensor, rows: SamplingRows, dtype: torch.dtype | None):
     """The rows that ask for top logprobs or beam candidates, and their top-k: of ``x``
     itself (log-probabilities), or with ``dtype`` of ``log_softmax(x)`` over those rows only."""
-    asks = [i for i, r in enumerate(reqs) if r.logprobs or r.num_candidates]
-    if not asks:
-        return asks, None
-    k = min(max(max(reqs[i].logprobs or 0, reqs[i].num_candidates) for i in asks), x.shape[1])
-    rows = x[_on(x.device, asks)]
+    asks = rows.asks()
+    if not len(asks):
+        return [], None
+    k = min(int(np.maximum(rows.logprobs[asks], rows.num_candidates[asks]).max()), x.shape[1])
+    picked = x[_on(x.device, torch.from_numpy(asks))]
     if dtype is not None:
-        rows = torch.log_softmax(rows.to(dtype), -1)
-    return asks, rows.topk(k, dim=-1)
+        picked = torch.log_softmax(picked.to(dtype), -1)
+    return asks.tolist(), picked.topk(k, dim=-1)
 
 
-def _place(
-    chosen: torch.Tensor, picked: torch.Tensor, part: list[tuple], total: int
-) -> torch.Tensor:
-    """The draws of ``part`` (each led by its index among the ``total`` draws) set to
-    ``picked`` in ``chosen``; when ``part`` is every draw, ``picked`` itself."""
+def _place(chosen: torch.Tensor, picked: torch.Tensor, part: Draws, total: int) -> torch.Tensor:
+    """The draws of ``part`` set to ``picked`` in ``chosen`` (``total`` draws); when ``part``
+    is every draw, ``picked`` itself."""
     if len(part) == total:
         return picked
-    chosen[_on(chosen.device, [p[0] for p in part])] = picked
+    chosen[_on(chosen.device, torch.from_numpy(part.draw))] = picked
     return chosen
 
 
-def _adjust(logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
+def _adjust(logits: torch.Tensor, rows: SamplingRows) -> None:
     """Penalties, then logit bias, then bans, then structured outputs' token masks, then
     allowed_token_ids' fixed masks, in place, each one batched over its rows. (A token the
     last two ban is -inf whatever came before: the order only matters to the others.)"""
-    penalised = [i for i, r in enumerate(reqs) if r.has_penalties]
-    if penalised:
-        stores = {id(reqs[i].counts): reqs[i].counts for i in penalised}
-        if None in stores.values():
+    penalised = np.flatnonzero(rows.penalised())
+    if len(penalised):
+        if rows.counts is None or (rows.counts_row[penalised] < 0).any():
             raise ValueError(
                 "a request with a presence, frequency or repetition penalty needs its token counts"
             )
-        for store in stores.values():
-            rows = [i for i in penalised if reqs[i].counts is store]
-            apply_penalties(
-                logits,
-                rows,
-                store,
-                [reqs[i].counts_row for i in rows],
-                [
-                    (
-                        reqs[i].presence_penalty,
-                        reqs[i].frequency_penalty,
-                        reqs[i].repetition_penalty,
-                    )
-                    for i in rows
-                ],
-            )
-    biased = [
-        (i, t, b) for i, r in enumerate(reqs) if r.logit_bias for t, b in r.logit_bias.items()
-    ]
-    if biased:
-        dev = logits.device
-        rows, ids, vals = zip(*biased)
-        index = (_on(dev, rows), _on(dev, ids))
+        apply_penalties(
+            logits, penalised, rows.counts, rows.counts_row[penalised], rows.penalties[penalised]
+        )
+    dev = logits.device
+    if rows.logit_bias:
+        biased = [(i, t, b) for i, bias in rows.logit_bias.items() for t, b in bias.items()]
+        at, ids, vals = zip(*biased)
+        index = (_on(dev, at), _on(dev, ids))
         logits.index_put_(index, _on(dev, torch.tensor(vals, dtype=logits.dtype)), accumulate=True)
-    banned = [(i, t) for i, r in enumerate(reqs) if r.banned_token_ids for t in r.banned_token_ids]
-    if banned:
-        rows, ids = zip(*banned)
-        logits[_on(logits.device, rows), _on(logits.device, ids)] = -math.inf
-    apply_token_masks(logits, [r.token_mask for r in reqs])
-    apply_token_masks(logits, [r.allowed_mask for r in reqs])
+    if rows.banned:
+        banned = [(i, t) for i, ids in rows.banned.items() for t in ids]
+        at, ids = zip(*banned)
+        logits[_on(dev, at), _on(dev, ids)] = -math.inf
+    if rows.token_masks is not None:
+        apply_token_masks(logits, rows.token_masks)
+    if rows.allowed:
+        masks = [None] * len(rows)
+        for i, m in rows.allowed.items():
+            masks[i] = m
+        apply_token_masks(logits, masks)

@@ -71,7 +71,10 @@ def test_kernel_plan_modes_draws_and_keys() -> None:
         SampleRequest(temperature=0.7, seed=3),
     ]
     draws, modes, table, adjust = _kernel_plan(reqs, 1000)
-    assert [(d[0], d[2]) for d in draws] == [(0, 0), (1, 1), (1, 2), (2, 0), (3, 0), (4, 0)]
+    assert list(zip(draws.row.tolist(), draws.stream.tolist())) == [
+        (0, 0), (1, 1), (1, 2), (2, 0), (3, 0), (4, 0)
+    ]  # fmt: skip
+    modes = modes.tolist()
     assert (
         modes == [k.GREEDY, k.SAMPLE, k.SAMPLE, k.SCORE, k.SAMPLE | k.UNSEEDED, k.SAMPLE]
         and not adjust
