@@ -1,9 +1,11 @@
 """The worker's persistent per-sequence state, updated by each StepInput's deltas.
 
-A sequence's sampling parameters, block table and (when it has a penalty) token counts are
-set up once, when it arrives in ``new_seqs``; later steps only append tokens and block ids.
-``finished_ids`` frees a sequence's state and its token-count row. The engine's StepBuilder
-mirrors what this holds, so the two never disagree about which sequences are here.
+A sequence's sampling parameters (a row of the SamplingTable's columns), block table and
+(when it has a penalty) token counts are set up once, when it arrives in ``new_seqs``; later
+steps only append tokens and block ids, and write the sampled rows' output positions in one
+vectorized store. ``finished_ids`` frees a sequence's state, its table row and its
+token-count row. The engine's StepBuilder mirrors what this holds, so the two never disagree
+about which sequences are here.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import torch
 
 from streamkv.layers.penalties import TokenCounts
 from streamkv.layers.sample_request import SampleRequest
-from streamkv.layers.token_mask import mask_of
+from streamkv.layers.token_mask import TokenMask, mask_of
 from streamkv.messages import PENDING_TOKEN, NewSeq, StepInput
 from streamkv.worker.prompt_logprobs import PromptScoring, plan_scoring
+from streamkv.worker.sampling_table import SamplingTable
+
+__all__ = ["InputBatch", "ProtocolError", "SampleRequest", "SeqInput"]
 
 
 @dataclass(slots=True)
@@ -27,23 +32,25 @@ class SeqInput:
     token_ids: list[int]  # the tokens computed this step
     start_pos: int  # position of token_ids[0] (= tokens already cached)
     block_table: list[int]
-    sample: SampleRequest | None = None  # None: a prompt chunk that samples nothing
+    # What it samples: True for an InputBatch's input (its parameters are row ``slot`` of
+    # the batch's SamplingTable), a SampleRequest for a hand-made one (tests, benchmarks);
+    # None: a prompt chunk that samples nothing.
+    sample: SampleRequest | bool | None = None
     # Its one input token is the one the previous step sampled for it (PENDING_TOKEN on the
     # wire): the model runner fills it in on the device, and counts it for penalties there.
     pending: bool = False
     scoring: PromptScoring | None = None  # prompt tokens to score (worker/prompt_logprobs.py)
+    slot: int = -1  # its row in the SamplingTable (-1: a hand-made input)
+    token_mask: TokenMask | None = None  # structured outputs: this step's allowed tokens
 
 
 @dataclass(slots=True)
 class _SeqState:
-    request: SampleRequest  # reused every step: only its per-step fields change
-    prompt_len: (
-        int  # tokens before its first output (a resumed request's earlier outputs are outputs)
-    )
-    min_tokens: int
-    banned: list[int] | None
+    slot: int  # its row in the SamplingTable
+    reads_position: bool  # the sampler reads its output position (SamplingTable.advance)
     block_table: list[int]
-    num_counted: int  # tokens of its history in its token-count row (penalties only)
+    counts_row: int  # its token-count row (penalties only; else -1)
+    num_counted: int  # tokens of its history in its token-count row
     prompt: list[int] | None = None  # with prompt logprobs only: the tokens they score
     prompt_k: int = 0  # ... and the top logprobs each one returns
 
@@ -58,6 +65,7 @@ class InputBatch:
         self.vocab_size = vocab_size
         # Only a rank that samples needs token counts (tensor parallelism: rank 0).
         self.counts = TokenCounts(vocab_size, device) if samples else None
+        self.sampling = SamplingTable(self.counts)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -70,6 +78,8 @@ class InputBatch:
             self._add(new)
         out = []
         count_rows, count_tokens = [], []
+        # The sampling table's per-step entries: output positions, the rows with several samples.
+        pos_rows, pos_ends, multi = [], [], {}
         for s in step.seqs:
             state = self.seqs.get(s.seq_id)
             if state is None:
@@ -84,30 +94,35 @@ class InputBatch:
                     )
                 del table[s.num_kept_blocks :]
             table.extend(s.new_blocks)
-            req = state.request
             pending = len(s.token_ids) == 1 and s.token_ids[0] == PENDING_TOKEN
-            if req.counts is not None:
+            end = s.start_pos + len(s.token_ids)
+            if state.counts_row >= 0 and end > state.num_counted:
                 # Tokens past the counted history are outputs sampled since: count them (a
                 # pending one on the device, by the model runner).
-                end = s.start_pos + len(s.token_ids)
-                if end > state.num_counted:
-                    if not pending:
-                        new = s.token_ids[max(state.num_counted - s.start_pos, 0) :]
-                        count_rows.extend([req.counts_row] * len(new))
-                        count_tokens.extend(new)
-                    state.num_counted = end
-            sample = None
+                if not pending:
+                    new = s.token_ids[max(state.num_counted - s.start_pos, 0) :]
+                    count_rows.extend([state.counts_row] * len(new))
+                    count_tokens.extend(new)
+                state.num_counted = end
             if s.sample:  # every rank: ranks that do not sample still join the logits' all-gather
-                sample = req
-                req.num_samples = s.num_samples
-                req.output_pos = pos = s.start_pos + len(s.token_ids) - state.prompt_len
-                req.banned_token_ids = state.banned if pos < state.min_tokens else None
-                req.token_mask = s.token_mask
-            out.append(SeqInput(s.seq_id, s.token_ids, s.start_pos, table, sample, pending))
+                if state.reads_position:
+                    pos_rows.append(state.slot)
+                    pos_ends.append(end)
+                if s.num_samples != 1:
+                    multi[state.slot] = s.num_samples
+                seq = SeqInput(
+                    s.seq_id, s.token_ids, s.start_pos, table, True, pending, None, state.slot,
+                    s.token_mask,
+                )  # fmt: skip
+            else:
+                seq = SeqInput(s.seq_id, s.token_ids, s.start_pos, table, None, pending)
+                seq.slot = state.slot
             if state.prompt is not None:
-                out[-1].scoring = plan_scoring(
+                seq.scoring = plan_scoring(
                     state.prompt, state.prompt_k, s.start_pos, len(s.token_ids)
                 )
+            out.append(seq)
+        self.sampling.advance(pos_rows, pos_ends, multi)
         if count_rows:
             self.counts.add(count_rows, count_tokens)
         return out
@@ -116,24 +131,7 @@ class InputBatch:
         if new.seq_id in self.seqs:
             raise ProtocolError(f"sequence {new.seq_id} sent as new, but this worker holds it")
         p = new.params
-        req = SampleRequest(
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            seed=p.seed,
-            sample_index=new.sample_index,
-            logprobs=p.logprobs,
-            num_candidates=p.num_candidates,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            logit_bias=p.logit_bias,
-            allowed_mask=mask_of(p.allowed_token_ids, self.vocab_size)
-            if p.allowed_token_ids
-            else None,
-        )
-        counted, outputs_from = 0, new.prompt_len - new.resumed
+        counts_row, counted, outputs_from = -1, 0, new.prompt_len - new.resumed
         if not 0 <= new.resumed < new.prompt_len:
             raise ProtocolError(
                 f"sequence {new.seq_id} resumes {new.resumed} "
@@ -145,22 +143,23 @@ class InputBatch:
                     f"sequence {new.seq_id} has a penalty but came without its history"
                 )
             history = new.history
-            req.counts = self.counts
-            req.counts_row = self.counts.allocate(history[:outputs_from], history[outputs_from:])
+            counts_row = self.counts.allocate(history[:outputs_from], history[outputs_from:])
             counted = len(history)
-        self.seqs[new.seq_id] = state = _SeqState(
-            req, outputs_from, p.min_tokens, p.banned_token_ids, [], counted
-        )
+        if p.prompt_logprobs is not None and new.history is None:
+            raise ProtocolError(
+                f"sequence {new.seq_id} asks for prompt logprobs but came without its prompt"
+            )
+        allowed = mask_of(p.allowed_token_ids, self.vocab_size) if p.allowed_token_ids else None
+        slot = self.sampling.add(p, new.sample_index, outputs_from, counts_row, allowed)
+        state = _SeqState(slot, SamplingTable.reads_position(p), [], counts_row, counted)
+        self.seqs[new.seq_id] = state
         if p.prompt_logprobs is not None:
-            if new.history is None:
-                raise ProtocolError(
-                    f"sequence {new.seq_id} asks for prompt logprobs but came without its prompt"
-                )
             state.prompt, state.prompt_k = new.history[: new.prompt_len], p.prompt_logprobs
 
     def _free(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id, None)
         if state is None:
             raise ProtocolError(f"sequence {seq_id} freed, but this worker does not hold it")
-        if state.request.counts is not None:
-            self.counts.free(state.request.counts_row)
+        self.sampling.free(state.slot)
+        if state.counts_row >= 0:
+            self.counts.free(state.counts_row)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from streamkv.layers.attention import AttentionMetadata
-from streamkv.layers.sample_request import SampleRequest
+from streamkv.layers.sample_request import SamplingRows
 from streamkv.layers.sampler import SampledBatch, Sampler
 from streamkv.layers.token_mask import TokenMask
 from streamkv.messages import MASK_FOLLOWS, StepOutput
@@ -29,6 +29,7 @@ from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamkv.worker.input_batch import ProtocolError, SeqInput
 from streamkv.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 from streamkv.worker.prompt_logprobs import score_prompts
+from streamkv.worker.sampling_table import PLAIN, SamplingTable
 
 
 class ModelRunner:
@@ -40,8 +41,11 @@ class ModelRunner:
         seed: int = 0,
         samples: bool = True,
         share_tokens=None,
+        sampling: SamplingTable | None = None,
     ) -> None:
         self.model = model
+        # The InputBatch's sampling parameters, which its SeqInputs' ``slot`` index.
+        self.sampling = sampling
         # TP > 1: rank 0's pending tokens to the others (worker/token_broadcast.py)
         self.share_tokens = share_tokens
         self.block_size = block_size
@@ -148,7 +152,7 @@ class ModelRunner:
                 return None
             at, got = self._to_device(pend), self.share_tokens(None, len(pend))
             return lambda input_ids: input_ids.index_copy_(0, at, got)
-        dst, src, count_rows, count_src = [], [], [], []
+        dst, src, slots = [], [], []
         for i, s in enumerate(rows):
             if s.pending:
                 j = self._last_rows.get(s.seq_id)
@@ -159,24 +163,24 @@ class ModelRunner:
                     )
                 dst.append(i)
                 src.append(j)
-                if s.sample is not None and s.sample.counts is not None:
-                    count_rows.append(s.sample.counts_row)
-                    count_src.append(j)
+                slots.append(s.slot if s.sample and s.slot >= 0 else PLAIN)
         if not dst:
             return None
         if self._last_batch is not None:
             self._last_batch.finalize()  # top-p's later rounds, if any: the tokens are then final
+        # Penalties: the pending tokens of the rows with a token-count row are counted too.
+        counts = self.sampling.counts if self.sampling is not None else None
+        count_rows, count_src = [], []
+        if counts is not None:
+            crows = self.sampling.counts_rows(slots)
+            has = np.flatnonzero(crows >= 0)
+            if len(has):
+                count_rows, count_src = crows[has].tolist(), [src[k] for k in has.tolist()]
+            else:
+                counts = None
         last = self._last_tokens
         d, g = self._to_device(dst + count_rows), self._to_device(src + count_src)
         n = len(dst)
-        counts = next(
-            (
-                s.sample.counts
-                for s in rows
-                if s.pending and s.sample is not None and s.sample.counts is not None
-            ),
-            None,
-        )
         picked = last[g[:n]]
         if self.share_tokens is not None:
             self.share_tokens(picked, n)
@@ -229,14 +233,17 @@ class ModelRunner:
         if any(s.scoring is not None for s in ordered):
             scored = score_prompts(self.model, hidden, ordered, self.samples)
         # Only the last row of each sampling sequence needs logits.
-        rows, reqs, ids = [], [], []
+        rows, slots, ids, masks = [], [], [], None
         end = 0
         for s in ordered:
             end += len(s.token_ids)
-            if s.sample is not None:
+            if s.sample:
                 rows.append(end - 1)
-                reqs.append(s.sample)
+                slots.append(s.slot)
                 ids.append(s.seq_id)
+                if s.token_mask is not None:
+                    masks = masks or {}
+                    masks[len(ids) - 1] = s.token_mask
         if not rows:
             return StepResult([], None, scored)
         if rows[-1] == len(rows) - 1:  # rows ascend, so these are rows 0..k-1: no gather
@@ -249,33 +256,53 @@ class ModelRunner:
                 self.model.compute_logits(hidden)
             return StepResult([], None)
         logits = self.model.compute_logits(hidden)
-        if any(r.token_mask == MASK_FOLLOWS for r in reqs):
+        sampled = self._rows(ordered, slots, masks)
+        if masks is not None and any(m == MASK_FOLLOWS for m in masks.values()):
             self._awaiting = StepResult(
-                ids, None, scored, sample=lambda masks: self._sample(logits, reqs, ids, masks)
+                ids, None, scored, sample=lambda late: self._sample(logits, sampled, ids, late)
             )
             return self._awaiting
-        return StepResult(ids, self._sample(logits, reqs, ids), scored)
+        return StepResult(ids, self._sample(logits, sampled, ids), scored)
+
+    def _rows(
+        self, ordered: list[SeqInput], slots: list[int], masks: dict[int, TokenMask] | None
+    ) -> SamplingRows:
+        """The step's sampled rows' parameters: gathered from the InputBatch's table, or
+        the hand-made inputs' SampleRequests (tests, benchmarks)."""
+        if slots[0] >= 0:
+            token_masks = None
+            if masks is not None:
+                token_masks = [None] * len(slots)
+                for k, m in masks.items():
+                    token_masks[k] = m
+            return self.sampling.take(slots, token_masks)
+        return SamplingRows.of([s.sample for s in ordered if s.sample])
 
     def _sample(
         self,
         logits: torch.Tensor,
-        reqs: list[SampleRequest],
+        rows: SamplingRows,
         ids: list[int],
-        masks: Mapping[int, TokenMask] | None = None,
+        late: Mapping[int, TokenMask] | None = None,
     ) -> SampledBatch:
-        """Sample the step; ``masks``: the token masks that followed it, by sequence id (a
+        """Sample the step; ``late``: the token masks that followed it, by sequence id (a
         row sent with MASK_FOLLOWS and missing here samples unconstrained: it has ended)."""
-        if masks is not None:
+        if late is not None:
             self._awaiting = None
-            for seq_id, r in zip(ids, reqs):
-                if r.token_mask == MASK_FOLLOWS:
-                    r.token_mask = masks.get(seq_id)
-        batch = self.sampler(logits, reqs)
-        last_rows, k = {}, 0
-        for seq_id, r in zip(ids, reqs):
-            if r.num_samples == 1:
-                last_rows[seq_id] = k
-            k += r.num_samples
+            masks = rows.token_masks
+            for k, seq_id in enumerate(ids):
+                if masks[k] == MASK_FOLLOWS:
+                    masks[k] = late.get(seq_id)
+        batch = self.sampler(logits, rows)
+        num_samples = rows.num_samples
+        if (num_samples == 1).all():
+            last_rows = dict(zip(ids, range(len(ids))))
+        else:
+            last_rows, k = {}, 0
+            for seq_id, n in zip(ids, num_samples.tolist()):
+                if n == 1:
+                    last_rows[seq_id] = k
+                k += n
         self._last_tokens, self._last_rows, self._last_batch = batch.tokens, last_rows, batch
         return batch
 

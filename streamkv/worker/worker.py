@@ -10,7 +10,6 @@ import os
 import torch
 
 from streamkv.config import EngineConfig
-from streamkv.layers.sample_request import SampleRequest
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo
 from streamkv.models.loader import resolve_model_info
@@ -18,6 +17,7 @@ from streamkv.models.registry import build_model
 from streamkv.worker.cache_engine import CacheEngine, kv_bytes_per_block, kv_cache_torch_dtype
 from streamkv.worker.input_batch import InputBatch, SeqInput
 from streamkv.worker.model_runner import ModelRunner, StepResult
+from streamkv.worker.sampling_table import PLAIN
 from streamkv.worker.token_broadcast import TokenBroadcast
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ class Worker:
         self.share_tokens = (
             TokenBroadcast(rank, self.device) if mc.tensor_parallel_size > 1 else None
         )
+        # Every sequence's sampling state and block table, kept across steps (the engine's
+        # StepBuilder sends each only once, then deltas).
+        self.input_batch = InputBatch(self.model.shape.vocab_size, self.device, samples=rank == 0)
         self.runner = ModelRunner(
             self.model,
             config.cache.block_size,
@@ -95,13 +98,11 @@ class Worker:
             seed=mc.seed,
             samples=rank == 0,
             share_tokens=self.share_tokens,
+            sampling=self.input_batch.sampling,
         )
         # The last launch raised (StepFailed): its samples, which the next step may have been
         # planned to take as pending tokens (multiprocess executor), do not exist.
         self._last_failed = False
-        # Every sequence's sampling state and block table, kept across steps (the engine's
-        # StepBuilder sends each only once, then deltas).
-        self.input_batch = InputBatch(self.model.shape.vocab_size, self.device, samples=rank == 0)
 
     def block_bytes(self) -> int:
         s = self.model.shape
@@ -226,8 +227,7 @@ class Worker:
         pending = [s for s in seqs if s.pending]
         for s in pending:
             s.pending, s.token_ids = False, [0]
-            if s.sample is not None:
-                s.sample = SampleRequest()
+            s.slot, s.token_mask = PLAIN, None  # the defaults' row of the sampling table
         if pending and self.share_tokens is not None:
             self.share_tokens.send_placeholders(len(pending))
 

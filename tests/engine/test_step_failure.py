@@ -27,7 +27,7 @@ def poisoned_sampler(monkeypatch):
     real = Sampler.__call__
 
     def call(self, logits, reqs):
-        if any(r.seed == POISON_SEED for r in reqs):
+        if (reqs.seeded & (reqs.seed == POISON_SEED)).any():  # SamplingRows' columns
             raise IndexError("a bug in the sampler")
         return real(self, logits, reqs)
 

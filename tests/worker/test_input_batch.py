@@ -4,10 +4,12 @@ sequence that finishes, is aborted or is preempted (no leaked rows), and outputs
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from streamkv import LLM, BeamSearchParams, SamplingParams
+from streamkv.layers.sample_request import SamplingRows
 from streamkv.messages import NewSeq, SeqParams, SeqStep, StepInput
 from streamkv.sequence import SequenceStatus
 from streamkv.worker.input_batch import InputBatch, ProtocolError
@@ -20,7 +22,12 @@ def _batch() -> InputBatch:
 
 
 def _output_counts(batch: InputBatch, seq_id: int) -> torch.Tensor:
-    return batch.counts.output[batch.seqs[seq_id].request.counts_row]
+    return batch.counts.output[batch.seqs[seq_id].counts_row]
+
+
+def _sampled(batch: InputBatch, s) -> SamplingRows:
+    """The sampler's view of one SeqInput's row, as the model runner gathers it."""
+    return batch.sampling.take([s.slot])
 
 
 # -- InputBatch on hand-made steps -----------------------------------------------------------
@@ -33,24 +40,51 @@ def test_parameters_once_then_tokens_and_block_deltas() -> None:
         )
     )
     assert (s.block_table, s.start_pos, s.token_ids) == ([4, 9], 0, [5, 6, 8])
-    assert (
-        s.sample.seed,
-        s.sample.sample_index,
-        s.sample.output_pos,
-        s.sample.banned_token_ids,
-    ) == (3, 2, 0, [7])
+    r = _sampled(b, s)
+    assert s.sample and (r.seed.tolist(), r.seeded.tolist()) == ([3], [True])
+    assert (r.sample_index.tolist(), r.output_pos.tolist(), r.banned) == ([2], [0], {0: [7]})
+    assert r.temperature.tolist() == [0.5] and r.top_k.tolist() == [-1]
     (s,) = b.apply(StepInput([SeqStep(1, [10], 3)]))  # nothing changed but one token
-    assert s.block_table == [4, 9] and s.sample.output_pos == 1 and s.sample.banned_token_ids == [7]
+    r = _sampled(b, s)
+    assert s.block_table == [4, 9] and r.output_pos.tolist() == [1] and r.banned == {0: [7]}
     (s,) = b.apply(StepInput([SeqStep(1, [11], 4, new_blocks=[2])]))  # grows by a block
-    assert s.block_table == [4, 9, 2] and s.sample.banned_token_ids is None  # min_tokens reached
+    assert s.block_table == [4, 9, 2] and _sampled(b, s).banned == {}  # min_tokens reached
     (s,) = b.apply(
         StepInput([SeqStep(1, [12], 5, new_blocks=[3], num_kept_blocks=2)])
     )  # copy-on-write
     assert s.block_table == [4, 9, 3]
     (s,) = b.apply(StepInput([SeqStep(1, [13], 6, sample=False, num_kept_blocks=1)]))  # shrinks
-    assert s.block_table == [4] and s.sample is None
+    assert s.block_table == [4] and not s.sample
     b.apply(StepInput(finished_ids=[1]))
-    assert len(b) == 0
+    assert len(b) == 0 and b.sampling.num_rows == 0
+
+
+def test_sampling_columns_gathered_by_row_and_rows_reused() -> None:
+    b = _batch()
+    new = [
+        NewSeq(1, SeqParams(temperature=0.5, top_k=10**30, logprobs=2), 2),
+        NewSeq(2, SeqParams(seed=2**64 + 5, logit_bias={3: 1.5}), 2),
+        NewSeq(3, SeqParams(repetition_penalty=1.2), 2, history=[4, 5]),
+    ]
+    steps = [SeqStep(i, [4, 5], 0, new_blocks=[i], num_samples=i) for i in (3, 1, 2)]
+    seqs = b.apply(StepInput(steps, new))
+    r = b.sampling.take([s.slot for s in seqs])  # step order, not the table's
+    assert r.num_samples.tolist() == [3, 1, 2] and r.seeded.tolist() == [False, False, True]
+    assert r.top_k.tolist() == [-1, 2**63 - 1, -1] and r.logprobs.tolist() == [0, 2, 0]
+    assert r.seed[2:].view("uint64").tolist() == [5] and r.logit_bias == {2: {3: 1.5}}
+    assert r.penalised().tolist() == [True, False, False] and r.counts_row[0] >= 0
+    seqs = b.apply(StepInput([SeqStep(i, [7], 2) for i in (3, 1, 2)]))
+    again = b.sampling.take([s.slot for s in seqs])
+    assert again.num_samples.tolist() == [1, 1, 1] and again.output_pos[2] == 1
+    # The same rows: the last gather of the set-once columns, reused.
+    assert np.shares_memory(again.temperature, r.temperature)
+    # A freed row is handed to the next sequence, and the gather sees its parameters.
+    slot = b.seqs[1].slot
+    (s,) = b.apply(
+        StepInput([SeqStep(4, [1], 0, new_blocks=[9])], [NewSeq(4, SeqParams(top_p=0.5), 1)], [1])
+    )
+    assert s.slot == slot and b.sampling.take([slot]).top_p.tolist() == [0.5]
+    assert b.sampling.take([slot]).temperature.tolist() == [0.0]
 
 
 def test_steps_that_do_not_fit_the_state_are_refused() -> None:
@@ -84,13 +118,13 @@ def test_token_counts_follow_the_history_and_rows_are_reused() -> None:
     b.apply(StepInput([SeqStep(1, [8], 4)]))
     assert _output_counts(b, 1).nonzero().squeeze(1).tolist() == [5, 8]
     assert _output_counts(b, 1)[[5, 8]].tolist() == [1, 1]
-    row = b.seqs[1].request.counts_row
+    row = b.seqs[1].counts_row
     assert b.counts.prompt[row].nonzero().squeeze(1).tolist() == [3, 4]
-    assert b.seqs[2].request.counts is None  # no penalty: no row
+    assert b.seqs[2].counts_row == -1  # no penalty: no row
     b.apply(StepInput(finished_ids=[1]))
     assert b.counts.num_rows == 0
     b.apply(StepInput([SeqStep(3, [1, 2], 0, new_blocks=[2])], [NewSeq(3, pen, 2, history=[1, 2])]))
-    assert b.seqs[3].request.counts_row == row and not _output_counts(b, 3).any()
+    assert b.seqs[3].counts_row == row and not _output_counts(b, 3).any()
 
 
 def test_ranks_that_do_not_sample_keep_no_counts() -> None:
@@ -99,7 +133,8 @@ def test_ranks_that_do_not_sample_keep_no_counts() -> None:
     (s,) = b.apply(
         StepInput([SeqStep(1, [3], 0, new_blocks=[0])], [NewSeq(1, pen, 1, history=[3])])
     )
-    assert b.counts is None and s.sample.counts is None and s.block_table == [0]
+    assert b.counts is None and b.seqs[1].counts_row == -1 and s.block_table == [0]
+    assert _sampled(b, s).counts is None
 
 
 # -- the engine's StepBuilder on hand-made scheduler outputs -----------------------------------
@@ -155,20 +190,23 @@ def _check_mirror(engine) -> None:
     batch = engine.executor.worker.input_batch
     sent = engine.step_builder.sent
     assert set(batch.seqs) == set(sent)
-    rows = []
+    rows, slots = [], []
     for seq_id, known in sent.items():
         state, seq = batch.seqs[seq_id], known.seq
         assert state.block_table == known.table
-        if state.request.counts is not None:
-            rows.append(state.request.counts_row)
+        slots.append(state.slot)
+        assert batch.sampling.counts_rows([state.slot]).tolist() == [state.counts_row]
+        if state.counts_row >= 0:
+            rows.append(state.counts_row)
             n_out = state.num_counted - len(seq.prompt_token_ids)
             want = torch.bincount(
                 torch.tensor(seq.output_token_ids[:n_out], dtype=torch.long), minlength=VOCAB
             )
-            assert torch.equal(batch.counts.output[state.request.counts_row].long(), want)
-            prompt = batch.counts.prompt[state.request.counts_row].nonzero().squeeze(1).tolist()
+            assert torch.equal(batch.counts.output[state.counts_row].long(), want)
+            prompt = batch.counts.prompt[state.counts_row].nonzero().squeeze(1).tolist()
             assert prompt == sorted(set(seq.prompt_token_ids))
     assert len(set(rows)) == len(rows) == batch.counts.num_rows
+    assert len(set(slots)) == len(slots) == batch.sampling.num_rows  # no table row leaked
 
 
 def _run_checked(llm, prompts, params) -> list:
