@@ -63,6 +63,8 @@ if [[ " $PARTS " == *" speed "* ]]; then
   # every kernel test, the decode matrix in bf16 only (fp16/fp32 in FULL=1's kernel_tests).
   step kernel_checks 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
     tests/kernels/test_cuda_kernels.py -k "not test_paged_attention_decode or bfloat16"
+  # The decode variants bench_kernels.py times (benchmarks/decode_variants.py), on the GPU.
+  step variant_checks 150 python3 -m pytest -q -p no:cacheprovider tests/benchmarks/test_decode_variants.py
   if [ "${FULL:-0}" = 1 ]; then
     step kernel_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
     # Decode steps with graphs: batch 1 and 256 at context 512, GPU time split by kernel kind.
@@ -220,7 +222,7 @@ if [[ " $PARTS " == *" serve "* ]]; then
     --server-tree bench_inputs/before25 --engine-args "$E8B_ABS" --json-out "$OUT/before_poisson.json"
 fi
 
-# The paper's evaluation on the H200 (issue 30; docs/paper.md, "Next GPU run"): Fig 18a's
+# The paper's evaluation on the H200 (issue 30; docs/paper.md, "Commands"): Fig 18a's
 # kernel sweep and the capacity points, OPT-13B's shape on an A100-40GB's KV pool, one JSON a
 # point under $OUT/h200/ (load_tests/capacity_point.sh). PAPER_GROUPS picks the groups, each
 # one device call of under 10 minutes. Beside each step: its estimated device seconds (the
