@@ -46,17 +46,18 @@ def _precompile():
         return
     from streamkv.kernels import cuda_ops, nvrtc
     from streamkv.kernels import decode_kernels as dk
+    from streamkv.kernels.launch import DTYPE_NAMES
 
     major, minor = torch.cuda.get_device_capability()
     jobs = [
-        (dk.ATTENTION_SOURCE, dk.attention_names(dk.DTYPE_NAMES[d], h, b, (g,)))
+        (dk.ATTENTION_SOURCE, dk.attention_names(DTYPE_NAMES[d], h, b, (g,)))
         for d in DTYPES
         for h in HEADS
         for b in BLOCKS
         for g in dk.GROUP_PADS
     ]
     jobs += [
-        (dk.ATTENTION_SOURCE, dk.attention_names(dk.DTYPE_NAMES[d], h, b, (dk.group_pad(g),)))
+        (dk.ATTENTION_SOURCE, dk.attention_names(DTYPE_NAMES[d], h, b, (dk.group_pad(g),)))
         for b in NEW_BLOCKS
         for d, h, g in NEW_BLOCK_SHAPES
     ]
