@@ -240,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from streamkv.entrypoints.server.connections import (
         ConnectionLimits,
-        GuardedHttpProtocol,
+        GuardedH11Protocol,
         QuietDenialWebSocket,
     )
     from streamkv.entrypoints.server.security import HostPolicy
@@ -355,10 +355,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ImportError:
             raise SystemExit("error: --loop uvloop: uvloop is not installed") from None
     limits = ConnectionLimits(
-        args.timeout_request_head,
-        args.timeout_request_body,
-        fit_open_files(args.limit_concurrency),
-        args.max_header_bytes,
+        args.timeout_request_head, args.timeout_request_body, fit_open_files(args.limit_concurrency)
     )
     server = DrainingServer(
         uvicorn.Config(
@@ -366,8 +363,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             loop=loop,
-            http=functools.partial(GuardedHttpProtocol, limits=limits),
+            http=functools.partial(GuardedH11Protocol, limits=limits),
             ws=QuietDenialWebSocket,
+            h11_max_incomplete_event_size=args.max_header_bytes,
             ws_max_size=args.max_request_body_bytes,
             timeout_keep_alive=args.timeout_keep_alive,
             log_level=args.log_level.lower(),

@@ -85,8 +85,7 @@ class HostPolicy:
 
 def check_host(policy: HostPolicy, headers: Headers, local_addr: str | None) -> None:
     host = headers.get("host")
-    # HTTP/1.1 without Host is refused by the connection (connections.py); an HTTP/1.0
-    # client without one is no browser.
+    # h11 refuses HTTP/1.1 without Host; an HTTP/1.0 client without one is no browser.
     if host is not None and not policy.allows(split_host(host)[0], local_addr):
         raise APIError(
             f"this server does not answer to the host name {host[:100]!r} (see --allowed-hosts)",
@@ -233,8 +232,8 @@ async def refuse(scope, receive, send, e: APIError) -> None:
 
 class Guard:
     """ASGI middleware run before routing, on HTTP and WebSocket alike: the Host check, and
-    a cap on the size of the request head as the application sees it (connections.py counts
-    the raw head's bytes as they are parsed; this counts the header names and values)."""
+    a cap on the size of the request head (uvicorn's h11 limit only bounds a head that
+    arrives in pieces; a head that arrives in one read is parsed whole)."""
 
     def __init__(self, app, policy: HostPolicy, header_limit: int) -> None:
         self.app, self.policy, self.header_limit = app, policy, header_limit

@@ -25,7 +25,7 @@ import threading
 
 import uvicorn
 from sse_starlette.sse import AppStatus
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from streamkv.engine.async_engine import AsyncEngine, EngineStoppingError
 
@@ -135,8 +135,4 @@ class DrainingServer(uvicorn.Server):
             await self.lifespan.shutdown()
 
     def _connections(self, websocket: bool) -> list:
-        return [
-            c
-            for c in self.server_state.connections
-            if isinstance(c, HttpToolsProtocol) != websocket
-        ]
+        return [c for c in self.server_state.connections if isinstance(c, H11Protocol) != websocket]
