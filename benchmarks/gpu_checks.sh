@@ -218,6 +218,15 @@ if [[ " $PARTS " == *" serve "* ]]; then
   E8B_ABS="--tokenizer $PWD/bench_inputs/smollm2-tokenizer --load-format dummy --device cuda --dtype bfloat16"
   step before_burst 200 $SERVE --num-prompts 1000 --request-rate inf --server-tree bench_inputs/before25 \
     --engine-args "$E8B_ABS" --server-args "--limit-concurrency 4096" --json-out "$OUT/before_burst.json"
+  # A paired served A/B against another tree (bisecting a served regression): PAIR_TREE is
+  # `git archive REV streamkv kernels_cu web` unpacked under bench_inputs/; that tree's server,
+  # then this one's, PAIRS times, the same 1,000 requests at once.
+  [ -n "${PAIR_TREE:-}" ] && step serve_pair 560 bash -c 'for i in $(seq ${PAIRS:-2}); do
+      '"$SERVE"' --num-prompts 1000 --request-rate inf --server-tree "$PAIR_TREE" \
+        --engine-args "'"$E8B_ABS"'" --json-out "$OUT/pair_old_$i.json"
+      '"$SERVE"' --num-prompts 1000 --request-rate inf --engine-args "'"$E8B"'" \
+        --json-out "$OUT/pair_new_$i.json"
+    done'
   step before_poisson 400 $SERVE --num-prompts 2000 --request-rate ${BEFORE_RATES:-32,16} \
     --server-tree bench_inputs/before25 --engine-args "$E8B_ABS" --json-out "$OUT/before_poisson.json"
 fi
