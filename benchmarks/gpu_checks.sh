@@ -189,8 +189,11 @@ if [[ " $PARTS " == *" serve "* ]]; then
   done
   # The server's defaults: 1,000 at once beside the offline engine, then Poisson arrivals,
   # 2,000 requests a point (long enough that a rate past capacity shows its growing queue).
-  step serve_burst 170 $SERVE --num-prompts 1000 --request-rate inf --offline --engine-args "$E8B" \
-    --json-out "$OUT/serve_burst.json"
+  # BURSTS=N repeats the pair (offline, then served) N times: serve_burst_2.json, ...
+  for i in $(seq ${BURSTS:-1}); do
+    step serve_burst 170 $SERVE --num-prompts 1000 --request-rate inf --offline --engine-args "$E8B" \
+      --json-out "$OUT/serve_burst$([ "$i" = 1 ] || echo "_$i").json"
+  done
   # The same with py-spy attached (`--nonblocking`: it samples without stopping the server).
   step serve_burst_spy 120 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
     --py-spy "$OUT/pyspy_burst" --json-out "$OUT/serve_burst_spy.json"
