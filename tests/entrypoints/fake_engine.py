@@ -1,6 +1,7 @@
 """A model-free stand-in for LLMEngine with the same surface the AsyncEngine uses: each step
 appends one character per running request. Lets the async layer and the HTTP app be tested
-in milliseconds, including failure modes a real model cannot be made to produce on demand."""
+in milliseconds, including failure modes a real model cannot be made to produce on demand.
+``make_client`` serves the app over one; the openai/ and server/ tests share it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import threading
 import time
 from types import SimpleNamespace
 
+from starlette.testclient import TestClient
+
 from streamkv.core.admission import EngineLimits
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.entrypoints.server.app import ServerConfig, build_app
+from streamkv.entrypoints.server.security import HostPolicy
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import CompletionOutput, Logprob, RequestOutput
 
@@ -182,3 +188,32 @@ def fake_prompt_logprobs(ids: list[int]) -> list:
     return [None] + [
         {t: Logprob(-i / 100, 1), 999: Logprob(-5.0, 2)} for i, t in enumerate(ids) if i > 0
     ]
+
+
+def make_client(fake: FakeEngine | None = None, build=None, **config) -> TestClient:
+    fake = fake or FakeEngine()
+    engine = AsyncEngine(build or (lambda: fake))
+    app = build_app(
+        engine, ServerConfig(model_name="fake", hosts=HostPolicy.build("testserver"), **config)
+    )
+    return TestClient(app)
+
+
+def wait_healthy(client: TestClient) -> None:
+    for _ in range(200):
+        if client.get("/health").status_code == 200:
+            return
+        time.sleep(0.01)
+    raise AssertionError("never became healthy")
+
+
+def sse_events(text: str) -> tuple[list, list[str]]:
+    """The ``data:`` payloads and the ``:`` comments (keep-alives) of an SSE body."""
+    events, comments = [], []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        for line in block.split("\n"):
+            if line.startswith("data: "):
+                events.append(line[6:])
+            elif line.startswith(":"):
+                comments.append(line)
+    return events, comments

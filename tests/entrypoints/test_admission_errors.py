@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from streamkv.core.admission import EngineLimits, check_request
-from tests.entrypoints.fake_engine import FakeEngine
-from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
+from tests.entrypoints.fake_engine import FakeEngine, make_client, wait_healthy
 
 LIMITS = EngineLimits(
     max_model_len=256,

@@ -10,29 +10,14 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from starlette.testclient import TestClient
 
-from streamkv.engine.async_engine import AsyncEngine
-from streamkv.entrypoints.server.app import ServerConfig, build_app
-from streamkv.entrypoints.server.security import HostPolicy
-from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
-
-
-def make_client(fake: FakeEngine | None = None, build=None, **config) -> TestClient:
-    fake = fake or FakeEngine()
-    engine = AsyncEngine(build or (lambda: fake))
-    app = build_app(
-        engine, ServerConfig(model_name="fake", hosts=HostPolicy.build("testserver"), **config)
-    )
-    return TestClient(app)
-
-
-def wait_healthy(client: TestClient) -> None:
-    for _ in range(200):
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.01)
-    raise AssertionError("never became healthy")
+from tests.entrypoints.fake_engine import (
+    CRASH_TOKEN,
+    FakeEngine,
+    make_client,
+    sse_events,
+    wait_healthy,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +25,6 @@ def client():
     with make_client(sse_keepalive=0.05) as c:
         wait_healthy(c)
         yield c
-
-
-def sse_events(text: str) -> tuple[list, list[str]]:
-    events, comments = [], []
-    for block in text.replace("\r\n", "\n").split("\n\n"):
-        for line in block.split("\n"):
-            if line.startswith("data: "):
-                events.append(line[6:])
-            elif line.startswith(":"):
-                comments.append(line)
-    return events, comments
 
 
 def test_health_is_503_while_loading_then_200():

@@ -10,7 +10,7 @@ from streamkv.engine.grammar_limits import check_spec
 from streamkv.entrypoints.openai.lark_grammar import LarkError, is_lark, lark_to_ebnf, regex_to_ebnf
 from streamkv.entrypoints.openai.protocol import APIError, validate
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest
-from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
+from tests.entrypoints.fake_engine import make_client, wait_healthy
 
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402

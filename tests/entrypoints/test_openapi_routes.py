@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from starlette.routing import Mount, Route, WebSocketRoute
 
-from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
+from tests.entrypoints.fake_engine import make_client, wait_healthy
 
 
 @pytest.fixture(scope="module")

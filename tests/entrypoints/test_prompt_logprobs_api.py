@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from tests.entrypoints.fake_engine import FakeEngine
-from tests.entrypoints.test_app_fake_engine import make_client, sse_events, wait_healthy
+from tests.entrypoints.fake_engine import FakeEngine, make_client, sse_events, wait_healthy
 
 
 class RecordingEngine(FakeEngine):

@@ -8,7 +8,7 @@ import pytest
 
 from streamkv.entrypoints.openai.protocol import APIError, validate
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
-from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
+from tests.entrypoints.fake_engine import make_client, wait_healthy
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -18,8 +18,7 @@ from streamkv.entrypoints.openai.tool_calls import (
     parse_hermes,
     parse_required,
 )
-from tests.entrypoints.fake_engine import FakeEngine, FakeTokenizer
-from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
+from tests.entrypoints.fake_engine import FakeEngine, FakeTokenizer, make_client, wait_healthy
 
 WEATHER = {
     "type": "function",

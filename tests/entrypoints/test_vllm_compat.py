@@ -15,8 +15,7 @@ import pytest
 from streamkv import __version__
 from streamkv.entrypoints.cli.main import build_parser
 from streamkv.sampling_params import InvalidParameter
-from tests.entrypoints.fake_engine import FakeEngine
-from tests.entrypoints.test_app_fake_engine import make_client, sse_events, wait_healthy
+from tests.entrypoints.fake_engine import FakeEngine, make_client, sse_events, wait_healthy
 
 
 class RecordingEngine(FakeEngine):

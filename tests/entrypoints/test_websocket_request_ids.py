@@ -9,8 +9,7 @@ import logging
 import pytest
 
 from streamkv.entrypoints.server.kv_view import _Viewer
-from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
-from tests.entrypoints.test_app_fake_engine import make_client, wait_healthy
+from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine, make_client, wait_healthy
 
 CHAT = [{"role": "user", "content": "hi"}]
 LOGGER = "streamkv.entrypoints.server.websocket"
