@@ -10,7 +10,7 @@ import pytest
 
 from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
 from streamkv.sampling_params import SamplingParams
-from tests.entrypoints.test_async_engine import DyingEngine, run
+from tests.entrypoints.server.test_async_engine import DyingEngine, run
 
 
 class RefusingEngine(DyingEngine):
