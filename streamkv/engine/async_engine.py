@@ -20,8 +20,7 @@ from streamkv.engine.engine_commands import EngineCommands, Submission
 from streamkv.engine.engine_thread import EngineThread, LoopSide
 from streamkv.engine.llm_engine import LLMEngine
 from streamkv.engine.recovery import EngineRestartedError, RestartBudget
-from streamkv.engine.request_book import RequestBook
-from streamkv.engine.request_stream import (
+from streamkv.engine.request_book import (
     EngineDeadError,
     EngineNotReadyError,
     EngineRecoveringError,
@@ -29,6 +28,7 @@ from streamkv.engine.request_stream import (
     Observer,
     QueueFullError,
     RequestAbortedError,
+    RequestBook,
     RequestStream,
 )
 from streamkv.engine.serving_logs import StatsLogger, log_request
