@@ -3,41 +3,24 @@
 from __future__ import annotations
 
 import json as _json
-import math
 from dataclasses import dataclass, field
 
-_GREEDY_EPS = 1e-5
+from streamkv import sampling_limits as limits
 
-# Bounds on what a request may carry (docs/api.md, "Limits a request must respect"). The
-# sampler computes in float32 (and the CUDA kernel flushes denormals), so every number must
-# stay finite there and never round to 0 where 0 changes the meaning: top_p 1e-46 became 0
-# in float32 and the nucleus test ``mass above < top_p`` could then never pass (issue 26).
-# Any top_p <= 1/vocab already selects only the most likely token, so 1e-8 loses nothing.
-MIN_TOP_P = 1e-8
-MAX_TEMPERATURE = 100.0  # past this every distribution is uniform to float32's precision
-MIN_REPETITION_PENALTY = 0.01  # a logit divided by less overflows float32
-MAX_LENGTH_PENALTY = 10.0  # beam scores divide by len ** length_penalty (Python floats)
-MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024
-MAX_CACHE_SALT = 256  # characters
-MAX_ALLOWED_TOKEN_IDS = 65536
-
-
-_F32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
-
-
-def _real(x: object) -> bool:
-    """A finite int or float that float32 holds without underflow: 0 or at least float32's
-    smallest normal in magnitude (a denormal is flushed to 0 by the CUDA kernel). A bool is
-    not a number here."""
-    return (
-        isinstance(x, int | float)
-        and not isinstance(x, bool)
-        and math.isfinite(x)
-        and (x == 0 or abs(x) >= _F32_TINY)
-    )
+# The limits are importable from here too, with the parameters they bound.
+from streamkv.sampling_limits import (  # noqa: F401
+    GREEDY_EPS,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_CACHE_SALT,
+    MAX_LENGTH_PENALTY,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    MIN_TOP_P,
+)
 
 
 class InvalidParameter(ValueError):
@@ -208,14 +191,14 @@ class SamplingParams:
             raise bad("n", "must be an integer >= 1")
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise bad("best_of", f"must be an integer >= n ({self.n})")
-        self._check_numbers(bad)
-        self._check_token_counts(bad)
-        self._check_structured_conflicts(bad)
+        limits.check_numbers(self, bad)
+        limits.check_token_counts(self, bad)
+        limits.check_structured_conflicts(self, bad)
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be a non-negative integer")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
-        self._check_sizes(bad)
+        limits.check_sizes(self, bad)
         if self.prompt_logprobs is not None and (
             not isinstance(self.prompt_logprobs, int)
             or isinstance(self.prompt_logprobs, bool)
@@ -228,121 +211,11 @@ class SamplingParams:
                 raise bad("structured_outputs", "must be a StructuredOutputs")
             so.verify()
         if self.use_beam_search:
-            self._check_beam_search(bad)
-
-    def _check_token_counts(self, bad) -> None:
-        """top_k, max_tokens and min_tokens: integers in range, and min_tokens <= max_tokens."""
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", "must be 0 or -1 (disable) or at least 1")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-
-    def _check_structured_conflicts(self, bad) -> None:
-        """The fields that structured outputs rule out."""
-        if self.min_tokens and self.structured_outputs is not None:
-            # The grammar decides where a structured output ends (engine/structured.py): a
-            # finished grammar allows only a stop token, which min_tokens would ban. Refused
-            # rather than dropped.
-            raise bad(
-                "min_tokens",
-                "cannot be combined with structured outputs "
-                "(the grammar decides where the output ends)",
-            )
-        if self.allowed_token_ids is not None and self.structured_outputs is not None:
-            # The grammar's mask and the allowed set could leave no token at all.
-            raise bad("allowed_token_ids", "cannot be combined with structured outputs")
-
-    def _check_beam_search(self, bad) -> None:
-        """What use_beam_search requires of the other fields."""
-        if self.structured_outputs is not None:
-            raise InvalidParameter(
-                "structured_outputs", "structured_outputs cannot be combined with beam search."
-            )
-        if self.best_of < 2:
-            raise bad("best_of", "must be >= 2 with use_beam_search (it is the beam width)")
-        if self.temperature > _GREEDY_EPS:
-            raise bad("temperature", "must be 0 with use_beam_search")
-        if self.early_stopping not in (True, False, "never"):
-            raise bad("early_stopping", "must be True, False or 'never'")
-        if self.stop:
-            # A stop string would have to be matched in every candidate's text before the
-            # beams are chosen; stop_token_ids (which end a hypothesis like EOS) are the
-            # supported way to end beams early.
-            raise bad("stop", "is not supported with use_beam_search (use stop_token_ids)")
-
-    def _check_numbers(self, bad) -> None:
-        """Every float the sampler reads: finite, and in a range where float32 keeps it."""
-        if not _real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}]")
-        if not _real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1.0:
-            raise bad(
-                "top_p",
-                f"must be a number in [{MIN_TOP_P:g}, 1] (any top_p below 1/vocabulary already "
-                "keeps only the most likely token)",
-            )
-        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be a number in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not _real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "must be a number in [-2, 2]")
-        if (
-            not _real(self.repetition_penalty)
-            or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0
-        ):
-            raise bad("repetition_penalty", f"must be a number in [{MIN_REPETITION_PENALTY:g}, 2]")
-        if not _real(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
-            raise bad(
-                "length_penalty",
-                f"must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
-            )
-
-    def _check_sizes(self, bad) -> None:
-        """Stop strings, stop token ids and logit bias: their kinds and counts (every one of
-        them is looked at per step, on the engine thread)."""
-        if len(self.stop) > MAX_STOP_STRINGS or any(
-            not isinstance(s, str) or not s for s in self.stop
-        ):
-            raise bad("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
-        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters long")
-        ids = self.stop_token_ids
-        if len(ids) > MAX_STOP_TOKEN_IDS or any(
-            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids
-        ):
-            raise bad(
-                "stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative integers"
-            )
-        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
-            raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens")
-        for t, b in (self.logit_bias or {}).items():
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise bad("logit_bias", "must map non-negative integer token ids to numbers")
-            if not _real(b) or not -100.0 <= b <= 100.0:
-                raise bad("logit_bias", "values must be numbers in [-100, 100]")
-        allowed = self.allowed_token_ids
-        if allowed is not None and (
-            not isinstance(allowed, list)
-            or not allowed
-            or len(allowed) > MAX_ALLOWED_TOKEN_IDS
-            or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)
-        ):
-            raise bad(
-                "allowed_token_ids",
-                f"must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative integer token ids",
-            )
-        for name in ("resumed_output_tokens", "resumed_sample_index"):
-            r = getattr(self, name)
-            if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-                raise bad(name, "must be a non-negative integer")
-        salt = self.cache_salt
-        if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
-            raise bad("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT} characters")
+            if so is not None:
+                raise InvalidParameter(
+                    "structured_outputs", "structured_outputs cannot be combined with beam search."
+                )
+            limits.check_beam_search(self, bad)
 
     def check_max_logprobs(self, max_logprobs: int) -> None:
         """Refuse logprobs / prompt_logprobs above the engine's cap (-1: no cap)."""
@@ -358,15 +231,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    @property
-    def needs_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.temperature < GREEDY_EPS
 
 
 @dataclass
