@@ -260,7 +260,7 @@ class LLMEngine:
 
     def _launch(self) -> InFlight:
         """Schedule a step and hand it to the executor."""
-        started = time.monotonic()  # the requests' first-scheduled time (engine/request_metrics.py)
+        started = time.monotonic()  # the requests' first-scheduled time (engine/stats.py)
         sched = self.scheduler.schedule()
         step = InFlight(sched, started)
         if not sched.is_empty:

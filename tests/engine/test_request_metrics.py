@@ -1,5 +1,5 @@
 """vLLM's per-request intervals and per-step token histogram, counted on the engine thread
-(engine/request_metrics.py), on hand-made steps with known times (no model)."""
+(RequestMetrics in engine/stats.py), on hand-made steps with known times (no model)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from streamkv.engine.request_metrics import Buckets, RequestMetrics, one_two_five
+from streamkv.engine.stats import Buckets, RequestMetrics, one_two_five
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 

@@ -5,9 +5,9 @@ app: two apps in one process, as in tests, never collide.
 
 Engine-side figures (queues, cache usage, token counters, the queue / prefill / decode time
 histograms) are read at scrape time from the snapshot the engine thread publishes
-(engine/stats.py, engine/request_metrics.py); time to first token, inter-token latency and
-end-to-end latency are observed on the event loop as outputs arrive, so they are what a
-client sees (tokenization, queueing and delivery included), as vLLM measures them too.
+(engine/stats.py); time to first token, inter-token latency and end-to-end latency are
+observed on the event loop as outputs arrive, so they are what a client sees (tokenization,
+queueing and delivery included), as vLLM measures them too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from streamkv.engine.async_engine import AsyncEngine, RequestStream
-from streamkv.engine.request_metrics import REQUEST_LATENCY_BUCKETS
+from streamkv.engine.stats import REQUEST_LATENCY_BUCKETS
 from streamkv.sequence import RequestOutput
 
 
@@ -109,7 +109,7 @@ LABELS = ["model_name", "engine"]
 ENGINE_INDEX = "0"  # one engine per server (vLLM numbers its data-parallel engines)
 FINISH_REASONS = ("stop", "length", "abort")
 
-# Engine histograms (engine/request_metrics.py key) -> vLLM name and help.
+# Engine histograms (engine/stats.py key) -> vLLM name and help.
 _ENGINE_HISTOGRAMS = {
     "iteration_tokens": (
         "vllm:iteration_tokens_total",
