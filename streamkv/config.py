@@ -19,6 +19,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle", "ft-max")
 EXECUTOR_BACKENDS = ("inprocess", "mp")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 # Every power of two from 1 to 256 (the paper's Fig 18b sweep; docs/kernels.md "Block sizes").
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # vLLM's names: "auto" stores K/V in the model's dtype; "fp8" and "fp8_e4m3" (the same) store
@@ -32,6 +33,11 @@ def arg(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = arg(16, "tokens per KV block", choices=BLOCK_SIZES)
@@ -43,8 +49,8 @@ class CacheConfig:
     )
     num_kv_blocks: int | None = arg(
         None,
-        "KV pool size in blocks (default: sized from memory, "
-        "gpu_memory_utilization on a GPU, cpu_kv_cache_space on a CPU)",
+        "KV pool size in blocks (default: sized from memory, gpu_memory_utilization on a GPU, "
+        "cpu_kv_cache_space on a CPU)",
     )
     # None: 4 GiB on a GPU, none on a CPU, where a CPU "swap" pool would only duplicate the
     # KV pool in the same RAM (swapping exists to leave the GPU's memory).
@@ -66,22 +72,15 @@ class CacheConfig:
     # Files of text computed once at start and pinned (core/reserved_prefix.py, paper §4.4).
     reserved_prefix: tuple[str, ...] = arg(
         (),
-        "a file whose text is a reserved shared prefix: computed once, "
-        "pinned, mapped into every prompt that starts with it "
-        "(repeatable)",
+        "a file whose text is a reserved shared prefix: computed once, pinned, mapped into "
+        "every prompt that starts with it (repeatable)",
         repeatable=True,
         metavar="FILE",
     )
 
     def verify(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}."
-            )
-        if self.kv_allocation not in KV_ALLOCATIONS:
-            raise ValueError(
-                f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}."
-            )
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("kv_allocation", self.kv_allocation, KV_ALLOCATIONS)
         if not isinstance(self.reserved_prefix, (tuple, list)) or not all(
             isinstance(p, str) for p in self.reserved_prefix
         ):
@@ -133,20 +132,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = arg(
         None,
         "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
-        f"default max({DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS} "
-        f"on a GPU, {DEFAULT_MAX_NUM_BATCHED_TOKENS} on a "
-        "CPU, max_num_seqs)",
+        f"default max({DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on a CPU, max_num_seqs)",
     )
     preemption_mode: str = arg(
         "auto",
-        "how a preempted request gives its blocks back ('auto': the cheaper "
-        "of swap and recompute by a measured cost model)",
+        "how a preempted request gives its blocks back ('auto': the cheaper of swap and "
+        "recompute by a measured cost model)",
         choices=PREEMPTION_MODES,
     )
     preemption_cost_profile: str | None = arg(
         None,
-        "the measured swap/recompute costs 'auto' uses: a profile of "
-        "streamkv/core/preemption_costs.json (default: its default)",
+        "the measured swap/recompute costs 'auto' uses: a profile of streamkv/core/"
+        "preemption_costs.json (default: its default)",
     )
     # On a GPU by default: with one fill thread and the one-kernel mask step the H200 ran
     # json_schema at 0.72x of unconstrained overlapped against 0.57x in turn (batch 64, same
@@ -154,11 +152,9 @@ class SchedulerConfig:
     # off too.
     overlap_structured: bool | None = arg(
         None,
-        "with async scheduling, let a step that samples "
-        "structured-output rows overlap the next one "
-        "(the next step's token masks follow its forward; "
-        "in-process executor only; default: on a GPU, "
-        "off on a CPU)",
+        "with async scheduling, let a step that samples structured-output rows overlap the "
+        "next one (the next step's token masks follow its forward; in-process executor only; "
+        "default: on a GPU, off on a CPU)",
     )
     async_scheduling: bool | None = arg(
         None,
@@ -167,10 +163,7 @@ class SchedulerConfig:
     )
 
     def verify(self) -> None:
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
-            )
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if (
@@ -232,8 +225,8 @@ class ModelConfig:
     # (worker/cuda_graphs.py); True: every step runs eagerly. CPU runs always run eagerly.
     enforce_eager: bool = arg(
         False,
-        "never replay CUDA graphs for decode steps (on a GPU they are "
-        "captured at start-up by default; CPU runs are always eager)",
+        "never replay CUDA graphs for decode steps (on a GPU they are captured at start-up "
+        "by default; CPU runs are always eager)",
     )
     max_logprobs: int = arg(
         20, "most logprobs and prompt_logprobs a request may ask for (-1: no cap)"
@@ -246,17 +239,7 @@ class ModelConfig:
         return "inprocess" if self.tensor_parallel_size == 1 else "mp"
 
     def verify(self) -> None:
-        if self.dtype not in (
-            "auto",
-            "float32",
-            "float16",
-            "bfloat16",
-            "half",
-            "float",
-            "bf16",
-            "fp16",
-            "fp32",
-        ):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
@@ -279,10 +262,8 @@ class ModelConfig:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")
         backend = self.distributed_executor_backend
-        if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}."
-            )
+        if backend is not None:
+            _check_choice("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
         if tp > 1 and self.executor_backend != "mp":
             raise ValueError(
                 f"tensor_parallel_size {tp} needs one process per rank: use "
