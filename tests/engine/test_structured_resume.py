@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from streamkv import LLM, SamplingParams
+from tests.tiny_models import TEXT
 
 SCHEMA = {
     "type": "object",
@@ -31,9 +32,7 @@ def _run(llm: LLM, rid: str, ids: list[int], params: SamplingParams) -> list[int
 
 @pytest.mark.parametrize("spec", [{"json": SCHEMA}, {"regex": "[0-9]{3}-[0-9]{2}"}])
 def test_a_resumed_structured_request_continues_its_grammar(tiny_llama, spec):
-    path = tiny_llama(
-        tokenizer=True, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2
-    )
+    path = tiny_llama(**TEXT)
     llm = LLM(
         str(path),
         device="cpu",

@@ -10,6 +10,7 @@ import torch
 
 from streamkv.entrypoints.llm import LLM
 from tests.executor.test_async_mp import _outputs
+from tests.tiny_models import KERNEL_HEADS
 
 pytestmark = pytest.mark.cuda
 
@@ -17,13 +18,7 @@ pytestmark = pytest.mark.cuda
 @pytest.fixture(scope="module")
 def tiny64_dir(tiny_llama):
     """4 query / 2 KV heads of 64 (a head size the CUDA kernels serve), untied lm_head."""
-    return tiny_llama(
-        max_position_embeddings=512,
-        hidden_size=256,
-        intermediate_size=512,
-        head_dim=64,
-        tie_word_embeddings=False,
-    )
+    return tiny_llama(**KERNEL_HEADS, max_position_embeddings=512, tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -23,6 +23,7 @@ from streamkv.entrypoints.cli.main import build_parser
 from streamkv.entrypoints.llm import LLM, engine_config
 from streamkv.executor.multiproc import MultiprocExecutor, WorkerError, verify_tensor_parallel
 from streamkv.models.loader import load_config, resolve_model_dir
+from tests.tiny_models import KERNEL_HEADS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [
@@ -48,13 +49,7 @@ def _tokens(outs) -> list[list[int]]:
 def tiny_dir(tiny_llama):
     """A 2-layer Llama with 4 query / 2 KV heads (TP=2 splits it) and an untied lm_head, so
     the sharded head's all-gather runs on every step."""
-    # head_dim 64 (hidden / heads): a size the CUDA kernels are built for
-    return tiny_llama(
-        max_position_embeddings=512,
-        hidden_size=256,
-        intermediate_size=512,
-        tie_word_embeddings=False,
-    )
+    return tiny_llama(**KERNEL_HEADS, max_position_embeddings=512, tie_word_embeddings=False)
 
 
 def _tiny_prompts() -> list[list[int]]:

@@ -219,27 +219,21 @@ def test_silu_and_mul_kernel(dtype, tokens, inter, extra):
 
 @cuda
 @pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_models_with_kernels_equal_references(arch, tmp_path, monkeypatch):
+def test_models_with_kernels_equal_references(arch, tiny_llama, tmp_path, monkeypatch):
     """Logits of a prompt step and a decode step of a tiny model with the kernels and with
     every op forced to its reference (both on the GPU, fp32: only reduction order differs)."""
-    from transformers import LlamaConfig, OPTConfig
+    from transformers import OPTConfig
 
     from streamkv.entrypoints.llm import LLM
     from streamkv.worker.input_batch import SampleRequest, SeqInput
     from tests.models.hf_tiny import save_tiny
+    from tests.tiny_models import KERNEL_HEADS
 
-    config = (
-        LlamaConfig(
-            vocab_size=500,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        )
-        if arch == "llama"
-        else OPTConfig(
+    if arch == "llama":
+        path = tiny_llama(**KERNEL_HEADS, vocab_size=500, max_position_embeddings=2048)
+    else:
+        path = tmp_path
+        opt = OPTConfig(
             vocab_size=500,
             hidden_size=256,
             ffn_dim=512,
@@ -247,10 +241,9 @@ def test_models_with_kernels_equal_references(arch, tmp_path, monkeypatch):
             num_attention_heads=4,
             word_embed_proj_dim=256,
         )
-    )
-    save_tiny(config, tmp_path)
+        save_tiny(opt, path)
     llm = LLM(
-        str(tmp_path),
+        str(path),
         device="cuda",
         dtype="float32",
         num_kv_blocks=64,

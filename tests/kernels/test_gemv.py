@@ -225,29 +225,15 @@ def test_pdl_launch_in_a_graph_reads_the_fresh_input(dtype):
 
 
 @cuda
-def test_tiny_llama_bf16_with_and_without_the_gemv(tmp_path, monkeypatch):
+def test_tiny_llama_bf16_with_and_without_the_gemv(tiny_llama, monkeypatch):
     """A decode step's logits with the GEMV (batch 1: every projection, the MLP's
     activation and the lm_head) and with cuBLAS: bf16 rounding apart, nothing more."""
-    from transformers import LlamaConfig
-
     from streamkv.entrypoints.llm import LLM
     from streamkv.worker.input_batch import SampleRequest, SeqInput
-    from tests.models.hf_tiny import save_tiny
+    from tests.tiny_models import KERNEL_HEADS
 
-    save_tiny(
-        LlamaConfig(
-            vocab_size=500,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        ),
-        tmp_path,
-    )
     llm = LLM(
-        str(tmp_path),
+        str(tiny_llama(**KERNEL_HEADS, vocab_size=500, max_position_embeddings=2048)),
         device="cuda",
         dtype="bfloat16",
         num_kv_blocks=64,

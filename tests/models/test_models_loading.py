@@ -16,19 +16,9 @@ from transformers import LlamaConfig, OPTConfig
 from streamkv import SamplingParams
 from streamkv.entrypoints.llm import LLM
 from streamkv.models.loader import has_tokenizer_files, load_tokenizer, resolve_model_dir
+from tests.tiny_models import TINY_LLAMA
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 256,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-}
+TINY = {**TINY_LLAMA, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 SMALL = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 32, "num_swap_blocks": 0}
 
 

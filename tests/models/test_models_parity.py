@@ -13,19 +13,11 @@ from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
 from streamkv.entrypoints.llm import LLM
 from streamkv.models.loader import has_tokenizer_files
+from tests.tiny_models import TINY_LLAMA
 
 VOCAB = 1000
 NO_SPECIAL = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-LLAMA = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": VOCAB,
-    "max_position_embeddings": 256,
-    **NO_SPECIAL,
-}
+LLAMA = {**TINY_LLAMA, "vocab_size": VOCAB, **NO_SPECIAL}
 OPT = {
     "hidden_size": 64,
     "ffn_dim": 128,

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tiny_models import KERNEL_HEADS
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tiny_llama):
     return tiny_llama(
-        max_position_embeddings=2048,
-        num_hidden_layers=3,
-        hidden_size=256,
-        intermediate_size=512,
-        head_dim=64,
-        tie_word_embeddings=False,
+        **KERNEL_HEADS, max_position_embeddings=2048, num_hidden_layers=3, tie_word_embeddings=False
     )

@@ -34,6 +34,7 @@ from streamkv.worker.cuda_graphs import (
     padded_batch_size,
 )
 from streamkv.worker.input_batch import SampleRequest, SeqInput
+from tests.tiny_models import KERNEL_HEADS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -43,13 +44,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def tiny_dir(tiny_llama):
     """A 2-layer Llama, 4 query / 2 KV heads of 64 (a head size the CUDA kernels serve),
     untied lm_head, wide random weights (few near-ties)."""
-    return tiny_llama(
-        max_position_embeddings=2048,
-        hidden_size=256,
-        intermediate_size=512,
-        head_dim=64,
-        tie_word_embeddings=False,
-    )
+    return tiny_llama(**KERNEL_HEADS, max_position_embeddings=2048, tie_word_embeddings=False)
 
 
 def _runner(llm: LLM):
