@@ -1,45 +1,32 @@
 """The paper's baselines: Orca-style contiguous KV reservations behind the BlockManager's
-interface. Benchmark use only (``kv_allocation`` / ``--kv-allocation``): they exist so that a
-run can swap the memory manager and keep everything else (scheduler, workers, kernels).
-
-At admission a request reserves one contiguous run of KV slots per sequence, sized by the
-policy, and keeps it until it ends:
+interface, so that a benchmark run (``--kv-allocation``) swaps the memory manager and keeps
+everything else. At admission a request reserves one contiguous run of KV slots per sequence,
+sized by the policy, and keeps it until it ends:
 
     orca-max     max_model_len slots
     orca-pow2    the next power of two of prompt + output (capped at max_model_len)
     orca-oracle  exactly prompt + output
     ft-max       max_model_len slots, and FasterTransformer-style request-level batching
 
-"Output" is the length the request will reach: ``max_tokens`` (capped so the sequence fits
-max_model_len). The benchmark harness sends every request with ``ignore_eos`` and
-``max_tokens`` = the workload's true output length, so this *is* the oracle's knowledge;
-a request that stops early (EOS, a stop string) leaves the rest of its run unused, which the
-waste accounting counts as internal fragmentation, as it would be in Orca.
+"Output" is ``max_tokens`` (capped so the sequence fits max_model_len); the harness sends
+``ignore_eos`` and the workload's true output length, so this *is* the oracle's knowledge. A
+request that stops early leaves the rest of its run unused: internal fragmentation, as in Orca.
 
-Why no new kernels: the slot space is the block pool itself, laid out in block-id order, and
-a reservation is a run of consecutive block ids ``[start, start + k)``. A sequence's block
-table is the prefix of its run that it has reached, so ``block_table[i] = start + i`` and the
-flat slot of token t is ``start * block_size + t``: one contiguous span, read by the same
-paged kernels. The only cost of this encoding is that runs start on block boundaries and are
-whole blocks (up to ``block_size - 1`` slots of rounding per sequence, counted as internal
-fragmentation; block size 1 makes reservations exact). Free space is managed by a real
-first-fit allocator over block ids, so holes between runs (external fragmentation) form as
-they would in any contiguous allocator.
+No new kernels: a run is the consecutive block ids ``[start, start + k)`` of the block pool,
+and a table the prefix of its run reached so far, so the paged kernels read one contiguous
+span. Runs are whole blocks (up to ``block_size - 1`` slots of rounding per sequence, counted
+as internal fragmentation). Free space is a real first-fit allocator over block ids, so holes
+between runs (external fragmentation) form as in any contiguous allocator.
 
-Parallel sampling and beam search: a group reserves ``best_of`` runs at admission (one per
-sequence it will hold), as Orca must. A forked child first reads its parent's blocks (no KV
-is written between a fork and the next step); on its first ``ensure_slots`` it takes one of
-the group's spare runs and the parent's blocks are copied into it (returned as block copies,
-the same path copy-on-write uses). The copies run before the step's forward pass, and a
-group's sequences are always scheduled together, so the parent's next write comes after.
+Parallel sampling and beam search: a group reserves ``best_of`` runs at admission, as Orca
+must. A forked child reads its parent's blocks until its first ``ensure_slots`` binds a spare
+run and copies them into it (block copies, the copy-on-write path: they run before the
+parent's next write). Reservations cover every token a request can reach, so the scheduler
+never preempts for them and swapping is not offered.
 
-Reservations cover every token a request can reach, so these managers never need a slot
-mid-request and the scheduler never preempts for them; swapping is not offered.
-
-Request-level batching (ft-max) needs no scheduler change: a batch is the requests admitted
-while nothing else holds memory; once any of them has computed a token (its second step)
-the batch is closed, ``can_allocate`` answers LATER, and the runs of finished requests are
-kept (as a static batch's buffers are) until the whole batch has ended.
+Request-level batching (ft-max): a batch is the requests admitted while nothing else holds
+memory; once any has computed a token, ``can_allocate`` answers LATER, and finished requests'
+runs are kept (as a static batch's buffers are) until the whole batch has ended.
 """
 
 from __future__ import annotations
@@ -95,9 +82,7 @@ class ContiguousBlockManager:
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
         self.request_batching = policy == "ft-max"
         self._batch_closed = False
-        self._retired: list[
-            Run
-        ] = []  # request batching: runs of ended requests, until the batch ends
+        self._retired: list[Run] = []  # request batching: ended requests' runs, until it ends
         self.device = FirstFitAllocator(num_device_blocks)
         self.cpu = BlockPool(num_cpu_blocks)  # stays empty: see can_swap_out
         self.tables: dict[int, list[int]] = {}
@@ -244,8 +229,7 @@ class ContiguousBlockManager:
     def can_swap_out(self, group: SequenceGroup) -> bool:
         return False
 
-    def can_swap_in(self, group: SequenceGroup) -> bool:
-        return False
+    can_swap_in = can_swap_out
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         raise RuntimeError("contiguous KV allocation does not swap")
