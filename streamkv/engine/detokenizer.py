@@ -1,5 +1,6 @@
 """Incremental detokenization: text grows token by token without ever emitting half a
-UTF-8 character, and stop strings are found and trimmed.
+UTF-8 character, and stop strings are found and trimmed; with them, the other conditions
+that end a sequence on its newest token (EOS, stop ids, length: ``check_stop_conditions``).
 
 Decoding a window of a few previous tokens together with the new ones (rather than the new
 token alone) keeps tokenizers that merge spaces or byte pieces correct; a window that ends in
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from streamkv.sequence import Sequence
+from streamkv.sampling_params import SamplingParams
+from streamkv.sequence import Sequence, SequenceStatus
 
 _WINDOW = 6
 EXACT_HOLDBACK_CHARS = 64  # longer stop strings hold back their length - 1 (see holdback)
@@ -82,6 +84,41 @@ class Detokenizer:
             seq.read_offset = n_prompt + len(out)
             return new
         return ""
+
+
+def check_stop_conditions(
+    seq: Sequence,
+    params: SamplingParams,
+    old_len: int,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+) -> None:
+    """Whether ``seq``'s newest token ends it, after its grammar's verdict: EOS, stop ids,
+    stop strings (in the text past ``old_len``; a hit is trimmed), then length."""
+    out_ids = seq.output_token_ids
+    token = out_ids[-1]
+    n_out = len(out_ids)
+    if n_out >= params.min_tokens:
+        if not params.ignore_eos and token in eos_token_ids:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
+        if params.stop_token_ids and token in params.stop_token_ids:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            return
+        if params.stop:
+            hit = find_stop(seq.output_text, params.stop, old_len)
+            if hit is not None:
+                i, stop = hit
+                seq.output_text = seq.output_text[
+                    : i + len(stop) if params.include_stop_str_in_output else i
+                ]
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                return
+    max_tokens = params.max_tokens
+    if max_tokens is not None and n_out >= max_tokens:
+        seq.status = SequenceStatus.FINISHED_LENGTH
+    elif n_out + len(seq.prompt_token_ids) >= max_model_len:
+        seq.status = SequenceStatus.FINISHED_LENGTH
 
 
 def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

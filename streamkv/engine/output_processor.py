@@ -11,7 +11,7 @@ from streamkv.core.block_manager import BlockManager
 from streamkv.core.scheduler import SchedulerOutput
 from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
-from streamkv.engine.detokenizer import Detokenizer, find_stop, holdback
+from streamkv.engine.detokenizer import Detokenizer, check_stop_conditions, holdback
 from streamkv.engine.structured import accept_tokens
 from streamkv.messages import SampleResult, StepOutput
 from streamkv.sequence import (
@@ -50,11 +50,10 @@ class OutputProcessor:
         )
 
     def advance(self, sched: SchedulerOutput, pending: bool = False) -> None:
-        """Count a step's tokens as computed and register its full blocks in the prefix cache
-        (each holds known tokens only). With async scheduling this runs as soon as the step
-        is handed off, and ``pending`` counts the token that each sequence it samples is
-        sampling (Sequence.num_pending), so the next step is planned while this one runs; a
-        sequence whose next token ends it by length gets none, so it is not scheduled again."""
+        """Count a step's tokens as computed and register its full blocks in the prefix cache.
+        With async scheduling it runs once the step is handed off, and ``pending`` counts the
+        token each sampling sequence is sampling (Sequence.num_pending), so the next step is
+        planned while this one runs; a sequence that token ends by length gets none."""
         mark, max_len = self.bm.mark_computed, self.max_model_len
         for s in sched.scheduled:
             seq = s.seq
@@ -71,17 +70,6 @@ class OutputProcessor:
                 if (max_tokens is None or n_out + 1 < max_tokens) and length + 1 < max_len:
                     seq.num_pending = 1
 
-    def process(
-        self,
-        sched: SchedulerOutput,
-        result: StepOutput,
-        finished_only: bool = False,
-        advanced: bool = False,
-        unread: Container[str] = (),
-    ) -> list[RequestOutput]:
-        """Apply a step's samples and build the outputs of the requests it touched."""
-        return self.build(self.apply(sched, result, advanced), finished_only, unread)
-
     def apply(
         self, sched: SchedulerOutput, result: StepOutput, advanced: bool = False
     ) -> list[SequenceGroup]:
@@ -96,9 +84,7 @@ class OutputProcessor:
             prompt_logprobs.record(sched.scheduled, result.prompt_logprobs)
         touched: dict[str, SequenceGroup] = {}
         beams: dict[str, list] = {}
-        structured: list[
-            tuple[SequenceGroup, Sequence, int]
-        ] = []  # their grammars take the step's tokens at once
+        structured: list[tuple[SequenceGroup, Sequence, int]] = []  # grammars take all at once
         now = time.monotonic()
         for s in sched.scheduled:
             seq, group = s.seq, s.group
@@ -175,12 +161,8 @@ class OutputProcessor:
     ) -> None:
         """Append a token chosen by the engine (beam search), with the top logprobs of the
         step it came from, and extend the text."""
-        entry = (
-            _logprob_entry(token, logprob, top)
-            if group.sampling_params.logprobs is not None
-            else None
-        )
-        seq.append_token(token, logprob, entry)
+        want = group.sampling_params.logprobs is not None
+        seq.append_token(token, logprob, _logprob_entry(token, logprob, top) if want else None)
         if self.detokenizer is not None:
             self.detokenizer.update(seq, group.sampling_params.skip_special_tokens)
 
@@ -220,7 +202,9 @@ class OutputProcessor:
             if grammar.accept(seq.output_token_ids[-1]):  # structured outputs: it is complete
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
-        self._check_rest(group, seq, old_len)
+        check_stop_conditions(
+            seq, group.sampling_params, old_len, self.eos_token_ids, self.max_model_len
+        )
 
     def _accept_structured(self, rows: list[tuple[SequenceGroup, Sequence, int]]) -> None:
         """check_stop's rest for a step's structured rows, their grammars advanced in one
@@ -232,65 +216,28 @@ class OutputProcessor:
             if end:
                 seq.status = SequenceStatus.FINISHED_STOPPED
             else:
-                self._check_rest(group, seq, old_len)
-
-    def _check_rest(self, group: SequenceGroup, seq: Sequence, old_len: int) -> None:
-        """The stop conditions after the grammar's: EOS, stop ids and strings, length."""
-        params = group.sampling_params
-        out_ids = seq.output_token_ids
-        token = out_ids[-1]
-        n_out = len(out_ids)
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if params.stop_token_ids and token in params.stop_token_ids:
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-                return
-            if params.stop:
-                hit = find_stop(seq.output_text, params.stop, old_len)
-                if hit is not None:
-                    i, stop = hit
-                    seq.output_text = seq.output_text[
-                        : i + len(stop) if params.include_stop_str_in_output else i
-                    ]
-                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-                    return
-        max_tokens = params.max_tokens
-        if max_tokens is not None and n_out >= max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH
-        elif n_out + len(seq.prompt_token_ids) >= self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
+                check_stop_conditions(
+                    seq, group.sampling_params, old_len, self.eos_token_ids, self.max_model_len
+                )
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:
         params = group.sampling_params
-        seqs = group.seqs
+        seqs, stop, want_logprobs = group.seqs, params.stop, params.logprobs is not None
         if len(seqs) == 1 and not params.use_beam_search:  # the common case (per request per step)
-            return self._single_output(group, seqs[0], params.stop, params.logprobs is not None)
-        finished = group.finished
-        if params.use_beam_search:
-            seqs = ranked_beams(group) if finished else group.seqs
-        elif finished and params.best_of > params.n:
-            seqs = best_of_n(seqs, params.n)
-        want_logprobs = params.logprobs is not None
-        stop = params.stop
-        completions = []
-        for i, seq in enumerate(seqs):
-            text = seq.output_text
-            status = seq.status
-            if stop and not status.finished:
-                text = text[: len(text) - holdback(text, stop)]
-            completions.append(
-                CompletionOutput(
-                    i if finished else seq.sample_index,
-                    text,
-                    seq.output_token_ids[:],
-                    seq.cumulative_logprob,
-                    seq.output_logprobs[:] if want_logprobs else None,
-                    status.finish_reason,
-                    seq.stop_reason,
-                )
-            )
+            seq = seqs[0]
+            finished = seq.status.finished
+            index = 0 if finished else seq.sample_index
+            completions = [_completion(index, seq, stop, want_logprobs)]
+        else:
+            finished = group.finished
+            if params.use_beam_search:
+                seqs = ranked_beams(group) if finished else seqs
+            elif finished and params.best_of > params.n:
+                seqs = best_of_n(seqs, params.n)
+            completions = [
+                _completion(i if finished else seq.sample_index, seq, stop, want_logprobs)
+                for i, seq in enumerate(seqs)
+            ]
         return RequestOutput(
             group.request_id,
             group.prompt,
@@ -302,33 +249,23 @@ class OutputProcessor:
             group.prompt_logprobs,
         )
 
-    def _single_output(
-        self, group: SequenceGroup, seq: Sequence, stop: list[str] | None, want_logprobs: bool
-    ) -> RequestOutput:
-        """make_output for a request of one sequence, without beam search: no ranking."""
-        text, status = seq.output_text, seq.status
-        finished = status.finished
-        if stop and not finished:
-            text = text[: len(text) - holdback(text, stop)]
-        completion = CompletionOutput(
-            0 if finished else seq.sample_index,
-            text,
-            seq.output_token_ids[:],
-            seq.cumulative_logprob,
-            seq.output_logprobs[:] if want_logprobs else None,
-            status.finish_reason,
-            seq.stop_reason,
-        )
-        return RequestOutput(
-            group.request_id,
-            group.prompt,
-            seq.prompt_token_ids,
-            [completion],
-            finished,
-            group.error,
-            _metrics(group),
-            group.prompt_logprobs,
-        )
+
+def _completion(
+    index: int, seq: Sequence, stop: list[str] | None, want_logprobs: bool
+) -> CompletionOutput:
+    """One sequence's output; a running one holds back text that may begin a stop string."""
+    text, status = seq.output_text, seq.status
+    if stop and not status.finished:
+        text = text[: len(text) - holdback(text, stop)]
+    return CompletionOutput(
+        index,
+        text,
+        seq.output_token_ids[:],
+        seq.cumulative_logprob,
+        seq.output_logprobs[:] if want_logprobs else None,
+        status.finish_reason,
+        seq.stop_reason,
+    )
 
 
 def _metrics(group: SequenceGroup) -> dict[str, float]:

@@ -31,7 +31,7 @@ any other, a step that samples a structured row runs synchronously. A structured
 ends in N (its grammar, EOS, a stop) gets no mask: its N+1 sample is discarded like any other.
 
 Why a sequence that ends in step N may run in N+1 harmlessly: its N+1 output is discarded
-(OutputProcessor.process skips finished sequences), and its blocks are freed on the host
+(OutputProcessor.apply skips finished sequences), and its blocks are freed on the host
 when N's outputs are processed, while N+1 may still write one slot of it. Every later use
 of a freed block is a later step, which the device runs after N+1 (one stream, in order):
 a new owner writes its slots before it reads them, and the one slot N+1 writes lies in a

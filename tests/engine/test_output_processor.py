@@ -32,7 +32,7 @@ def test_parallel_samples_fork_share_and_free_through_the_given_parts():
     )
     sched.add(group)
     out = sched.schedule()
-    proc.process(out, StepOutput({0: SampleResult([11, 12], [-0.5, -1.0])}))
+    proc.apply(out, StepOutput({0: SampleResult([11, 12], [-0.5, -1.0])}))
     child = group.seqs[1]
     assert (
         child.seq_id == 100
@@ -42,12 +42,12 @@ def test_parallel_samples_fork_share_and_free_through_the_given_parts():
     assert bm.tables[0][0] == bm.tables[100][0] and bm.device.ref_counts[bm.tables[0][0]] == 2
     # The child samples EOS: it finishes and the scheduler's free function drops its blocks.
     out = sched.schedule()
-    proc.process(out, StepOutput({0: SampleResult([13], [-0.1]), 100: SampleResult([EOS], [-0.1])}))
+    proc.apply(out, StepOutput({0: SampleResult([13], [-0.1]), 100: SampleResult([EOS], [-0.1])}))
     assert child.status is SequenceStatus.FINISHED_STOPPED and 100 not in bm.tables
     # The context length it was given ends the other at 12 tokens.
     while not group.finished:
         out = sched.schedule()
-        proc.process(out, StepOutput({0: SampleResult([13], [-0.1])}))
+        proc.apply(out, StepOutput({0: SampleResult([13], [-0.1])}))
     assert len(group.seqs[0]) == 12 and group.seqs[0].status is SequenceStatus.FINISHED_LENGTH
     bm.check_no_leaks()
 
@@ -61,7 +61,7 @@ def test_beam_search_forks_with_the_given_block_manager_and_ids():
     sched.add(group)
     out = sched.schedule()
     # One beam, two continuations: it forks once (a new id from the given source).
-    proc.process(
+    proc.apply(
         out,
         StepOutput(
             {
