@@ -24,7 +24,8 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from streamkv.engine.async_engine import (
+from streamkv.engine.recovery import EngineRestartedError
+from streamkv.engine.request_book import (
     EngineDeadError,
     EngineNotReadyError,
     EngineRecoveringError,
@@ -32,7 +33,6 @@ from streamkv.engine.async_engine import (
     QueueFullError,
     RequestAbortedError,
 )
-from streamkv.engine.recovery import EngineRestartedError
 from streamkv.engine.tokenizer_lanes import TokenizerBusyError
 
 logger = logging.getLogger("streamkv.entrypoints.requests")

@@ -19,7 +19,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from streamkv.engine.async_engine import AsyncEngine, RequestStream
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.engine.request_book import RequestStream
 from streamkv.engine.stats import REQUEST_LATENCY_BUCKETS
 from streamkv.sequence import RequestOutput
 

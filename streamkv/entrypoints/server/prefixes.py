@@ -28,8 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from streamkv.core.reserved_prefix import ReservedPrefixError
-from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
+from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.llm_engine import LLMEngine
+from streamkv.engine.request_book import EngineDeadError
 from streamkv.engine.reserved_prefixes import PREFIX_PARAMS, register_prefix, reserved_prefixes
 from streamkv.entrypoints.openai.protocol import APIError
 

@@ -27,7 +27,8 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from streamkv.engine.async_engine import AsyncEngine, EngineStoppingError
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.engine.request_book import EngineStoppingError
 
 logger = logging.getLogger(__name__)
 

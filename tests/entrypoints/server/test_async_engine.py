@@ -7,13 +7,9 @@ import threading
 
 import pytest
 
-from streamkv.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineNotReadyError,
-    RequestAbortedError,
-)
+from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.recovery import RestartBudget
+from streamkv.engine.request_book import EngineDeadError, EngineNotReadyError, RequestAbortedError
 from streamkv.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import CRASH_TOKEN, FakeEngine
 

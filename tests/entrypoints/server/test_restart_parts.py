@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.engine.request_book import EngineDeadError
 from streamkv.sampling_params import SamplingParams
 from tests.entrypoints.server.test_async_engine import DyingEngine, run
 
