@@ -17,7 +17,7 @@ from streamkv.core.block_pool import root_key
 from streamkv.core.preemption import device_profile
 from streamkv.core.scheduler import Scheduler, SchedulerOutput
 from streamkv.engine import prompt_logprobs
-from streamkv.engine.beam_search import BeamState
+from streamkv.engine.beam_search import BeamState, ending_tokens
 from streamkv.engine.detokenizer import Detokenizer
 from streamkv.engine.output_processor import OutputProcessor
 from streamkv.engine.stats import EngineStats
@@ -26,7 +26,6 @@ from streamkv.engine.step_pipeline import InFlight, StepPipeline
 from streamkv.engine.structured import StructuredOutputManager
 from streamkv.executor.base import Executor, create_executor
 from streamkv.messages import StepFailed, StepOutput
-from streamkv.model_info import ModelInfo
 from streamkv.models.loader import load_tokenizer, resolve_model_dir, resolve_model_info
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup
@@ -35,27 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        executor: Executor | None = None,
-        model_info: ModelInfo | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         config.verify()
         # The model's facts, once: the executor and its workers get this record, not a path
         # to re-read. Tensor-parallel sizes are checked here from config numbers, before any
         # worker process starts.
-        model_dir = (
-            model_info.model_dir
-            if model_info is not None
-            else resolve_model_dir(config.model.model)
-        )
+        model_dir = resolve_model_dir(config.model.model)
         self.tokenizer = load_tokenizer(
             Path(config.model.tokenizer).expanduser() if config.model.tokenizer else model_dir
         )
-        self.model_info = info = model_info or resolve_model_info(
-            config.model, model_dir, self.tokenizer
-        )
+        self.model_info = info = resolve_model_info(config.model, model_dir, self.tokenizer)
         info.verify_tensor_parallel(config.model.tensor_parallel_size)
         # The engine's own copy carries the resolved device ("auto" decided once, here) and
         # the scheduler's defaults for it; the caller's config is never changed after verify().
@@ -89,12 +77,9 @@ class LLMEngine:
             config.cache, num_device, num_cpu, info.max_model_len
         )
         sched = config.scheduler
-        if (
-            sched.preemption_cost_profile is None
-        ):  # auto preemption's costs, measured on this kind of device
-            sched = dataclasses.replace(
-                sched, preemption_cost_profile=device_profile(self.device_type)
-            )
+        if sched.preemption_cost_profile is None:  # auto preemption's costs, for this device
+            profile = device_profile(self.device_type)
+            sched = dataclasses.replace(sched, preemption_cost_profile=profile)
         self.scheduler = Scheduler(sched, bm)
         self.limits = EngineLimits(
             max_model_len=info.max_model_len,
@@ -108,7 +93,7 @@ class LLMEngine:
         )
         self.eos_token_ids = info.eos_token_ids
         self.structured = StructuredOutputManager(
-            self.tokenizer, info.vocab_size, self.eos_token_ids
+            self.tokenizer, info.vocab_size, info.eos_token_ids
         )
         self.step_builder = StepBuilder(bm.tables, self.eos_token_ids)  # what the workers hold
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -125,8 +110,9 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         # Async scheduling needs workers that fill pending input tokens on the device.
         self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
-        self.pipeline = (
-            StepPipeline(
+        self.pipeline = None
+        if self.async_scheduling:
+            self.pipeline = StepPipeline(
                 self._launch,
                 self._apply,
                 self._build,
@@ -134,9 +120,6 @@ class LLMEngine:
                 self.structured,
                 sched.overlap_structured,
             )
-            if self.async_scheduling
-            else None
-        )
         logger.info(
             "KV cache: %d device blocks, %d CPU swap blocks of %d tokens",
             num_device,
@@ -146,9 +129,8 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def defer_until_compiled(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
-        """True when ``params``' grammar compiles now on a compile thread: ``resume`` runs
-        when it is done, and ``add_request`` should wait till then (the server's engine
-        thread never compiles a grammar: issue 26)."""
+        """True when ``params``' grammar compiles now on a compile thread: ``add_request``
+        waits for ``resume`` (the engine thread never compiles a grammar: issue 26)."""
         return self.structured.defer(params, resume)
 
     def add_request(
@@ -168,14 +150,8 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         check_request(prompt_token_ids, params, self.limits)
-        allowed = params.allowed_token_ids
-        if (
-            params.min_tokens
-            and allowed
-            and set(allowed)
-            <= set(params.stop_token_ids)
-            | (set() if params.ignore_eos else set(self.eos_token_ids))
-        ):
+        allowed = set(params.allowed_token_ids or ())
+        if params.min_tokens and allowed and allowed <= ending_tokens(params, self.eos_token_ids):
             # min_tokens bans them at first: no token at all could be sampled.
             raise InvalidParameter(
                 "allowed_token_ids",
@@ -202,7 +178,8 @@ class LLMEngine:
             for token in prompt_token_ids[len(prompt_token_ids) - params.resumed_output_tokens :]:
                 seq.grammar.accept(token)
         group = SequenceGroup(request_id, [seq], params, prompt=prompt)
-        prompt_logprobs.prepare(group, seq, params)
+        if params.prompt_logprobs is not None:
+            prompt_logprobs.prepare(group, seq)
         if params.use_beam_search:
             group.beam_state = BeamState()
         if arrival_time is not None:
@@ -217,10 +194,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts: its outputs are still to be processed (async scheduling).
-        pipeline = self.pipeline
-        return self.scheduler.has_unfinished() or (
-            pipeline is not None and pipeline.has_live_step()
-        )
+        live = self.pipeline is not None and self.pipeline.has_live_step()
+        return self.scheduler.has_unfinished() or live
 
     @property
     def overlapped_steps(self) -> int:
@@ -244,19 +219,17 @@ class LLMEngine:
         unread: Container[str] = (),
         emit: Callable[[list[RequestOutput]], None] | None = None,
     ) -> list[RequestOutput]:
-        """One iteration, three calls: schedule a step, execute it (``_launch``: build its
-        StepInput, submit it), process its samples (``_process``). Returns the outputs of
-        every request the step touched (with ``finished_only``, of those that finished:
-        offline generation skips building a snapshot of every running request on every
-        step; nor of the running requests in ``unread``, whose last output the server has
-        not read yet). With async scheduling the step pipeline makes the same calls with
-        step N+1 submitted before step N is processed, and N+1 in flight when this returns;
-        then N's outputs are built in the next call, once N+2 is submitted, and handed to
-        ``emit`` if given (else returned) before that call waits for N+1
-        (engine/step_pipeline.py)."""
+        """One iteration, three calls: schedule and submit a step (``_launch``), apply its
+        samples (``_apply``), build the outputs of the requests it touched (``_build``): with
+        ``finished_only`` only finished ones (offline generation), and none of running ones in
+        ``unread`` (the server has not read their last output). With async scheduling the step
+        pipeline makes the same calls overlapped, handing a step's outputs to ``emit`` if
+        given (engine/step_pipeline.py)."""
         if self.pipeline is not None:
             return self.pipeline.step(finished_only, unread, emit)
-        return self._process(self._launch(), finished_only, unread)
+        step = self._launch()
+        touched = self._apply(step)
+        return self._build(touched, finished_only, unread)
 
     def _launch(self) -> InFlight:
         """Schedule a step and hand it to the executor."""
@@ -270,18 +243,6 @@ class LLMEngine:
             except StepFailed as e:
                 step.error = e
         return step
-
-    def _process(
-        self,
-        step: InFlight,
-        finished_only: bool,
-        unread: Container[str] = (),
-        advanced: bool = False,
-    ) -> list[RequestOutput]:
-        """Wait for a step's samples, apply them, and build the outputs of the requests it
-        touched; ``advanced``: its tokens were counted as computed when it was launched
-        (OutputProcessor.advance)."""
-        return self._build(self._apply(step, advanced), finished_only, unread)
 
     def _apply(self, step: InFlight, advanced: bool = False) -> list[SequenceGroup]:
         """Wait for a step's samples and apply them; the requests it touched."""
@@ -312,9 +273,8 @@ class LLMEngine:
 
     def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[SequenceGroup]:
         """The worker could not run this step: its requests end with the error (their blocks
-        freed); requests outside the step, and later steps, go on. The requests to answer."""
-        # A group that ended before (async scheduling: while this step was planned) was
-        # answered already.
+        freed), but for groups that ended before (async scheduling: answered already);
+        requests outside the step, and later steps, go on. The requests to answer."""
         failed = {s.group.request_id: s.group for s in sched.scheduled if not s.group.finished}
         for s in sched.scheduled:
             s.seq.num_pending = 0
@@ -332,8 +292,7 @@ class LLMEngine:
         return self.stats_.as_dict()
 
     def shutdown(self) -> None:
-        """Stop the workers and free what they hold on the device; a step in flight is
-        dropped (its handle keeps device tensors alive)."""
+        """Stop the workers and free their device memory (a step in flight is dropped)."""
         if self.pipeline is not None:
             self.pipeline.drop()
         self.structured.shutdown()

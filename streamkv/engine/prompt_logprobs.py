@@ -1,10 +1,10 @@
 """Prompt logprobs on the engine side: what a request that asks needs from the scheduler, and
 the worker's scored chunks turned into its ``prompt_logprobs`` list.
 
-- ``prepare`` (LLMEngine.add_request): the list starts as ``[None]`` (the first prompt token
-  has nothing before it), and the sequence skips prefix-cache hits, since a cached block's
-  positions would never be computed, so never scored (vLLM does the same).
-- ``record`` (OutputProcessor.process): each step's PromptLogprobs for the chunk it
+- ``prepare`` (LLMEngine.add_request, for a request that asks): the list starts as ``[None]``
+  (the first prompt token has nothing before it), and the sequence skips prefix-cache hits,
+  since a cached block's positions would never be computed, so never scored (vLLM does too).
+- ``record`` (OutputProcessor.apply): each step's PromptLogprobs for the chunk it
   computed. Entries are placed by prompt index, so a prompt computed twice (recompute after
   a preemption, or a group's shared prefix recomputed by its leader) never adds one twice.
 """
@@ -14,14 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from streamkv.messages import PromptLogprobs
-from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Logprob, Sequence, SequenceGroup
 
 
-def prepare(group: SequenceGroup, seq: Sequence, params: SamplingParams) -> None:
-    if params.prompt_logprobs is not None:
-        group.prompt_logprobs = [None]
-        seq.skip_prefix_cache = True
+def prepare(group: SequenceGroup, seq: Sequence) -> None:
+    group.prompt_logprobs = [None]
+    seq.skip_prefix_cache = True
 
 
 def record(scheduled: Iterable, scored: dict[int, PromptLogprobs]) -> None:
