@@ -27,7 +27,6 @@ from streamkv.engine.request_book import (
     EngineStoppingError,
     Observer,
     QueueFullError,
-    RequestAbortedError,
     RequestBook,
     RequestStream,
 )
@@ -38,21 +37,6 @@ from streamkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-# Re-exported: the front end imports the stream and its errors from here.
-__all__ = [
-    "AsyncEngine",
-    "EngineDeadError",
-    "EngineLimits",
-    "EngineNotReadyError",
-    "EngineRecoveringError",
-    "EngineStoppingError",
-    "Observer",
-    "QueueFullError",
-    "RequestAbortedError",
-    "RequestStream",
-]
 
 
 class AsyncEngine:
@@ -83,9 +67,8 @@ class AsyncEngine:
             verdicts=self._book.resolve,
             stalled=self._on_stalled,
         )
-        # Worker processes that die are restarted (a new engine from ``build``) and the
-        # running requests resume by recompute (engine/recovery.py), within the restart
-        # budget. The operator's log: a stats line every log_stats_interval seconds (None: none).
+        # Dead workers are restarted (a new engine from ``build``) within the restart budget,
+        # and the running requests resume by recompute (engine/recovery.py).
         self._thread = EngineThread(
             build,
             self._commands,
@@ -166,10 +149,8 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         self._tokenizer_lanes.shutdown()
         if self._thread.started and not self._thread.join(0):
-            logger.error(
-                "the engine thread is still in a step after %g s; stopping without it",
-                self._stop_timeout_s,
-            )
+            why = "the engine thread is still in a step after %g s; stopping without it"
+            logger.error(why, self._stop_timeout_s)
             return  # its workers end with this process (they watch their parent)
         if self.engine is not None:
             self.engine.shutdown()
@@ -241,9 +222,8 @@ class AsyncEngine:
         ``wait_accepted(stream, future)`` for the engine's verdict."""
         self.check_alive()
         arrival = time.monotonic() if arrival is None else arrival
-        sub = Submission(
-            request_id, prompt, params, prompt_token_ids, arrival, self._loop.create_future()
-        )
+        accepted = self._loop.create_future()
+        sub = Submission(request_id, prompt, params, prompt_token_ids, arrival, accepted)
         stream = self._book.open(sub, notify or asyncio.Event())
         if self._log_requests:
             log_request(request_id, prompt_token_ids, params, prompt)
@@ -274,26 +254,9 @@ class AsyncEngine:
         return await self._tokenizer_lanes.run(fn, size)
 
     async def run_on_engine(self, fn: Callable[[LLMEngine], T], timeout: float) -> T:
-        """``fn(engine)`` where the engine runs, between two steps (at once when idle): where
-        engine state can be read safely. Keep it short, the next step waits. Its exception is
-        raised here; a call the engine does not answer within ``timeout`` s (dead, or in a
-        long step) raises TimeoutError."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def settle(result: Any, error: BaseException | None) -> None:
-            if not done.done():
-                done.set_exception(error) if error is not None else done.set_result(result)
-
-        def call(engine: LLMEngine) -> None:
-            try:
-                result, error = fn(engine), None
-            except Exception as e:  # noqa: BLE001 - handed back to the caller
-                result, error = None, e
-            loop.call_soon_threadsafe(settle, result, error)
-
-        self._commands.call(call)
-        return await asyncio.wait_for(done, timeout)
+        """``fn(engine)`` between two steps (at once when idle), where engine state can be read
+        safely; keep it short, the next step waits (EngineCommands.run)."""
+        return await self._commands.run(fn, timeout)
 
     # -- what the engine thread tells the loop (called on the loop) -------------------------
     def _on_ready(self) -> None:
@@ -311,12 +274,8 @@ class AsyncEngine:
     def _on_restarted(self, handed: threading.Event, stalled: str | None = None) -> None:
         if stalled is not None:
             self._stalled = None
-            ended = self._book.end_suspects(
-                EngineRestartedError(
-                    f"{stalled}; the engine was restarted and this "
-                    "request, suspected of causing it, was ended"
-                )
-            )
+            why = f"{stalled}; the engine was restarted and this request, suspected of causing it,"
+            ended = self._book.end_suspects(EngineRestartedError(f"{why} was ended"))
             logger.error(
                 "watchdog: ended %d request(s) suspected of stalling the engine: %s",
                 len(ended),

@@ -13,12 +13,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from streamkv.engine.llm_engine import LLMEngine
 from streamkv.sampling_params import SamplingParams
 
 # The async engine's lines keep the one logger name they had before it was split in modules.
 logger = logging.getLogger("streamkv.engine.async_engine")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -64,9 +66,26 @@ class EngineCommands:
         self._queue.append(("abort", request_id))
         self._wakeup.set()
 
-    def call(self, fn: Callable[[LLMEngine], None]) -> None:
-        self._queue.append(("call", fn))
+    async def run(self, fn: Callable[[LLMEngine], T], timeout: float) -> T:
+        """``fn(engine)`` on the engine thread between two steps, its result or exception
+        handed back here; TimeoutError if no answer within ``timeout`` s (dead, long step)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def call(engine: LLMEngine) -> None:
+            try:
+                result, error = fn(engine), None
+            except Exception as e:  # noqa: BLE001 - handed back to the caller
+                result, error = None, e
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self._queue.append(("call", call))
         self._wakeup.set()
+        return await asyncio.wait_for(done, timeout)
 
     def wake(self) -> None:
         self._wakeup.set()

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from streamkv.engine.async_engine import AsyncEngine, EngineRecoveringError
+from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.recovery import EngineRestartedError
+from streamkv.engine.request_book import EngineRecoveringError
 from streamkv.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import FakeEngine
 
