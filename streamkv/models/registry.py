@@ -10,8 +10,9 @@ import torch
 
 from streamkv.layers.linear import ParallelLinear
 from streamkv.models.common import ModelShape
+from streamkv.models.gguf import is_gguf_conversion
 from streamkv.models.llama import LlamaForCausalLM
-from streamkv.models.loader import is_gguf_conversion, is_preset, iter_safetensors, load_config
+from streamkv.models.loader import is_preset, iter_safetensors, load_config
 from streamkv.models.opt import OPTForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -204,7 +204,7 @@ PROMPTS = [
 
 
 def _has_embedded_model() -> bool:
-    from streamkv.models.loader import embedded_gguf_path
+    from streamkv.models.gguf import embedded_gguf_path
 
     try:
         embedded_gguf_path()
