@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from streamkv.layers.host_copy import on_device
+from streamkv.layers.sampled_batch import on_device
 
 
 class TokenCounts:

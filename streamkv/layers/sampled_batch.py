@@ -1,6 +1,11 @@
-"""A step's samples as the engine reads them: a list of SampleResult (one per request) that
-stays on the device until it is first read, and whose ``tokens`` the next step takes its
-input ids from without the host (async scheduling)."""
+"""The sampler's traffic between host and device, neither direction syncing the stream (a
+sync would make a step's launch wait for the step before it: async scheduling):
+
+- ``on_device``: host lists (row indices, parameters, token ids) to the device;
+- ``SampledBatch``: a step's samples as the engine reads them, a list of SampleResult (one
+  per request) that stays on the device until it is first read, and whose ``tokens`` the
+  next step takes its input ids from without the host.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,16 @@ from streamkv.messages import SampleResult
 
 if TYPE_CHECKING:
     from streamkv.layers.sample_request import SamplingRows
+
+
+def on_device(device: torch.device, data, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``data`` (a list of ints or a CPU tensor) on ``device``. On CUDA through pinned memory,
+    without blocking: a copy from pageable memory waits for everything queued on the stream.
+    The pinned buffer is freed through the caching host allocator, which waits for the copy."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class SampledBatch(Sequence):

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from streamkv.layers.host_copy import on_device as _on
 from streamkv.layers.penalties import apply_penalties
 from streamkv.layers.sample_request import Draws, SampleRequest, SamplingRows
 from streamkv.layers.sampled_batch import SampledBatch
+from streamkv.layers.sampled_batch import on_device as _on
 from streamkv.layers.stream_hash import hashed_exponentials, stream_bases, stream_keys
 from streamkv.layers.token_mask import apply_token_masks
 from streamkv.layers.torch_draws import full_draws, top_k_draws

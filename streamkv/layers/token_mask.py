@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from streamkv.layers.host_copy import on_device
+from streamkv.layers.sampled_batch import on_device
 from streamkv.layers.mask_staging import MaskStaging, StagedMask
 
 TokenMask = bytes | np.ndarray | StagedMask  # little-endian int32 words, one bit per token

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from streamkv.layers.host_copy import on_device as _on
 from streamkv.layers.sample_request import Draws
+from streamkv.layers.sampled_batch import on_device as _on
 from streamkv.layers.stream_hash import hashed_exponentials, stream_keys
 
 
