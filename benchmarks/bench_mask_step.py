@@ -1,5 +1,5 @@
 """Host microseconds of the structured mask step's Python path, the earlier against the
-staging buffer's (layers/mask_staging.py), on whatever device is given (default: CPU).
+staging buffer's (MaskStaging in layers/token_mask.py), on whatever device is given (default: CPU).
 
 A step's masks are --rows rows of --vocab tokens, made by the batched fill; the sampler then
 bans outside them (layers/token_mask.py). Clocked with time.perf_counter over --calls calls:
@@ -62,7 +62,7 @@ def main() -> int:
 
     import streamkv.kernels.token_mask_cuda as tmc
     from streamkv.layers import token_mask as tm
-    from streamkv.layers.mask_staging import MaskStaging
+    from streamkv.layers.token_mask import MaskStaging
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

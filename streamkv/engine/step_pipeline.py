@@ -14,7 +14,7 @@ N+1's sampling, not at its forward pass. So N+1 is submitted with ``MASK_FOLLOWS
 rows (messages.py). Once N's outputs are processed (the matchers have accepted N's tokens),
 ``send_masks`` fills every such row's mask in one batched xgrammar call (one thread:
 structured.FILL_THREADS; straight into the pinned buffer the sampler uploads,
-layers/mask_staging.py) and hands them to N+1's handle; the worker samples N+1 while the
+layers/token_mask.py) and hands them to N+1's handle; the worker samples N+1 while the
 host schedules N+2 (the default on a GPU, SchedulerConfig.overlap_structured):
 
     host:    submit N+1 (forward) | wait N | process N | N+1's masks | schedule N+2 ...

@@ -16,8 +16,8 @@ Life of a structured sequence:
   state after the last accepted token: by the step builder, which sends it as
   ``SeqStep.token_mask``, or, when the step was built while that token was still being
   sampled (async scheduling), once it is accepted, for every such row of the step in one
-  batched call (``fill_masks``, into the pinned buffer the sampler uploads:
-  layers/mask_staging.py; engine/step_pipeline.py). The sampler bans every token outside it.
+  batched call (``fill_masks``, into the pinned buffer the sampler uploads: MaskStaging in
+  layers/token_mask.py; engine/step_pipeline.py). The sampler bans every token outside it.
 - A step's structured rows accept their sampled tokens in one native call
   (``accept_tokens``, from OutputProcessor).
 - ``SequenceGrammar.accept`` (OutputProcessor.check_stop) advances the matcher with each
@@ -158,7 +158,7 @@ class StructuredOutputManager:
         self.xgrammar = BackgroundImport("xgrammar") if tokenizer is not None else None
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fill_masks
-        self._staging: Any = None  # layers/mask_staging.py's MaskStaging: where fill_masks writes
+        self._staging: Any = None  # layers/token_mask.py's MaskStaging: where fill_masks writes
         self._stop_words: np.ndarray | None = None
         self._setup_lock = threading.Lock()  # the first compiles may run on two threads
         self._cache = CompileCache(self._compile, COMPILE_CACHE_SIZE, compile_timeout_s)
@@ -195,7 +195,7 @@ class StructuredOutputManager:
     def fill_masks(self, grammars: list[SequenceGrammar]) -> list:
         """The next-token masks of ``grammars`` (StagedMask i for grammar i), filled in one
         native call (xgrammar's BatchGrammarMatcher on FILL_THREADS threads) straight into
-        the persistent pinned buffer the sampler uploads (layers/mask_staging.py); valid
+        the persistent pinned buffer the sampler uploads (MaskStaging, layers/token_mask.py); valid
         until the next call. The grammars' own masks are left as they are."""
         if not grammars:
             return []
@@ -252,7 +252,7 @@ class StructuredOutputManager:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
             # Imported here: torch, not before a structured request.
-            from streamkv.layers.mask_staging import MaskStaging
+            from streamkv.layers.token_mask import MaskStaging
 
             self._staging = MaskStaging(-(-self.vocab_size // 32))
             stop = np.full((1, -(-self.vocab_size // 32)), -1, dtype=np.int32)

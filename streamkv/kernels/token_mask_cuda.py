@@ -52,7 +52,7 @@ def ban_outside_masks(logits: torch.Tensor, words: torch.Tensor, rows: torch.Ten
 
 
 class BanLaunch:
-    """``ban_outside_masks`` for one persistent words / rows buffer (layers/mask_staging.py):
+    """``ban_outside_masks`` for one persistent words / rows buffer (layers/token_mask.py):
     the kernel and its argument block are made once, a call sets the logits pointer and the
     row count. Building a launch's ctypes arguments costs the host microseconds a step, which
     is what a small model's structured step is made of."""

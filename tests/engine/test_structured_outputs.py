@@ -253,8 +253,7 @@ def _ban_like_the_kernel(logits: torch.Tensor, words: torch.Tensor, rows: torch.
 
 
 def test_staged_masks_upload_once_in_any_row_order():
-    from streamkv.layers.mask_staging import MaskStaging
-    from streamkv.layers.token_mask import staged_fill, upload_staged
+    from streamkv.layers.token_mask import MaskStaging, staged_fill, upload_staged
 
     vocab = 1000  # the last word half used
     allowed, words = _random_masks(5, vocab)
@@ -291,7 +290,7 @@ def test_staged_masks_upload_once_in_any_row_order():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("vocab", [49152, 1000])
 def test_staged_kernel_path_matches_the_cpu_path(vocab):
-    from streamkv.layers.mask_staging import MaskStaging
+    from streamkv.layers.token_mask import MaskStaging
 
     allowed, words = _random_masks(5, vocab)
     staging = MaskStaging(words.shape[1])

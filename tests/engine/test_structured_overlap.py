@@ -378,7 +378,7 @@ class _MaskHandleExecutor(_NoMaskHandleExecutor):
                     token = out.results[seq_id].token_ids[0]
                     words = (
                         mask.words
-                    )  # a row of the engine's staging buffer (layers/mask_staging.py)
+                    )  # a row of the engine's staging buffer (layers/token_mask.py)
                     assert np.frombuffer(words, "<u4")[token // 32] >> (token % 32) & 1, (
                         "the mask bans the next token"
                     )
