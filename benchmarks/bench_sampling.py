@@ -108,7 +108,8 @@ def sampler_only(args, modes: list[str]) -> list[dict]:
     import torch
 
     from streamkv.layers.penalties import TokenCounts
-    from streamkv.layers.sampler import Sampler, SampleRequest
+    from streamkv.layers.sample_request import SampleRequest
+    from streamkv.layers.sampler import Sampler
     from streamkv.models.loader import load_config, resolve_model_dir
 
     dev = torch.device(

@@ -41,18 +41,9 @@ from streamkv.layers.penalties import apply_penalties
 from streamkv.layers.sample_request import Draws, SampleRequest, SamplingRows
 from streamkv.layers.sampled_batch import SampledBatch
 from streamkv.layers.sampled_batch import on_device as _on
-from streamkv.layers.stream_hash import hashed_exponentials, stream_bases, stream_keys
+from streamkv.layers.stream_hash import stream_bases
 from streamkv.layers.token_mask import apply_token_masks
 from streamkv.layers.torch_draws import full_draws, top_k_draws
-
-__all__ = [
-    "SampleRequest",
-    "SampledBatch",
-    "Sampler",
-    "SamplingRows",
-    "hashed_exponentials",
-    "stream_keys",
-]
 
 
 class Sampler:

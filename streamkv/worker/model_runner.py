@@ -22,7 +22,8 @@ import torch
 
 from streamkv.layers.attention import AttentionMetadata
 from streamkv.layers.sample_request import SamplingRows
-from streamkv.layers.sampler import SampledBatch, Sampler
+from streamkv.layers.sampled_batch import SampledBatch
+from streamkv.layers.sampler import Sampler
 from streamkv.layers.token_mask import TokenMask
 from streamkv.messages import MASK_FOLLOWS, StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes

@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamkv.layers.sampler import Sampler, SampleRequest
+from streamkv.layers.sample_request import SampleRequest
+from streamkv.layers.sampler import Sampler
 from streamkv.sampling_params import InvalidParameter, SamplingParams
 
 EXTREMES = [

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from streamkv.layers.sampler import Sampler, SampleRequest
+from streamkv.layers.sample_request import SampleRequest
+from streamkv.layers.sampler import Sampler
 from streamkv.layers.stream_hash import _mix64, stream_bases, stream_keys
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkv.layers.sampler import Sampler, SampleRequest
+from streamkv.layers.sample_request import SampleRequest
+from streamkv.layers.sampler import Sampler
 
 VOCAB = 50
 
@@ -157,7 +158,7 @@ def test_draws_follow_the_filtered_distribution(req) -> None:
 
 
 def test_counter_based_exponentials() -> None:
-    from streamkv.layers.sampler import hashed_exponentials, stream_keys
+    from streamkv.layers.stream_hash import hashed_exponentials, stream_keys
 
     keys = stream_keys([1, 1, 2], [0, 0, 0], [0, 1, 0])
     assert (
@@ -250,7 +251,7 @@ def test_a_penalty_without_its_counts_is_an_error() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_seeded_draws_are_the_same_on_cuda_and_cpu() -> None:
-    from streamkv.layers.sampler import hashed_exponentials, stream_keys
+    from streamkv.layers.stream_hash import hashed_exponentials, stream_keys
 
     keys = stream_keys(list(range(8)), [0] * 8, list(range(8)))
     ids = torch.arange(128_256)
