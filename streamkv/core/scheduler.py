@@ -6,8 +6,7 @@ their length. Each step has one token budget (``max_num_batched_tokens``), spent
 
 1. running groups that decode (one token per sequence), oldest first;
 2. running groups still computing their prompt, oldest first, each taking a chunk of what is
-   left of the budget, so a long prompt is split across steps and decodes never wait behind
-   it whole;
+   left, so a long prompt is split across steps and decodes never wait behind it whole;
 3. swapped groups, resumed before any new admission;
 4. waiting groups, FCFS, whose prompts take the rest of the budget (again as chunks).
 
@@ -15,14 +14,11 @@ When a running group cannot get its slots, the newest group not yet scheduled th
 preempted whole (or the group itself, when none is left); nothing new is admitted in a step
 that preempted.
 
-Preemption of a group with several sequences (parallel samples, beams). ``auto`` picks swap
-or recompute for any group by a cost model measured per device (core/preemption.py). Swapped,
-a block shared inside the group moves once and stays shared. Recomputed, the group comes back
-through ``allocate_group``: the prefix its sequences share is mapped and recomputed once, by
-its first sequence, while the
-others wait a step; then every sequence computes its own tail. The group's cost at
-re-admission therefore counts shared blocks once, as it did while it ran (issue 11: costing
-each sequence separately left such groups waiting forever).
+``auto`` preempts by swap or recompute, whichever a cost model measured per device says is
+cheaper (core/preemption.py). A group of several sequences (samples, beams) keeps its sharing:
+swapped, a block shared inside it moves once; recomputed (``allocate_group``), its first
+sequence recomputes their shared prefix while the others wait a step, so its cost at
+re-admission counts shared blocks once (issue 11: costed apart, it waited forever).
 
 Progress guarantee: a step that schedules nothing, swaps nothing and preempts nothing while
 requests remain ends one request with an error (the head of the waiting queue when nothing
@@ -38,27 +34,31 @@ from streamkv.config import SchedulerConfig
 from streamkv.core.block_manager import AllocStatus, BlockManager
 from streamkv.core.preemption import auto_mode, load_costs
 from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput, decode_rows, demands
-from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamkv.sequence import SequenceGroup, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "decode_rows", "demands"]
 
 _arrival = attrgetter("arrival_time")  # the FCFS order key (a C call, not a lambda per group)
+_TOO_BIG = "the request needs more KV-cache blocks than the whole pool has"
+_NEVER_FITS = (
+    "the request can never be admitted: it does not fit the empty KV-cache pool within "
+    "max_num_seqs and the token budget"
+)
+_STUCK = (
+    "the scheduler could not make progress with this request (its blocks cannot be brought "
+    "back within the pool)"
+)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        self.config = config
-        self.bm = block_manager
+        self.config, self.bm = config, block_manager
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
-        self.num_preemptions = 0
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
-        # preemption_mode=auto: swap or recompute by measured cost (core/preemption.py).
+        self.num_preemptions = self.num_swapped_out_blocks = self.num_swapped_in_blocks = 0
         self.preemption_costs = load_costs(config.preemption_cost_profile)
-        # Groups preempted by the last schedule(). With async scheduling one of them may still
-        # get a token from the step in flight, and finish by it while waiting or swapped.
+        # Preempted by the last schedule(): one may still finish by the step in flight (async).
         self._preempted: list[SequenceGroup] = []
 
     # -- queues -------------------------------------------------------------------------
@@ -123,18 +123,14 @@ class Scheduler:
         if out.num_preempted == 0 and not self.swapped:
             self._admit_waiting(out, budget, num_seqs)
         self.running.sort(key=lambda g: g.arrival_time)
-        if (
-            not (out.scheduled or out.swap_in or out.failed or out.num_preempted)
-            and self.has_unfinished()
-        ):
-            if not self._awaiting_step():
-                self._no_progress(out)
+        idle = not (out.scheduled or out.swap_in or out.failed or out.num_preempted)
+        if idle and self.has_unfinished() and not self._awaiting_step():
+            self._no_progress(out)
         return out
 
     def _awaiting_step(self) -> bool:
-        """Async scheduling: a running sequence waits for the token that the step in flight
-        samples for it (pending, or nothing to compute before it comes), so that step's
-        outputs will change what can run: an empty step now is no stall."""
+        """Async scheduling: a running sequence awaits the token the step in flight samples for
+        it, so that step's outputs will change what can run: an empty step now is no stall."""
         return any(
             s.num_uncomputed_tokens == 0 or s.has_pending
             for g in self.running
@@ -143,16 +139,14 @@ class Scheduler:
         )
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
-        num_seqs = 0
-        bm, max_seqs = self.bm, self.config.max_num_seqs
+        num_seqs, bm, max_seqs = 0, self.bm, self.config.max_num_seqs
         decodes, prefills = [], []
         for group in sorted(self.running, key=_arrival):
             (prefills if decode_rows(group) is None else decodes).append(group)
         budget = self.config.token_budget
         queue = decodes + prefills
         running = self.running = []
-        scheduled = out.scheduled
-        i = 0
+        scheduled, i = out.scheduled, 0
         while i < len(queue):
             group = queue[i]
             i += 1
@@ -194,18 +188,18 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                self._schedule_group(group, want, out)
-                budget -= sum(n for _, n in want)
+                budget -= self._schedule_group(group, want, out)
                 num_seqs += len(seqs)
         return budget, num_seqs
 
-    def _schedule_group(self, group: SequenceGroup, want, out: SchedulerOutput) -> None:
+    def _schedule_group(self, group: SequenceGroup, want, out: SchedulerOutput) -> int:
         for seq, n in want:
             out.copies.extend(self.bm.ensure_slots(seq, n))
             out.scheduled.append(ScheduledSeq(group, seq, n))
             if n == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids):
                 out.num_decodes += 1
         self.running.append(group)
+        return sum(n for _, n in want)  # taken from the step's token budget
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int, num_seqs: int) -> tuple[int, int]:
         while self.swapped:
@@ -220,8 +214,7 @@ class Scheduler:
             mapping = self.bm.swap_in(group)
             out.swap_in.extend(mapping)
             self.num_swapped_in_blocks += len(mapping)
-            self._schedule_group(group, want, out)
-            budget -= sum(n for _, n in want)
+            budget -= self._schedule_group(group, want, out)
             num_seqs += len(seqs)
         return budget, num_seqs
 
@@ -234,10 +227,7 @@ class Scheduler:
             group = self.waiting[0]
             status = self.bm.can_allocate(group)
             if status == AllocStatus.NEVER:
-                self.waiting.popleft()
-                self._fail(
-                    group, out, "the request needs more KV-cache blocks than the whole pool has"
-                )
+                self._fail(self.waiting.popleft(), out, _TOO_BIG)
                 continue
             if status == AllocStatus.SHARE_LATER:
                 deferred.append(self.waiting.popleft())
@@ -258,8 +248,7 @@ class Scheduler:
             if want is None:  # admitted; computes from the next step on
                 self.running.append(group)
                 break
-            self._schedule_group(group, want, out)
-            budget -= sum(n for _, n in want)
+            budget -= self._schedule_group(group, want, out)
             num_seqs += future_seqs
         self.waiting.extendleft(reversed(deferred))
 
@@ -271,31 +260,20 @@ class Scheduler:
         """Nothing could run this step and nothing will change by waiting: end one request
         with an error rather than repeat the same empty step forever."""
         if self.waiting and not self.running and not self.swapped:
-            group = self.waiting.popleft()
-            self._fail(
-                group,
-                out,
-                "the request can never be admitted: it does not fit the empty KV-cache "
-                "pool within max_num_seqs and the token budget",
-            )
+            self._fail(self.waiting.popleft(), out, _NEVER_FITS)
             return
-        for queue in (self.swapped, self.running):
-            if queue:
-                group = queue[0]
-                queue.remove(group)
-                self._fail(
-                    group,
-                    out,
-                    "the scheduler could not make progress with this request "
-                    "(its blocks cannot be brought back within the pool)",
-                )
-                return
+        queue = self.swapped or self.running
+        if queue:
+            group = queue[0]
+            queue.remove(group)
+            self._fail(group, out, _STUCK)
 
     # -- preemption ---------------------------------------------------------------------
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, alone: bool) -> None:
-        seqs = group.live_seqs(SequenceStatus.RUNNING)
-        if alone and self._needs_more_than_pool(seqs):
-            self._fail(group, out, "the request needs more KV-cache blocks than the whole pool has")
+        seqs, bm = group.live_seqs(SequenceStatus.RUNNING), self.bm
+        pool = bm.device.num_blocks - bm.watermark_blocks
+        if alone and len({b for s in seqs for b in bm.tables[s.seq_id]}) + len(seqs) > pool:
+            self._fail(group, out, _TOO_BIG)
             return
         mode = self.config.preemption_mode
         if mode == "auto":
@@ -317,7 +295,3 @@ class Scheduler:
             seq.reset_for_recompute()
             seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(group)
-
-    def _needs_more_than_pool(self, seqs: list[Sequence]) -> bool:
-        blocks = len({b for s in seqs for b in self.bm.tables[s.seq_id]}) + len(seqs)
-        return blocks > self.bm.device.num_blocks - self.bm.watermark_blocks
