@@ -5,15 +5,13 @@ for a rank on another host, its TCP connection to the engine, from executor/laun
 It reads its setup (rank, config, rendezvous) as the first message, sets up
 torch.distributed, builds this rank's Worker, then serves the engine's messages until told
 to stop or until the engine's end of the pipe closes (with $STREAMKV_PROFILE_DIR set, it
-profiles some of the steps: StepProfiler, below). A plain interpreter rather than
+profiles some of the steps: executor/step_profile.py). A plain interpreter rather than
 multiprocessing's spawn: spawn re-runs the user's main script in the child, which breaks
 every script that builds an LLM at top level without an ``if __name__ == "__main__"`` guard.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import signal
@@ -21,15 +19,14 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from streamkv.executor import ipc
+from streamkv.executor.step_profile import StepProfiler
 from streamkv.executor.supervisor import start_heartbeat
 from streamkv.messages import StepFailed, StepOutput
 from streamkv.model_info import ModelInfo
@@ -142,7 +139,7 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
     it goes on: rank 0 with the output, the others with Ok, any rank whose model or sampler
     raised (StepFailed) with a StepError, serving on. A rank that answered StepError runs no
     later step before the engine's Resume (ipc.Resume says why)."""
-    profiler = StepProfiler.from_env(rank)  # opt-in: $STREAMKV_PROFILE_DIR (below)
+    profiler = StepProfiler.from_env(rank)  # opt-in: $STREAMKV_PROFILE_DIR
     conn.send_bytes(ipc.encode(ipc.Ready()))
     launched: deque[_Launched] = deque()
     held: deque[ipc.Step] = deque()  # steps that came while a Resume was due
@@ -167,9 +164,7 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
                 held.append(msg)
                 continue
             launched.append(_launch(worker, msg, profiler))
-            if (
-                launched[-1].error is not None
-            ):  # answered now (after the steps before it): Resume is due
+            if launched[-1].error is not None:  # answered now, after those before: Resume due
                 resumes_due += _answer_all(rank, conn, launched)
             continue
         if isinstance(msg, ipc.Resume):
@@ -246,83 +241,6 @@ def _report_and_exit(conn: Connection, error: BaseException) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
-
-
-# -- the opt-in step profile ----------------------------------------------------------------
-DIR_ENV, STEPS_ENV = "STREAMKV_PROFILE_DIR", "STREAMKV_PROFILE_STEPS"
-COLLECTIVE_MARKS = ("nccl", "gloo", "allreduce", "all_reduce", "allgather", "all_gather")
-
-
-class StepProfiler:
-    """Opt-in split of a rank's step time into collectives and the rest (issue 17's "compute /
-    all-reduce / broadcast"): with ``STREAMKV_PROFILE_DIR`` set, every rank profiles steps
-    ``[skip, skip + count)`` (``STREAMKV_PROFILE_STEPS=skip,count``, default 20,20) with
-    torch.profiler and writes ``rank<r>.json`` there: wall time per step, time in collectives
-    (NCCL kernels on a GPU; gloo / c10d ops on the CPU) per step, and the top collective ops.
-    The broadcast's share is the engine's (MultiprocExecutor.ipc_stats: round trip minus rank
-    0's time in the worker). Run eagerly (``--enforce-eager``) for the split: kernels replayed
-    inside CUDA graphs are not all attributed.
-    """
-
-    def __init__(self, rank: int, out_dir: Path, skip: int, count: int) -> None:
-        self.rank, self.out_dir, self.skip, self.count = rank, out_dir, skip, count
-        self._seen, self._wall, self._prof = 0, 0.0, None
-
-    @classmethod
-    def from_env(cls, rank: int) -> StepProfiler | None:
-        out = os.environ.get(DIR_ENV)
-        if not out:
-            return None
-        skip, _, count = os.environ.get(STEPS_ENV, "20,20").partition(",")
-        return cls(rank, Path(out), int(skip), int(count or 20))
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        import torch
-
-        if self._seen == self.skip:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=acts)
-            self._prof.__enter__()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self._prof is not None:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self._wall += time.perf_counter() - start
-            self._seen += 1
-            if self._prof is not None and self._seen == self.skip + self.count:
-                self._prof.__exit__(None, None, None)
-                self._write(self._prof)
-                self._prof = None
-
-    def _write(self, prof) -> None:
-        on_device = any(e.device_type.name == "CUDA" for e in prof.key_averages())
-        ops: dict[str, float] = {}
-        total = 0.0
-        for e in prof.key_averages():
-            us = e.self_device_time_total if on_device else e.self_cpu_time_total
-            total += us
-            if any(m in e.key.lower() for m in COLLECTIVE_MARKS):
-                ops[e.key] = ops.get(e.key, 0.0) + us
-        n = self.count
-        result = {
-            "rank": self.rank,
-            "steps": n,
-            "clock": "device" if on_device else "cpu",
-            "wall_ms_per_step": round(1e3 * self._wall / n, 3),
-            "profiled_ms_per_step": round(total / 1e3 / n, 3),
-            "collective_ms_per_step": round(sum(ops.values()) / 1e3 / n, 3),
-            "collective_ops_ms_per_step": {
-                k: round(v / 1e3 / n, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]
-            },
-        }
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

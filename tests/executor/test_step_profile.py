@@ -1,4 +1,4 @@
-"""The opt-in per-rank step profile (executor/rank.py, StepProfiler): at TP 2 on gloo every rank
+"""The opt-in per-rank step profile (executor/step_profile.py): at TP 2 on gloo every rank
 writes the split of its step time, with the layers' all-reduces among the collectives."""
 
 from __future__ import annotations
