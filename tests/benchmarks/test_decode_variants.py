@@ -92,6 +92,7 @@ def variant_programs() -> list[tuple[str, ...]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_variants_compile(arch: int, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))

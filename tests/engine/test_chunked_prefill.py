@@ -21,6 +21,7 @@ def hf_tiny(tiny_llama_dir):
     return AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [16, 64])
 def test_chunked_prefill_matches_transformers_under_preemption(tiny_llama_dir, hf_tiny, budget):
     # 24 blocks of 8 tokens: the batch needs ~400 slots at its peak, so requests are preempted.

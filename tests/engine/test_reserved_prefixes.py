@@ -50,6 +50,7 @@ def test_engine_outputs_equal_and_prefix_computed_once(tiny_llama_dir, caching):
     llm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_engine_outputs_equal_under_preemption(tiny_llama_dir, mode):
     """A pool too small for the batch: requests that map the pinned prefix are preempted

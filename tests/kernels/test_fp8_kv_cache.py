@@ -223,6 +223,7 @@ def engines(make_llm):
     return make_llm(**kw), make_llm(kv_cache_dtype="fp8", **kw)
 
 
+@pytest.mark.slow
 @needs_model
 def test_engine_pool_is_fp8_with_more_blocks(engines) -> None:
     auto, fp8 = engines
@@ -269,6 +270,7 @@ def _check_agreement(auto, fp8, max_gap: float) -> None:
     assert agree >= 0.85 * total, (agree, total)
 
 
+@pytest.mark.slow
 @needs_model
 def test_engine_greedy_agrees_with_the_default_cache(engines) -> None:
     _check_agreement(*engines, max_gap=0.3)
@@ -367,6 +369,7 @@ def test_cuda_engine_fp8_greedy_agrees(make_llm) -> None:
     _check_agreement(auto, fp8, max_gap=0.5)  # bf16 logits: coarser near ties than fp32's
 
 
+@pytest.mark.slow
 @needs_model
 def test_engine_swap_preemption_keeps_fp8_outputs(engines, make_llm) -> None:
     # A pool too small for the batch: sequences are swapped out and back in, and since a swap

@@ -28,6 +28,7 @@ def _assert_complete(compiled: nvrtc.Compiled, names: tuple[str, ...]) -> None:
         assert mangled.encode() in compiled.image, f"{mangled} missing from the cubin"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", sorted(launch.DTYPE_NAMES.values()))
 def test_attention_programs_compile(dtype: str, arch: int, fresh_cache) -> None:
@@ -47,6 +48,7 @@ def test_attention_programs_compile(dtype: str, arch: int, fresh_cache) -> None:
         _assert_complete(compiled, names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", sorted(launch.DTYPE_NAMES.values()))
 def test_fp8_cache_attention_programs_compile(dtype: str, arch: int, fresh_cache) -> None:
@@ -79,6 +81,7 @@ def test_compile_error_carries_nvrtc_log(fresh_cache) -> None:
     assert "paged_attention.cu" in str(err.value)
 
 
+@pytest.mark.slow
 def test_disk_cache_is_reused(fresh_cache, monkeypatch) -> None:
     names = dk.attention_names("__half", 64, 16, (4,))
     first = nvrtc.compile_program(dk.ATTENTION_SOURCE, names, 90)

@@ -53,6 +53,7 @@ def test_every_kernel_kind_is_in_each_program() -> None:
     assert all(", 256, " in n for n in names if "reduce" not in n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_kernels_compile_at_every_new_block_size(arch: int, fresh_cache) -> None:
     jobs = [block_program(b) for b in NEW_BLOCK_SIZES]

@@ -21,6 +21,7 @@ def fresh_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_variants_compile(arch: int, fresh_cache) -> None:
     # One program per (dtype, head size) holds every head packing; NVRTC drops the GIL.
