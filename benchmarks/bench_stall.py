@@ -169,7 +169,7 @@ def main() -> int:
     args = ap.parse_args()
     import shlex
 
-    from streamkv.bench.serve import start_server
+    from streamkv.bench.server_process import start_server
 
     ns = argparse.Namespace(
         model=args.model,

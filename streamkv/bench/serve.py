@@ -1,10 +1,9 @@
 """``streamkv bench serve``: the serving benchmark in the standard form: `streamkv serve`
-driven with streaming completions
-from a data set at a request rate (inf = all at once, or Poisson / gamma arrivals), printing
-the figures of vLLM's `benchmark_serving` (successful requests, duration, request / output /
-total throughput, TTFT / TPOT / ITL mean, median and p99, goodput under --goodput), and with
---offline the offline engine (`LLM.generate`) on the same requests in the same call, so the
-served / offline ratio is measured, not assumed.
+driven with streaming completions from a data set at a request rate (inf = all at once, or
+Poisson / gamma arrivals), printing the figures of vLLM's `benchmark_serving` (successful
+requests, duration, request / output / total throughput, TTFT / TPOT / ITL mean, median and
+p99, goodput under --goodput), and with --offline the offline engine (`LLM.generate`) on the
+same requests in the same call, so the served / offline ratio is measured, not assumed.
 
     # a ShareGPT sample as text prompts (on a box with the data set and a tokenizer)
     streamkv bench serve --save-dataset bench_inputs/sharegpt_serve.json --num-prompts 2000
@@ -15,7 +14,8 @@ served / offline ratio is measured, not assumed.
         --json-out r.json
 
 The server and the offline engine run one after the other in processes of their own (each
-claims the GPU's memory); this process only drives the clients.
+claims the GPU's memory); this process only drives the clients (serve_client.py) and watches
+the server (server_process.py).
 """
 
 from __future__ import annotations
@@ -28,14 +28,20 @@ import os
 import resource
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 from streamkv.bench.arrivals import arrival_times, parse_rates
 from streamkv.bench.serve_client import parse_goodput, print_summary, run_load, summarize
+from streamkv.bench.server_process import (
+    kv_blocks_in_use,
+    model_name,
+    profile_later,
+    rss_mib,
+    start_server,
+    thread_cpu,
+)
 
 
 def raise_fd_limit() -> None:
@@ -45,37 +51,6 @@ def raise_fd_limit() -> None:
         resource.setrlimit(
             resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard)
         )
-
-
-def save_dataset(args) -> int:
-    """ShareGPT's first human turn as the prompt text, the reply's token count as the output
-    length; vLLM's filters (both >= 4 tokens, prompt <= 1024, prompt + output <= 2048)."""
-    from streamkv.bench.sharegpt import iter_sharegpt
-    from streamkv.models.loader import load_tokenizer, resolve_model_dir
-
-    tok = load_tokenizer(resolve_model_dir(args.model))
-    pool = []
-    for conv in iter_sharegpt(20 * args.num_prompts + 2000):
-        turns = conv.get("conversations") or []
-        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
-            pool.append((turns[0]["value"], turns[1]["value"]))
-    import random
-
-    random.Random(args.seed).shuffle(pool)
-    out = []
-    for prompt, reply in pool:
-        p, o = len(tok.encode(prompt)), len(tok.encode(reply, add_special_tokens=False))
-        if p >= 4 and o >= 4 and p <= 1024 and p + o <= 2048:
-            out.append([prompt, p, o])
-            if len(out) == args.num_prompts:
-                break
-    with open(args.save_dataset, "w") as f:
-        json.dump(out, f)
-    print(
-        f"saved {len(out)} requests ({sum(r[1] for r in out) / len(out):.0f} prompt tokens, "
-        f"{sum(r[2] for r in out) / len(out):.0f} output tokens on average) to {args.save_dataset}"
-    )
-    return 0
 
 
 def offline_worker(args, requests) -> int:
@@ -124,136 +99,6 @@ def run_offline(args, argv: list[str]) -> dict:
         if line.startswith("OFFLINE "):
             return json.loads(line[8:])
     raise RuntimeError(f"the offline run failed (exit {proc.returncode}): {proc.stdout[-2000:]}")
-
-
-def start_server(args, log) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamkv.entrypoints.cli",
-        "serve",
-        *([args.model] if args.model else []),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--no-access-log",
-        *shlex.split(args.engine_args),
-        *shlex.split(args.server_args),
-    ]
-    env, cwd = None, None
-    if args.server_tree:  # another checkout's server (a before/after pair in one call)
-        # Run from that tree with it first on the path, for the worker processes it spawns
-        # too (a spawned child puts its working directory first): paths in --engine-args
-        # must then be absolute.
-        cwd = os.path.abspath(args.server_tree)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([cwd, os.environ.get("PYTHONPATH", "")])}
-    print("server:", shlex.join(cmd), f"(in {cwd})" if cwd else "", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    url = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log.name}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(
-        f"the server did not become healthy in {args.startup_timeout} s; see {log.name}"
-    )
-
-
-def model_name(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        return json.load(r)["data"][0]["id"]
-
-
-def kv_blocks_in_use(url: str) -> float:
-    """``vllm:kv_cache_usage_perc`` from /metrics: 0 once every request has ended and freed
-    its blocks (cached prefix blocks with no reader count as free)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("vllm:kv_cache_usage_perc"):
-                return float(line.rsplit(" ", 1)[1])
-    return math.nan
-
-
-def rss_mib(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return math.nan
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds of each thread of ``pid`` (Linux /proc)."""
-    out = {}
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        pass
-    return out
-
-
-def profile_later(args, pid: int) -> threading.Thread | None:
-    """--py-spy PREFIX: sample the server and its workers (--subprocesses) for --py-spy-seconds,
-    starting --py-spy-delay seconds into the first rate's run."""
-    if not args.py_spy:
-        return None
-
-    def record() -> None:
-        time.sleep(args.py_spy_delay)
-        # --gil: only the thread holding the GIL is sampled, so the profile is what the event
-        # loop and the engine thread take of the one interpreter they share.
-        # --nonblocking: a blocking py-spy stops the server for every sample (the H200 burst
-        # fell from 11.6k to 9.2k tok/s under it).
-        cmd = [
-            "py-spy",
-            "record",
-            "--pid",
-            str(pid),
-            "--subprocesses",
-            "--threads",
-            "--gil",
-            "--nonblocking",
-            "--rate",
-            "200",
-            "--duration",
-            str(int(args.py_spy_seconds)),
-            "--format",
-            "raw",
-            "-o",
-            f"{args.py_spy}.txt",
-        ]
-        with open(f"{args.py_spy}.err", "w") as err:
-            subprocess.run(
-                cmd, stdout=err, stderr=subprocess.STDOUT, timeout=args.py_spy_seconds + 120
-            )
-
-    t = threading.Thread(target=record, daemon=True)
-    t.start()
-    return t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.save_dataset:
+        from streamkv.bench.sharegpt import save_dataset
+
         return save_dataset(args)
     if not args.dataset_file:
         ap.error("--dataset-file is required (write one with --save-dataset)")
