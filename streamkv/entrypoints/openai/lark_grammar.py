@@ -7,8 +7,7 @@ sees it; this is our own converter for the same subset, a little wider:
   language); the ``start`` rule is the root, else the first rule (vLLM's choice);
 - ``"strings"`` and ``'strings'`` (``i``: any case), ``"a".."z"`` ranges, ``[optional]``,
   ``( )``, ``* + ?``, ``~ n`` and ``~ n..m``;
-- ``/regex/`` terminals without flags: literals, classes, ``.``, ``\\d \\w \\s``, groups,
-  alternation and quantifiers (anchors, lookarounds and back-references are refused);
+- ``/regex/`` terminals without flags (lark_regex.py);
 - ``%import common.NAME`` for Lark's common numbers, words, whitespace and ESCAPED_STRING.
 ``%ignore`` is refused: it lets whitespace in anywhere, which the rules would have to say
 (vLLM drops the line, and with it what the grammar meant). Both ``//`` and ``#`` start a
@@ -20,7 +19,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
 
 _TOKEN = re.compile(
     r"""
@@ -150,6 +148,9 @@ def _directive(text: str, line_no: int, imports: dict[str, str]) -> None:
 
 
 def _expression(tokens: list[tuple[str, str, int]], names: dict[str, str]) -> str:
+    # Imported here: lark_regex.py raises this module's LarkError.
+    from streamkv.entrypoints.openai.lark_regex import regex_to_ebnf
+
     out: list[str] = []
     empty = True  # nothing in the current alternative yet
     i = 0
@@ -248,107 +249,3 @@ def _literal(token: str, line_no: int) -> str:
 
 def _class_char(c: str) -> str:
     return "\\" + c if c in "\\]-^[" else json.dumps(c, ensure_ascii=False)[1:-1]
-
-
-_CLASSES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r\\f\\v"}
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
-
-
-def regex_to_ebnf(token: str, line_no: int = 1) -> str:
-    """A Lark ``/regex/`` terminal as an EBNF expression (one group)."""
-    body, flags = token[1 : token.rindex("/")], token[token.rindex("/") + 1 :]
-    if flags:
-        raise LarkError(f"line {line_no}: regex flags ('{flags}') are not supported")
-    out, empty, i = ["("], True, 0
-
-    def fail(why: str) -> LarkError:
-        return LarkError(f"line {line_no}: the regex {token[:40]} {why}")
-
-    while i < len(body):
-        c = body[i]
-        if c == "(":
-            i = _skip_group_prefix(body, i + 1, fail)
-            out.append("(")
-            empty = True
-        elif c in "|)":
-            if empty:
-                out.append('""')
-            out.append(c)
-            empty = c == "|"
-            i += 1
-        elif c in "*+?":
-            if empty:
-                raise fail(f"has '{c}' with nothing before it")
-            out[-1] += c
-            i += 2 if body[i + 1 : i + 2] == "?" else 1  # lazy: the same language
-        elif c == "{" and (m := re.match(r"\{\d+(,\d*)?\}", body[i:])):
-            out[-1] += m.group(0)
-            i += m.end()
-        else:
-            i, atom = _regex_atom(body, i, fail)
-            out.append(atom)
-            empty = False
-    if empty:
-        out.append('""')
-    return " ".join(out) + " )"
-
-
-def _skip_group_prefix(body: str, i: int, fail: Callable[[str], LarkError]) -> int:
-    """Past the ``?:`` or ``?P<name>`` after the ``(`` at ``body[i - 1]``; refuses other ``(?``."""
-    if body.startswith("?:", i):
-        return i + 2
-    if body.startswith("?P<", i):
-        return body.index(">", i) + 1
-    if body.startswith("?", i):
-        raise fail("uses a lookaround or inline flag (not supported)")
-    return i
-
-
-def _regex_atom(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[int, str]:
-    """The one-character-wide item at ``body[i]``: (index after it, its EBNF)."""
-    c = body[i]
-    i += 1
-    if c == "\\":
-        return _regex_escape(body, i, fail)
-    if c == "[":
-        return _regex_class(body, i, fail)
-    if c == ".":
-        return i, "[^\\n]"
-    if c in "^$":
-        raise fail("uses an anchor (not supported)")
-    return i, json.dumps(c, ensure_ascii=False)
-
-
-def _regex_escape(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[int, str]:
-    """The escape after the backslash at ``body[i - 1]``: (index after it, its EBNF)."""
-    if i >= len(body):
-        raise fail("ends with a lone backslash")
-    e = body[i]
-    i += 1
-    if e.lower() in _CLASSES:
-        return i, f"[{'^' if e.isupper() else ''}{_CLASSES[e.lower()]}]"
-    if e in "xu":
-        width = 2 if e == "x" else 4
-        try:
-            return i + width, json.dumps(chr(int(body[i : i + width], 16)), ensure_ascii=False)
-        except ValueError:
-            raise fail(f"has a bad \\{e} escape") from None
-    if e in _ESCAPES:
-        return i, json.dumps(_ESCAPES[e])
-    if e.isalnum():
-        raise fail(f"uses \\{e} (anchors and back-references are not supported)")
-    return i, json.dumps(e)
-
-
-def _regex_class(body: str, i: int, fail: Callable[[str], LarkError]) -> tuple[int, str]:
-    """The class opened by the ``[`` at ``body[i - 1]``: (index after its ``]``, its EBNF)."""
-    end = i + (1 if body[i : i + 1] == "^" else 0)
-    end += 1 if body[end : end + 1] == "]" else 0
-    while end < len(body) and body[end] != "]":
-        end += 2 if body[end] == "\\" else 1
-    if end >= len(body):
-        raise fail("has an unclosed '['")
-    inner = re.sub(r"\\([dws])", lambda m: _CLASSES[m.group(1)], body[i:end])
-    if re.search(r"\\[DWS]", inner):
-        raise fail("uses \\D, \\W or \\S inside a class (not supported)")
-    return end + 1, f"[{inner}]"
