@@ -9,7 +9,7 @@ the StepOutput (the others with Ok).
 ``submit`` returns once the step is written (async scheduling): the engine sends step N+1
 before it reads step N's reply. Ranks run steps in the order sent and answer in that order,
 so replies are matched to steps by position alone: a handle's ``result()`` first reads the
-replies of every step sent before it, and a control call all of them (``StepPipe``). A step
+replies of every step sent before it, and a control call all of them (replies.py). A step
 planned that way takes its input tokens from step N's samples on the device; only rank 0
 samples, so rank 0 broadcasts those tokens to the other ranks when a step needs them
 (worker/token_broadcast.py).
@@ -41,17 +41,16 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
 
 from streamkv.config import EngineConfig
 from streamkv.executor import ipc
-from streamkv.executor.base import Executor, StepHandle
+from streamkv.executor.base import Executor
 from streamkv.executor.cluster import JoinTimeout, Placement, RemoteRank, rendezvous
-from streamkv.executor.supervisor import Supervisor, death_message, gather, spawn_rank, stop_ranks
+from streamkv.executor.replies import PipedStep, StepPipe, death_message, gather
+from streamkv.executor.supervisor import Supervisor, spawn_rank, stop_ranks
 from streamkv.messages import StepFailed, StepInput, StepOutput
 from streamkv.model_info import ModelInfo, check_tensor_parallel
 from streamkv.models.loader import resolve_model_info
@@ -112,14 +111,9 @@ class MultiprocExecutor(Executor):
         # starting them leaves nothing behind; it also runs at interpreter exit.
         # Heartbeats: a frozen rank is killed, so it fails like a dead one.
         self._supervisor = Supervisor()
+        procs, conns, supervisor = self._procs, self._conns, self._supervisor
         self._finalizer = weakref.finalize(
-            self,
-            stop_ranks,
-            self._procs,
-            self._conns,
-            self._tmpdir,
-            self._supervisor,
-            self._resources,
+            self, stop_ranks, procs, conns, self._tmpdir, supervisor, self._resources
         )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         try:
@@ -158,12 +152,8 @@ class MultiprocExecutor(Executor):
             self._send_setup(rank, conn, setup)
 
     def _send_setup(self, rank: int, conn: Connection, setup: tuple) -> None:
-        config_data, info_data, backend, init_method, log_level = setup
-        conn.send_bytes(
-            ipc.encode(
-                ipc.Setup(rank, self.tp, config_data, info_data, backend, init_method, log_level)
-            )
-        )
+        """``setup``: (config, model info, backend, init_method, log level), the same for all."""
+        conn.send_bytes(ipc.encode(ipc.Setup(rank, self.tp, *setup)))
 
     # -- the Executor interface -----------------------------------------------------------
     def num_available_blocks(self) -> tuple[int, int]:
@@ -230,9 +220,7 @@ class MultiprocExecutor(Executor):
         except WorkerError:
             raise
         except BaseException:
-            self._retire(
-                f"a call to the workers was interrupted while awaiting {ipc.kind(reply)!r}"
-            )
+            self._interrupted(reply)
             raise
 
     def _read_step_reply(self) -> ipc.Out:
@@ -243,11 +231,13 @@ class MultiprocExecutor(Executor):
             return self._gather(ipc.Out, self.step_timeout)[0]
         except (WorkerError, StepFailed):
             raise
-        except BaseException:  # interrupted with a reply unread: a later read would take it
-            self._retire(
-                f"a call to the workers was interrupted while awaiting {ipc.kind(ipc.Out)!r}"
-            )
+        except BaseException:
+            self._interrupted(ipc.Out)
             raise
+
+    def _interrupted(self, reply: type) -> None:
+        """A call broken off with its reply unread: a later read would take that reply."""
+        self._retire(f"a call to the workers was interrupted while awaiting {ipc.kind(reply)!r}")
 
     def _retire(self, why: str) -> None:
         """Nothing more may be asked of these ranks."""
@@ -264,16 +254,9 @@ class MultiprocExecutor(Executor):
                 self._fail(self._death_message(rank))
 
     def _gather(self, reply: type, timeout: float | None) -> list:
-        """One ``reply`` from each rank, in rank order (supervisor.gather)."""
-        return gather(
-            self._conns,
-            self._decoder,
-            reply,
-            timeout,
-            self.diverge_timeout,
-            self._fail,
-            self._death_message,
-        )
+        """One ``reply`` from each rank, in rank order (replies.gather)."""
+        conns, decoder, death = self._conns, self._decoder, self._death_message
+        return gather(conns, decoder, reply, timeout, self.diverge_timeout, self._fail, death)
 
     def _death_message(self, rank: int) -> str:
         return death_message(self._procs[rank], rank)
@@ -289,62 +272,3 @@ class MultiprocExecutor(Executor):
                 proc.terminate()
         self._finalizer()
         raise WorkerError(message)
-
-
-# -- steps in flight ------------------------------------------------------------------------
-class PipedStep(StepHandle):
-    """A step written to every rank. ``result()`` returns its StepOutput or raises its
-    StepFailed (or the executor's WorkerError)."""
-
-    __slots__ = ("_pipe", "sent", "done", "output", "error")
-
-    def __init__(self, pipe: StepPipe, sent: float) -> None:
-        self._pipe = pipe
-        self.sent = sent  # time.perf_counter() when its sending began
-        self.done = False
-        self.output: StepOutput | None = None
-        self.error: StepFailed | None = None
-
-    def result(self) -> StepOutput:
-        while not self.done:
-            self._pipe.read_next()
-        if self.error is not None:
-            raise self.error
-        return self.output
-
-
-class StepPipe:
-    """``read_reply()`` reads the oldest unread step's replies from every rank and returns
-    rank 0's Out, or raises StepFailed (that step failed) or anything else (the executor is
-    dead: every later read raises too)."""
-
-    def __init__(self, read_reply: Callable[[], ipc.Out]) -> None:
-        self._read_reply = read_reply
-        self._unread: deque[PipedStep] = deque()  # oldest first
-        self.steps, self.roundtrip_s, self.worker_s = 0, 0.0, 0.0
-
-    def sent(self, start: float) -> PipedStep:
-        """The handle of the step just written, whose sending began at ``start``
-        (time.perf_counter())."""
-        handle = PipedStep(self, start)
-        self._unread.append(handle)
-        return handle
-
-    def drain(self) -> None:
-        """Read every unread step's replies (before a control call's)."""
-        while self._unread:
-            self.read_next()
-
-    def read_next(self) -> None:
-        step = self._unread[0]
-        try:
-            out = self._read_reply()
-        except StepFailed as e:
-            step.error = e
-        else:
-            step.output = out.output
-            self.steps += 1
-            self.roundtrip_s += time.perf_counter() - step.sent
-            self.worker_s += out.worker_s
-        self._unread.popleft()
-        step.done = True

@@ -1,6 +1,5 @@
 """The multiprocess executor's hold on its rank processes (executor/multiproc.py): starting
-and stopping them, watching their heartbeats, and reading their replies, with every way a
-rank can fail.
+and stopping them, and watching their heartbeats. Their replies are read by replies.py.
 
 A rank is a fresh interpreter (``python -m streamkv.executor.rank FD``, see rank.py for why
 not multiprocessing's spawn) holding one end of a socket pair to the engine and one of a
@@ -19,10 +18,6 @@ their requests (engine/async_engine.py, engine/recovery.py). The heartbeat is a 
 its own in the worker, so a long step does not delay it; it only stops when the whole
 process does. ``timeout`` must cover the worst pause a loaded machine gives a runnable
 thread (default 5 s; beats every 0.5 s).
-
-Replies (``gather``): one from each rank, in rank order; a step that some rank failed (the
-lockstep failure protocol: every rank answers every step); a rank that died, reported an
-error or went silent; ranks that diverged.
 """
 
 from __future__ import annotations
@@ -37,17 +32,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import NoReturn
-
-import msgspec
 
 import streamkv
 from streamkv.executor import ipc
-from streamkv.executor.cluster import RankListener, RemoteRank
-from streamkv.messages import StepFailed
+from streamkv.executor.cluster import RankListener
 
 logger = logging.getLogger(__name__)
 
@@ -243,106 +233,3 @@ def stop_ranks(
             resource.close()
     resources.clear()  # the TCPStore stops with its last reference
     shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-# -- replies -------------------------------------------------------------------------------
-def gather(
-    conns: list[Connection],
-    decoder: msgspec.msgpack.Decoder,
-    reply: type,
-    timeout: float | None,
-    diverge_timeout: float,
-    fail: Callable[[str], NoReturn],
-    death: Callable[[int], str],
-) -> list:
-    """One ``reply`` message from each rank, in rank order (to a step, ranks other than 0
-    answer Ok); raises WorkerError as soon as any rank reports an error or dies, or at the
-    timeout (``fail`` raises it; ``death(rank)`` says what became of a rank whose pipe
-    closed). A step that some rank failed (StepError) raises StepFailed once every rank
-    answered, and the ranks that failed it may go on (Resume); ranks silent
-    ``diverge_timeout`` seconds after another failed it have diverged from it (stuck in a
-    collective it left): WorkerError. Only ranks yet to answer are read: the others'
-    next messages answer the next step."""
-    kind = ipc.kind(reply)
-    pending = set(range(len(conns)))
-    replies: dict[int, ipc.FromWorker] = {}
-    failed: dict[int, str] = {}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while pending:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            if failed:
-                fail(
-                    f"worker rank(s) {sorted(failed)} failed "
-                    f"a step ({next(iter(failed.values()))}) "
-                    f"while rank(s) {sorted(pending)} did not "
-                    f"finish it within {diverge_timeout:.0f}s:"
-                    " the ranks diverged"
-                )
-            fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
-        for conn in wait([conns[r] for r in pending], left):
-            rank = conns.index(conn)
-            try:
-                msg = decoder.decode(conn.recv_bytes())
-            except (EOFError, OSError):  # its end of the pipe closed: the process is gone
-                fail(death(rank))
-            except msgspec.DecodeError as e:
-                fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
-            if isinstance(msg, ipc.Error):
-                text = (
-                    f"worker rank {rank} failed: {msg.message}\n--- "
-                    f"worker traceback ---\n{msg.traceback}"
-                )
-                cause = _peer_death(conns, rank, death)
-                fail(f"{cause}; then {text}" if cause else text)
-            want = ipc.Ok if reply is ipc.Out and rank != 0 else reply
-            if isinstance(msg, ipc.StepError) and reply is ipc.Out and rank in pending:
-                failed[rank] = msg.message
-                end = time.monotonic() + diverge_timeout
-                deadline = end if deadline is None else min(deadline, end)
-            elif not isinstance(msg, want) or rank not in pending:
-                fail(
-                    f"worker rank {rank} sent {ipc.kind(msg)!r} "
-                    f"while {ipc.kind(want)!r} was awaited"
-                )
-            replies[rank] = msg
-            pending.discard(rank)
-    if failed:
-        resume = ipc.encode(ipc.Resume())
-        for rank in sorted(failed):
-            try:
-                conns[rank].send_bytes(resume)
-            except OSError:
-                fail(death(rank))
-        rank, message = min(failed.items())
-        raise StepFailed(
-            message
-            if len(failed) == len(conns)
-            else f"{message} (on worker rank(s) {sorted(failed)})"
-        )
-    return [replies[r] for r in sorted(replies)]
-
-
-def _peer_death(conns: list[Connection], rank: int, death: Callable[[int], str]) -> str | None:
-    """A rank's error is often a peer's death seen from inside a collective: name the
-    death, the real cause, when another rank's pipe is closed too."""
-    others = [c for r, c in enumerate(conns) if r != rank]
-    for conn in wait(others, 0.5):
-        try:
-            conn.recv_bytes()
-        except (EOFError, OSError):
-            return death(conns.index(conn))
-    return None
-
-
-def death_message(proc: subprocess.Popen | RemoteRank, rank: int) -> str:
-    """What became of a rank whose pipe closed."""
-    if isinstance(proc, RemoteRank):
-        return f"{proc.describe()} closed its connection"
-    try:
-        code = proc.wait(timeout=2.0)
-    except subprocess.TimeoutExpired:
-        return f"worker rank {rank} (pid {proc.pid}) closed its pipe"
-    if code < 0:
-        return f"worker rank {rank} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
-    return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
