@@ -1,4 +1,6 @@
-"""Chat completion choices, whole or as stream deltas, for each ``tool_choice`` mode.
+"""/v1/chat/completions: the prompt rendered through the chat template, then admitted,
+collected and streamed by serving.py's ``OpenAIServing``; its choices, whole or as stream
+deltas, for each ``tool_choice`` mode:
 
 - ``none``: the text is the message's content.
 - ``auto``: Hermes-style ``<tool_call>`` blocks in the text become ``tool_calls``
@@ -14,12 +16,22 @@
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.entrypoints.openai.chat_template import chat_size, render_chat
+from streamkv.entrypoints.openai.logprobs import LogprobFormatter
+from streamkv.entrypoints.openai.protocol import TOOLS_SYSTEM_PROMPT, APIError, validate
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest
-from streamkv.entrypoints.openai.streaming import ChoiceState, LogprobFormatter, deltas
+from streamkv.entrypoints.openai.serving import OpenAIServing, renamed
+from streamkv.entrypoints.openai.streaming import ChoiceState, deltas, sse_chunks, usage_of
 from streamkv.entrypoints.openai.tool_calls import (
     HermesStream,
     parse_hermes,
@@ -130,9 +142,7 @@ class ChatResponder:
                 delta, called = self._delta(k, d.text, d.finish_reason, d.choice, parsers[k], texts)
                 if not delta and not done and self.top is None and not self.req.return_token_ids:
                     continue
-                if (
-                    done and "content" not in delta
-                ):  # vLLM's last chunk: clients concatenate content
+                if done and "content" not in delta:  # vLLM's last chunk: clients concatenate
                     delta["content"] = ""
                 choice = {
                     "index": k,
@@ -184,3 +194,94 @@ class ChatResponder:
                 return {"content": "" if finish == "length" else texts[k]}, False
             return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, True
         return ({"content": text} if text else {}), False
+
+
+class ChatServing:
+    def __init__(
+        self, engine: AsyncEngine, serving: OpenAIServing, auto_tool_choice: bool = True
+    ) -> None:
+        self.engine, self.serving, self.auto_tool_choice = engine, serving, auto_tool_choice
+
+    async def prompt(self, req: ChatCompletionRequest) -> list[int]:
+        self.serving.check_model(req.model)
+        self.engine.check_alive()
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer, so no chat template", param="messages")
+        if req.tool_mode() == "auto" and not self.auto_tool_choice:  # vLLM's answer
+            raise APIError(
+                '"auto" tool choice needs --enable-auto-tool-choice (this server runs with '
+                "--no-enable-auto-tool-choice)",
+                param="tool_choice",
+            )
+        tools = req.tools if req.tool_mode() != "none" else None
+        tools_prompt = TOOLS_SYSTEM_PROMPT.get()  # read here: the tokenizer thread has no context
+        ids = await self.engine.run_tokenizer(
+            lambda tok: render_chat(
+                tok,
+                req.messages,
+                req.add_generation_prompt,
+                req.add_special_tokens,
+                tools,
+                req.chat_template_kwargs,
+                req.continue_final_message,
+                tools_prompt,
+            ),
+            chat_size(req.messages, tools),
+        )
+        return req.truncated(ids, self.engine.info.max_model_len)
+
+    async def _start(self, req: ChatCompletionRequest):
+        params = req.params(self.serving.vocab_size())
+        ids = await self.prompt(req)
+        rid, created = f"chatcmpl-{req.request_id or uuid.uuid4().hex}", int(time.time())
+        names = {"prompt": "messages", "logprobs": "top_logprobs", **renamed(req)}
+        streams, notify = await self.serving.start(rid, [ids], params, names)
+        responder = ChatResponder(
+            req, self.serving.formatter(req), params.logprobs if req.logprobs else None
+        )
+        return params, ids, rid, created, streams, notify, responder
+
+    async def completions(self, request: Request, body: dict) -> Response:
+        req = validate(ChatCompletionRequest, body)
+        if not req.stream:
+            out = await self.whole(request, req)
+            return Response(status_code=499) if out is None else JSONResponse(out)
+        params, ids, rid, created, streams, notify, responder = await self._start(req)
+        head = self.serving.head(rid, "chat.completion.chunk", created, req)
+        states = [ChoiceState(k) for k in range(params.n)]
+        extra = {"prompt_token_ids": ids} if req.return_token_ids else None
+        chunks = sse_chunks(
+            head,
+            streams,
+            notify,
+            states,
+            req,
+            len(ids),
+            responder.stream_choices(states),
+            self.serving.abort_all,
+            responder.opening(states),
+            extra,
+        )
+        return self.serving.sse(chunks, streams)
+
+    async def whole(self, request: Request | None, req: ChatCompletionRequest) -> dict | None:
+        """A chat completion answered whole; None if the client went away first."""
+        _, ids, rid, created, streams, notify, responder = await self._start(req)
+        final = await self.serving.collect(request, streams, notify)
+        if final is None:
+            return None
+        out = responder.whole(final[0])
+        lps = final[0].prompt_logprobs
+        # vLLM's response: its optional keys null when not asked for.
+        return {
+            **self.serving.head(rid, "chat.completion", created, req),
+            "choices": out.choices,
+            "usage": usage_of(len(ids), out.num_tokens),
+            "system_fingerprint": None,
+            "service_tier": None,
+            "prompt_logprobs": None
+            if req.prompt_logprobs is None
+            else self.serving.logprobs.prompt_logprobs(lps),
+            "prompt_token_ids": ids if req.return_token_ids else None,
+            "kv_transfer_params": None,
+        }

@@ -1,5 +1,6 @@
 """The plumbing between engine streams and SSE responses: per-choice deltas from cumulative
-outputs, a wait over several streams at once, and the OpenAI logprobs formats.
+outputs, a wait over several streams at once, and the chunk framing both generation
+endpoints share (logprobs are logprobs.py's).
 
 SSE goes out through sse-starlette's ``EventSourceResponse`` (its keep-alive pings, its
 disconnect watch, its shutdown signal), one send per request per engine step: all the events
@@ -12,16 +13,20 @@ engine thread (docs/benchmarks.md "Where the served time goes").
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 
-from streamkv.engine.async_engine import RequestStream
+from streamkv.engine.request_book import RequestStream
+from streamkv.entrypoints.openai.protocol import ENGINE_ERRORS, engine_error, request_failed
 from streamkv.sequence import Logprob, RequestOutput
+
+if TYPE_CHECKING:
+    from streamkv.entrypoints.openai.requests import SamplingRequest
 
 DONE = b"data: [DONE]\n\n"
 
@@ -78,9 +83,8 @@ class ChoiceState:
     text_offset: int = 0
     started: bool = False
     done: bool = False
-    counted: bool = (
-        True  # its tokens count as completion tokens (not those of an echo-only request)
-    )
+    # Its tokens count as completion tokens (not those of an echo-only request).
+    counted: bool = True
 
 
 @dataclass(slots=True)
@@ -135,124 +139,48 @@ async def wait_disconnect(request: Request) -> None:
         pass
 
 
-def clamp(lp: float) -> float:
-    return max(lp, -9999.0) if not math.isnan(lp) else -9999.0
+async def sse_chunks(
+    head: dict,
+    streams: list[RequestStream],
+    notify: asyncio.Event,
+    states: list[ChoiceState],
+    req: SamplingRequest,
+    num_prompt: int,
+    choices: Callable[[int, RequestOutput], Iterator[dict]],
+    abort_all: Callable[[list[RequestStream]], None],
+    opening: list[dict] | None = None,
+    opening_head: dict | None = None,
+) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed completion or chat: the ``opening`` chunks (with the fields
+    of ``opening_head`` beside the id), then one chunk per choice that ``choices(request
+    index, output)`` makes of each engine output (all of one output sent at once); an error
+    event if a request fails; the usage chunk when the client asked for it; the requests
+    aborted however the stream ends; ``[DONE]``."""
 
-
-class LogprobFormatter:
-    """OpenAI's two logprobs shapes; token texts are decoded once per token id and cached."""
-
-    def __init__(
-        self,
-        tokenizer: Callable[[], object],
-        as_ids: bool = False,
-        cache: dict[int, str] | None = None,
-    ) -> None:
-        self.tokenizer, self.as_ids = tokenizer, as_ids
-        self._token_text: dict[int, str] = {} if cache is None else cache
-
-    def with_ids(self, as_ids: bool) -> LogprobFormatter:
-        """This formatter, or one that names tokens ``token_id:ID`` (vLLM's
-        ``return_tokens_as_token_ids``: a token that is not whole UTF-8 text stays exact)."""
-        return (
-            LogprobFormatter(self.tokenizer, True, self._token_text)
-            if as_ids and not self.as_ids
-            else self
+    def frame(choice: dict, top: dict = head) -> bytes:
+        chunk = {**top, "choices": [choice]}
+        return sse_event(
+            with_usage(chunk, req.include_usage, req.continuous_usage, num_prompt, states)
         )
 
-    def token_text(self, tid: int) -> str:
-        if self.as_ids:
-            return f"token_id:{tid}"
-        text = self._token_text.get(tid)
-        if text is None:
-            tok = self.tokenizer()
-            text = tok.decode([tid]) if tok is not None else ""
-            self._token_text[tid] = text
-        return text
-
-    def completion_logprobs(
-        self,
-        st: ChoiceState,
-        token_ids: list[int],
-        lps: list[dict[int, Logprob] | None],
-        k: int | None = None,
-    ) -> dict:
-        """OpenAI's legacy shape. An entry of None (the prompt's first token) has no logprob;
-        ``k`` keeps the top k of each entry (and the token itself)."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, d in zip(token_ids, lps, strict=True):
-            text = self.token_text(tid)
-            tokens.append(text)
-            offsets.append(st.text_offset)
-            st.text_offset += len(text)
-            if d is None:
-                token_lps.append(None)
-                tops.append(None)
-                continue
-            token_lps.append(clamp(d[tid].logprob) if tid in d else None)
-            tops.append(
-                {
-                    self.token_text(t): clamp(lp.logprob)
-                    for t, lp in d.items()
-                    if k is None or t == tid or lp.rank is None or lp.rank <= k
-                }
-            )
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def echoed_logprobs(
-        self,
-        st: ChoiceState,
-        out: RequestOutput,
-        k: int,
-        token_ids: list[int],
-        lps: list[dict[int, Logprob]],
-    ) -> dict:
-        """The prompt's tokens and logprobs (the first one null), then the completion's."""
-        prompt = out.prompt_token_ids
-        head = self.completion_logprobs(st, prompt, out.prompt_logprobs or [None] * len(prompt), k)
-        tail = self.completion_logprobs(st, token_ids, lps)
-        return {key: head[key] + tail[key] for key in head}
-
-    def prompt_logprobs(
-        self, lps: list[dict[int, Logprob] | None] | None
-    ) -> list[dict | None] | None:
-        """vLLM's ``prompt_logprobs``: per prompt token, ``{"token id": {logprob, rank,
-        decoded_token}}`` (None for the first token)."""
-        if lps is None:
-            return None
-        return [
-            None
-            if d is None
-            else {
-                str(t): {
-                    "logprob": clamp(lp.logprob),
-                    "rank": lp.rank,
-                    "decoded_token": self.token_text(t),
-                }
-                for t, lp in d.items()
-            }
-            for d in lps
-        ]
-
-    def chat_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
-        def entry(tid: int, lp: float) -> dict:
-            text = self.token_text(tid)
-            return {"token": text, "logprob": clamp(lp), "bytes": list(text.encode())}
-
-        content = []
-        for tid, d in zip(token_ids, lps, strict=True):
-            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None)[
-                :k
-            ]
-            content.append(
-                {
-                    **entry(tid, d[tid].logprob),
-                    "top_logprobs": [entry(t, lp) for _, t, lp in ranked],
-                }
-            )
-        return {"content": content}
+    try:
+        if opening:
+            top = {**head, **(opening_head or {})}
+            yield b"".join(frame(c, top) for c in opening)
+        async for i, out in watch(streams, notify):
+            if out.error:
+                yield sse_event(request_failed(out.error).body())
+                break
+            events = [frame(c) for c in choices(i, out)]
+            if events:
+                yield b"".join(events)
+        else:
+            if req.include_usage:
+                yield sse_event(
+                    {**head, "choices": [], "usage": usage_of(num_prompt, tokens_out(states))}
+                )
+    except ENGINE_ERRORS as e:
+        yield sse_event(engine_error(e).body())
+    finally:
+        abort_all(streams)
+    yield DONE

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.entrypoints.openai.chat_messages import ChatMessage, Tool
+from streamkv.entrypoints.openai.chat_serving import ChatServing
 from streamkv.entrypoints.openai.chat_template import chat_size, check_template_kwargs, render_chat
 from streamkv.entrypoints.openai.protocol import (
     TOOLS_SYSTEM_PROMPT,
@@ -43,8 +44,10 @@ _PLAIN = (str, int, float, bool, type(None))
 
 
 class VLLMRoutes:
-    def __init__(self, engine: AsyncEngine, serving: OpenAIServing, health: Callable) -> None:
-        self.engine, self.serving, self.health = engine, serving, health
+    def __init__(
+        self, engine: AsyncEngine, serving: OpenAIServing, chat: ChatServing, health: Callable
+    ) -> None:
+        self.engine, self.serving, self.chat, self.health = engine, serving, chat, health
 
     def routes(self, api: Callable) -> list[Route]:
         return [
@@ -57,7 +60,7 @@ class VLLMRoutes:
 
     async def invocations(self, request: Request, body: dict) -> Response:
         if "messages" in body:
-            return await self.serving.chat(request, body)
+            return await self.chat.completions(request, body)
         if "prompt" in body:
             return await self.serving.completions(request, body)
         raise APIError(
@@ -85,7 +88,7 @@ class VLLMRoutes:
                 raise
         for req in reqs:  # every conversation's parameters checked before any runs
             req.params(self.serving.vocab_size())
-        outs = await asyncio.gather(*(self.serving.chat_whole(request, req) for req in reqs))
+        outs = await asyncio.gather(*(self.chat.whole(request, req) for req in reqs))
         if any(out is None for out in outs):
             return Response(status_code=499)
         first, choices = outs[0], []

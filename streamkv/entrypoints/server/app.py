@@ -25,7 +25,9 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from streamkv import __version__
-from streamkv.engine.async_engine import AsyncEngine, EngineDeadError
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.engine.request_book import EngineDeadError
+from streamkv.entrypoints.openai.chat_serving import ChatServing
 from streamkv.entrypoints.openai.protocol import (
     ENGINE_ERRORS,
     APIError,
@@ -144,10 +146,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         config.model_name,
         config.max_queue_len,
         config.sse_keepalive,
-        config.auto_tool_choice,
         config.model_aliases,
         config.tokens_as_ids,
     )
+    chat = ChatServing(engine, serving, config.auto_tool_choice)
     tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
     api = _api_wrapper(config)
@@ -227,7 +229,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/metrics", prometheus),
         Route("/v1/models", api(models, body=False)),
         Route("/v1/completions", api(serving.completions), methods=["POST"]),
-        Route("/v1/chat/completions", api(serving.chat), methods=["POST"]),
+        Route("/v1/chat/completions", api(chat.completions), methods=["POST"]),
         Route("/tokenize", api(tokens.tokenize), methods=["POST"]),
         Route("/detokenize", api(tokens.detokenize), methods=["POST"]),
         Route("/openapi.json", openapi),
@@ -246,7 +248,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
             ),
         ),  # the live KV-cache view
         *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (prefixes.py)
-        *VLLMRoutes(engine, serving, health).routes(
+        *VLLMRoutes(engine, serving, chat, health).routes(
             api
         ),  # /ping, /invocations, /load, ... (openai/vllm_routes.py)
     ]
@@ -258,12 +260,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         lifespan=lifespan,
         exception_handlers={HTTPException: _on_http_error, Exception: _on_crash},
     )
-    app.state.engine, app.state.serving, app.state.metrics, app.state.config = (
-        engine,
-        serving,
-        metrics,
-        config,
-    )
+    app.state.engine, app.state.serving, app.state.chat = engine, serving, chat
+    app.state.metrics, app.state.config = metrics, config
     return app
 
 

@@ -21,6 +21,7 @@ import uuid
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from streamkv.entrypoints.openai.chat_serving import ChatServing
 from streamkv.entrypoints.openai.protocol import (
     ENGINE_ERRORS,
     APIError,
@@ -55,8 +56,10 @@ _PARAMS_NOT_ALLOWED = (
 
 
 class ChatSocket:
-    def __init__(self, ws: WebSocket, serving: OpenAIServing, max_active: int) -> None:
-        self.ws, self.serving, self.max_active = ws, serving, max_active
+    def __init__(
+        self, ws: WebSocket, serving: OpenAIServing, chat: ChatServing, max_active: int
+    ) -> None:
+        self.ws, self.serving, self.chat, self.max_active = ws, serving, chat, max_active
         self.tasks: dict[str | int, asyncio.Task] = {}
         self.cancelled: set[str | int] = set()
         self._send_lock = asyncio.Lock()
@@ -179,7 +182,7 @@ class ChatSocket:
                 )
             req = validate(ChatCompletionRequest, {**params, "messages": messages, "stream": True})
             sampling = req.params()
-            ids = await self.serving.chat_prompt(req)
+            ids = await self.chat.prompt(req)
             num_prompt = len(ids)
             rid = f"chatcmpl-{req.request_id or 'ws-' + uuid.uuid4().hex}"
             streams, _ = await self.serving.start(rid, [ids], sampling)
@@ -251,4 +254,4 @@ async def chat_ws(ws: WebSocket) -> None:
         await ws.send_denial_response(JSONResponse(e.body(), e.status, e.headers))
         return
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
-    await ChatSocket(ws, state.serving, state.config.ws_max_active).run()
+    await ChatSocket(ws, state.serving, state.chat, state.config.ws_max_active).run()
