@@ -8,12 +8,15 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
 import torch
 from hf_tiny import save_tiny
 from tp_rank import IDS, WORLD, prefill_logits, run_rank
 from transformers import LlamaConfig, OPTConfig, Qwen2Config
 
 from streamkv.models.registry import build_model
+
+pytestmark = pytest.mark.slow  # two rank processes
 
 COMMON = {
     "vocab_size": 1000,
