@@ -1,5 +1,5 @@
-"""``streamkv serve``: its flags (grouped as vLLM groups them) and the command that runs the
-app of entrypoints/server/app.py on uvicorn.
+"""``streamkv serve``: the command that runs the app of entrypoints/server/app.py on uvicorn
+(its flags are serve_args.py's), and the listening socket bound before the model loads.
 
 Start-up, as the operator sees it: uvicorn listens at once and ``/health`` answers 503
 while the model loads; one ``ready: URL (model, KV blocks, max context)`` line follows when
@@ -17,19 +17,12 @@ import os
 import socket
 import sys
 
-from streamkv.engine.serving_logs import DEFAULT_STATS_INTERVAL_S
-from streamkv.entrypoints.args import add_engine_args
-
 logger = logging.getLogger("streamkv.entrypoints.server")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    from streamkv.engine.watchdog import STEP_TIMEOUT_S
-    from streamkv.entrypoints.cli.common import (
-        HelpFormatter,
-        add_common_args,
-        add_server_limit_args,
-    )
+    from streamkv.entrypoints.cli.common import HelpFormatter
+    from streamkv.entrypoints.cli.serve_args import add_serve_args
 
     p = sub.add_parser(
         "serve",
@@ -39,183 +32,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (with SSE "
         "streaming) and a WebSocket chat; see docs/api.md.",
     )
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="local HF directory, .gguf file or shape preset (default: the embedded "
-        "SmolLM2-135M-Instruct)",
-    )
-    s = p.add_argument_group("server")
-    s.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on ('0.0.0.0': every interface)"
-    )
-    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    s.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the model id clients use (default: from MODEL); several: any may be asked for, "
-        "the first is the one in the logs and metrics",
-    )
-    s.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE|TEMPLATE",
-        help="Jinja chat template (a file or the template itself) instead of the tokenizer's",
-    )
-    s.add_argument(
-        "--root-path",
-        default="",
-        help="path prefix when behind a proxy that routes a path to this server (e.g. /llm)",
-    )
-    s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
-    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
-    s.add_argument(
-        "--loop",
-        choices=("asyncio", "uvloop"),
-        default="asyncio",
-        help="the event loop. asyncio by default: uvloop writes each SSE event holding the "
-        "GIL that the engine thread needs, and served 7%% less under a burst on an H200 "
-        '(docs/benchmarks.md "Serving")',
-    )
-    s.add_argument(
-        "--api-key",
-        default=os.environ.get("STREAMKV_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY; none = open)",
-    )
-    tc = p.add_argument_group("tool calling")
-    tc.add_argument(
-        "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="tool_choice 'auto' parses the model's own tool calls into tool_calls (off: such a "
-        "request is a 400, as in vLLM without this flag)",
-    )
-    tc.add_argument(
-        "--tool-call-parser",
-        choices=("hermes",),
-        default="hermes",
-        help="the model's tool-call format: Hermes-style <tool_call> JSON (SmolLM2's, Qwen2's)",
-    )
-    p.add_argument(
-        "--return-tokens-as-token-ids",
-        action="store_true",
-        help='logprobs name tokens "token_id:ID" unless a request says otherwise (vLLM\'s flag)',
-    )
-    p.add_argument(
-        "--strict-request-types",
-        action="store_true",
-        help='refuse "5" for 5 and "true" for true in request bodies, as OpenAI does (default: '
-        "coerce them, as vLLM does)",
-    )
-    p.add_argument(
-        "--error-format",
-        choices=("openai", "vllm"),
-        default="openai",
-        help="error bodies' type and code: OpenAI's strings (invalid_request_error, queue_full), "
-        "or vLLM's error class name and integer status (BadRequestError, 400)",
-    )
-    p.add_argument(
-        "--tools-system-prompt",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="for a chat template that ignores tools, list the offered tools in a system message "
-        "(--no-tools-system-prompt: leave them out, as vLLM does)",
-    )
-    lg = p.add_argument_group("logging")
-    lg.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="no periodic stats line (throughput, queues, KV usage, prefix-cache hit rate)",
-    )
-    lg.add_argument(
-        "--log-stats-interval",
-        type=float,
-        default=DEFAULT_STATS_INTERVAL_S,
-        help="seconds between stats lines",
-    )
-    lg.add_argument(
-        "--enable-log-requests",
-        action="store_true",
-        help="one INFO line per request: id, prompt length, sampling parameters (the prompt "
-        "text only at --log-level DEBUG)",
-    )
-    lg.add_argument(
-        "--access-log",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="uvicorn's line per HTTP request",
-    )
-    sec = p.add_argument_group("security and limits")
-    sec.add_argument(
-        "--allowed-origins",
-        action="append",
-        default=[],
-        help="browser origins allowed besides the server's own (comma list, repeatable; '*' = any)",
-    )
-    sec.add_argument(
-        "--max-request-body-bytes", type=int, default=2 * 2**20, help="larger bodies get 413"
-    )
-    sec.add_argument(
-        "--max-header-bytes", type=int, default=16 * 1024, help="larger request heads are refused"
-    )
-    sec.add_argument(
-        "--max-queue-len",
-        type=int,
-        default=4096,
-        help="requests that may wait to start; beyond it 429 with Retry-After (-1: no limit)",
-    )
-    sec.add_argument(
-        "--sse-keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments"
-    )
-    sec.add_argument(
-        "--ws-max-active", type=int, default=8, help="concurrent generations per WebSocket"
-    )
-    sec.add_argument(
-        "--engine-step-timeout",
-        type=float,
-        default=STEP_TIMEOUT_S,
-        metavar="SECONDS",
-        help="a step running longer turns /health to 503 and ends the request(s) that may "
-        "have caused it (the engine thread's watchdog)",
-    )
-    sec.add_argument(
-        "--enable-kv-view",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="serve the live KV view (/v1/kv/stream; default: only when listening on loopback "
-        "alone, as even its anonymous rows show other users' activity)",
-    )
-    add_server_limit_args(sec)
-    add_common_args(p)
-    add_engine_args(p)
+    add_serve_args(p)
     p.set_defaults(func=cmd_serve)
     return p
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    from streamkv.entrypoints.cli.common import check_server_limit_args
-
-    for name in ("max_request_body_bytes", "max_header_bytes", "ws_max_active"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_queue_len < -1:
-        raise SystemExit("--max-queue-len must be >= 0, or -1 for no limit")
-    if not args.log_stats_interval > 0:
-        raise SystemExit("--log-stats-interval must be > 0")
-    if not 0 < args.engine_step_timeout < float("inf"):
-        raise SystemExit("--engine-step-timeout must be > 0 seconds")
-    if args.ssl_keyfile and not args.ssl_certfile:
-        raise SystemExit("--ssl-keyfile needs --ssl-certfile")
-    for name in ("ssl_keyfile", "ssl_certfile"):
-        path = getattr(args, name)
-        if path and not os.path.isfile(path):
-            raise SystemExit(f"--{name.replace('_', '-')} {path}: no such file")
-    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
-        raise SystemExit("--root-path must start with '/' and not end with one (e.g. /llm)")
-    check_server_limit_args(args)
 
 
 def url_host(host: str) -> str:
@@ -231,13 +50,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamkv.engine.recovery import RestartBudget
     from streamkv.entrypoints.args import engine_kwargs
     from streamkv.entrypoints.cli.common import load_chat_template, set_chat_template
+    from streamkv.entrypoints.cli.serve_args import check_serve_args, served_name, serving_backend
     from streamkv.entrypoints.llm import build_engine, engine_config
-    from streamkv.entrypoints.server.app import (
-        ServerConfig,
-        build_app,
-        served_name,
-        serving_backend,
-    )
+    from streamkv.entrypoints.server.app import ServerConfig, build_app
     from streamkv.entrypoints.server.connections import (
         ConnectionLimits,
         GuardedH11Protocol,
@@ -247,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamkv.entrypoints.server.shutdown import DrainingServer
     from streamkv.models.loader import phase
 
-    _check_args(args)
+    check_serve_args(args)
     # Bound before anything loads: a port in use fails now, not after the model has loaded.
     listener = bind_listener(args.host, args.port)
     kwargs = engine_kwargs(args)
@@ -337,19 +152,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tools_system_prompt=args.tools_system_prompt,
         ),
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    public = args.host not in ("127.0.0.1", "localhost", "::1")
+    if public and not args.api_key:
         logger.warning(
             "serving on %s without --api-key: anyone who can reach it can use it", args.host
         )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allowed_hosts:
+    if public and not args.allowed_hosts:
         logger.warning(
-            "serving on %s: requests must name the server by "
-            "the IP address they connect to or a loopback name; "
-            "list its DNS names with --allowed-hosts (others get 421)",
+            "serving on %s: requests must name the server by the IP address they connect to or "
+            "a loopback name; list its DNS names with --allowed-hosts (others get 421)",
             args.host,
         )
-    loop = args.loop
-    if loop == "uvloop":
+    if args.loop == "uvloop":
         try:
             import uvloop  # noqa: F401
         except ImportError:
@@ -362,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            loop=loop,
+            loop=args.loop,
             http=functools.partial(GuardedH11Protocol, limits=limits),
             ws=QuietDenialWebSocket,
             h11_max_incomplete_event_size=args.max_header_bytes,
@@ -382,8 +196,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn says nothing when given the socket; this line says what /health will answer.
     bound = listener.getsockname()[1]
     logger.info(
-        "listening on %s://%s:%d%s; loading the model "
-        "(/health answers 503 until the 'ready:' line)",
+        "listening on %s://%s:%d%s; loading the model (/health answers 503 until the "
+        "'ready:' line)",
         scheme,
         url_host(args.host),
         bound,
@@ -419,11 +233,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        hint = (
-            " (another server is running there: stop it or choose another --port)"
-            if e.errno == errno.EADDRINUSE
-            else ""
-        )
+        hint = ""
+        if e.errno == errno.EADDRINUSE:
+            hint = " (another server is running there: stop it or choose another --port)"
         raise SystemExit(
             f"error: cannot listen on {url_host(host)}:{port}: {e.strerror}{hint}"
         ) from None
@@ -438,11 +250,10 @@ def kv_pool_shortfall(info) -> str | None:
     if tokens >= info.max_model_len:
         return None
     return (
-        f"the KV cache holds {tokens} tokens ({info.num_kv_blocks} "
-        f"blocks of {info.block_size}), less than one "
-        f"request of the max context {info.max_model_len}: "
-        f"lower --max-model-len to {tokens} or less, or give the "
-        "pool more blocks (--num-kv-blocks, or more memory: --gpu-memory-utilization on a GPU)"
+        f"the KV cache holds {tokens} tokens ({info.num_kv_blocks} blocks of {info.block_size}), "
+        f"less than one request of the max context {info.max_model_len}: lower --max-model-len "
+        f"to {tokens} or less, or give the pool more blocks (--num-kv-blocks, or more memory: "
+        "--gpu-memory-utilization on a GPU)"
     )
 
 

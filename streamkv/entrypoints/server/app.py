@@ -367,34 +367,3 @@ async def _watch_load(
     )
     if on_failure is not None:
         on_failure()
-
-
-# -- helpers of `streamkv serve` (its flags and command: entrypoints/cli/serve.py) ----------
-def served_name(model: str | None) -> str:
-    from streamkv.models.loader import DEFAULT_MODEL_NAME
-
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    path = Path(model.rstrip("/"))
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
-def serving_backend(device: str, backend: str | None) -> str | None:
-    """The executor ``serve`` uses: as asked, else worker processes (``mp``) on a GPU.
-
-    In one process the engine thread runs the model's torch calls and shares the GIL with
-    the event loop that streams the tokens; on an H200 that server made 0.65x the offline
-    engine's tokens/s, against 0.97x with the model in a worker process (docs/benchmarks.md,
-    "Server overhead"). On the CPU the model's kernels release the GIL for long stretches
-    and the in-process server kept up (1.02x), so it stays in one process there.
-    """
-    if backend is not None:
-        return backend
-    on_gpu = device.startswith("cuda") or (device == "auto" and _cuda_available())
-    return "mp" if on_gpu else None
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from streamkv.entrypoints.server import app as server  # noqa: E402
+from streamkv.entrypoints.cli import serve_args as server  # noqa: E402
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
