@@ -198,11 +198,46 @@ def block_size_row(table: list[dict]) -> Row:
         best = max(table, key=lambda t: t["completed_req_s"] or 0)
         row.value = best["block_size"]
         each = ", ".join(f"{t['block_size']}: {t['completed_req_s']:.2f}" for t in table)
-        row.ours = f"{best['block_size']} ({each} req/s; only these sizes run)"
+        row.ours = f"{best['block_size']} ({each} req/s)"
         row.source = source(*(t["point"] for t in table))
         sizes = sorted(t["point"]["num_requests"] for t in table)
         row.trace = f"{sizes[0]:,}-{sizes[-1]:,} req a point"
     return row
+
+
+def _offered(p: dict) -> float:
+    return p.get("offered_req_s") or p["request_rate"]
+
+
+def knee_rows(directory: str, points: dict) -> list[Row]:
+    """The cross-check of a capacity: a point below it (not overloaded) beside the overloaded
+    one, each system's normalized latency flat below its capacity and rising past it."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        below = load_json(path)
+        if not isinstance(below, dict) or below.get("overloaded", True):
+            continue
+        key = (below["workload"], below["system"], int(below.get("block_size") or 16))
+        over = points.get(key)
+        if over is None or not over.get("overloaded"):
+            continue
+        row = Row(
+            "12 knee",
+            f"{key[0]}: {key[1]}'s normalized latency below / past capacity",
+            "flat, then vertical past capacity",
+            how="normalized latency offered below the capacity and at the overloaded rate",
+        )
+        row.ours = (
+            f"{below['normalized_latency_s_per_token']:.3f} s/token at "
+            f"{_offered(below):.1f} req/s offered, "
+            f"{over['normalized_latency_s_per_token']:.3f} at {_offered(over):.1f} "
+            f"(capacity {over['completed_req_s']:.2f})"
+        )
+        row.value = below["normalized_latency_s_per_token"]
+        row.source = source(below, over)
+        row.trace = trace(below, over)
+        rows.append(row)
+    return rows
 
 
 def calibration_row(fit: dict | None) -> Row:
@@ -249,6 +284,7 @@ def build(directory: str, modelled: str | None, check: str | None = None) -> dic
         *batched_rows(points),
         *waste_rows(points),
         *kernel_rows(kernel, kernel_table),
+        *knee_rows(directory, points),
         block_size_row(blocks),
         calibration_row(fit),
         *rerun_rows(modelled),

@@ -74,6 +74,13 @@ def test_capacity_batched_waste_and_kernel_ratios(h200):
     assert rows["sharegpt: orca-max's token states"]["ours"].startswith("17.0%")
     assert rows["paged kernel ÷ contiguous at block 16"]["value"] == pytest.approx(1.2)
     assert rows["sharegpt: best block size (capacity)"]["value"] == 16
+    # The knee point sits beside its system's overloaded point; Alpaca's paged point has no
+    # overloaded twin, so it makes no knee row.
+    knee = [r for r in rows.values() if r["figure"] == "12 knee"]
+    assert [r["what"] for r in knee] == [
+        "sharegpt: orca-oracle's normalized latency below / past capacity"
+    ]
+    assert "at 5.0 req/s offered" in knee[0]["ours"] and "(capacity 4.00)" in knee[0]["ours"]
 
 
 def test_model_check_sets_the_model_beside_the_device(h200, tmp_path):
