@@ -64,7 +64,7 @@ if [[ " $PARTS " == *" speed "* ]]; then
   step kernel_checks 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
     tests/kernels/test_cuda_kernels.py -k "not test_paged_attention_decode or bfloat16"
   # The decode variants bench_kernels.py times (benchmarks/decode_variants.py), on the GPU.
-  step variant_checks 150 python3 -m pytest -q -p no:cacheprovider tests/benchmarks/test_decode_variants.py
+  step variant_checks 300 python3 -m pytest -q -p no:cacheprovider tests/benchmarks/test_decode_variants.py
   if [ "${FULL:-0}" = 1 ]; then
     step kernel_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
     # Decode steps with graphs: batch 1 and 256 at context 512, GPU time split by kernel kind.
