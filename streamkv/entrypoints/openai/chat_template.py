@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from streamkv.entrypoints.openai.chat_messages import ChatMessage, Tool
-from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.tool_calls import CLOSE, OPEN
 
 _TOOLS_PROMPT = (

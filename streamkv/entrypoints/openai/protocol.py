@@ -1,4 +1,5 @@
-"""The OpenAI error shape, strict JSON bodies, and validation through the request models.
+"""Strict JSON bodies, and validation through the request models (errors.py has the error
+shape).
 
 A body is parsed as strict JSON (``parse_json_body``), then validated by its endpoint's
 pydantic model (requests.py) with ``validate``. Types are coerced as vLLM's models
@@ -9,9 +10,6 @@ ignored and named in one warning per request, as vLLM does: strict rejection bre
 clients that send newer OpenAI fields. Fields we know but cannot honour (they would change
 the output) are declared as ``Unsupported`` and refused by name; the fields that change
 nothing are ``PassiveFields``.
-
-Every way the engine can refuse or drop a request is mapped here once (``engine_error``), so
-that HTTP, SSE and the WebSocket report the same status and ``code`` for the same failure.
 """
 
 from __future__ import annotations
@@ -19,124 +17,15 @@ from __future__ import annotations
 import json
 import logging
 from contextvars import ContextVar
-from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from streamkv.engine.recovery import EngineRestartedError
-from streamkv.engine.request_book import (
-    EngineDeadError,
-    EngineNotReadyError,
-    EngineRecoveringError,
-    EngineStoppingError,
-    QueueFullError,
-    RequestAbortedError,
-)
-from streamkv.engine.tokenizer_lanes import TokenizerBusyError
+from streamkv.entrypoints.openai.errors import ERROR_FORMAT, ERROR_FORMATS, APIError
 
 logger = logging.getLogger("streamkv.entrypoints.requests")
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type = message, status, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def body(self) -> dict:
-        if _ERROR_FORMAT.get() == "vllm":  # --error-format vllm: the exception's name, the status
-            return {
-                "error": {
-                    "message": self.message,
-                    "type": vllm_error_type(self.status),
-                    "param": self.param,
-                    "code": self.status,
-                }
-            }
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def vllm_error_type(status: int) -> str:
-    """vLLM's ``type`` for a status: its error class's name (400 ``BadRequestError``, 404
-    ``NotFoundError``, 500 ``InternalServerError``, 503 ``ServiceUnavailableError``)."""
-    try:
-        name = "".join(HTTPStatus(status).phrase.title().split()).replace("-", "")
-    except ValueError:
-        name = "Unknown"
-    return name if name.endswith("Error") else name + "Error"
-
-
-ENGINE_ERRORS = (
-    EngineDeadError,
-    EngineNotReadyError,
-    EngineRecoveringError,
-    EngineRestartedError,
-    EngineStoppingError,
-    QueueFullError,
-    RequestAbortedError,
-    TokenizerBusyError,
-)
-
-
-def engine_error(e: BaseException) -> APIError:
-    if isinstance(e, QueueFullError):
-        return APIError(
-            "the server's request queue is full; retry later",
-            429,
-            "rate_limit_error",
-            code="queue_full",
-            headers={"retry-after": "1"},
-        )
-    if isinstance(e, TokenizerBusyError):
-        return APIError(
-            str(e), 429, "rate_limit_error", code="tokenizer_busy", headers={"retry-after": "1"}
-        )
-    if isinstance(e, EngineRecoveringError):
-        return APIError(
-            str(e),
-            503,
-            "service_unavailable_error",
-            code="engine_recovering",
-            headers={"retry-after": "5"},
-        )
-    code = {
-        EngineDeadError: "engine_dead",
-        EngineNotReadyError: "engine_loading",
-        EngineRestartedError: "engine_restarted",
-        EngineStoppingError: "server_shutting_down",
-        RequestAbortedError: "request_aborted",
-    }[type(e)]
-    message = "the request was aborted" if isinstance(e, RequestAbortedError) else str(e)
-    return APIError(message, 503, "service_unavailable_error", code=code)
-
-
-def request_failed(error: str) -> APIError:
-    """A request the engine took but could not finish (the KV cache is too small for it, or
-    its step failed): the other requests go on."""
-    return APIError(
-        f"the engine could not finish the request: {error}",
-        503,
-        "service_unavailable_error",
-        code="engine_error",
-    )
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -236,12 +125,9 @@ class PassiveFields(OpenAIModel):
 # request by ``RequestTypes``. A context variable, because four handlers in three modules
 # validate bodies and the choice is the app's, not theirs.
 _STRICT_TYPES: ContextVar[bool] = ContextVar("streamkv_strict_request_types", default=False)
-# The app's --error-format ("openai" or "vllm"), read by APIError.body wherever an error is
-# written (JSON, SSE, the WebSocket), and its --tools-system-prompt, read by the chat
-# handlers (they pass it on to the tokenizer thread, which a context variable does not reach).
-_ERROR_FORMAT: ContextVar[str] = ContextVar("streamkv_error_format", default="openai")
+# The app's --tools-system-prompt, read by the chat handlers (they pass it on to the
+# tokenizer thread, which a context variable does not reach).
 TOOLS_SYSTEM_PROMPT: ContextVar[bool] = ContextVar("streamkv_tools_system_prompt", default=True)
-ERROR_FORMATS = ("openai", "vllm")
 
 
 class RequestTypes:
@@ -254,24 +140,20 @@ class RequestTypes:
     ) -> None:
         if error_format not in ERROR_FORMATS:
             raise ValueError(f"error_format must be one of {ERROR_FORMATS}, got {error_format!r}")
-        self.app, self.strict, self.error_format, self.tools_prompt = (
-            app,
-            strict,
-            error_format,
-            tools_prompt,
-        )
+        self.app, self.strict = app, strict
+        self.error_format, self.tools_prompt = error_format, tools_prompt
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         tokens = (
             _STRICT_TYPES.set(self.strict),
-            _ERROR_FORMAT.set(self.error_format),
+            ERROR_FORMAT.set(self.error_format),
             TOOLS_SYSTEM_PROMPT.set(self.tools_prompt),
         )
         try:
             await self.app(scope, receive, send)
         finally:
             _STRICT_TYPES.reset(tokens[0])
-            _ERROR_FORMAT.reset(tokens[1])
+            ERROR_FORMAT.reset(tokens[1])
             TOOLS_SYSTEM_PROMPT.reset(tokens[2])
 
 

@@ -15,13 +15,8 @@ from pydantic import Field, field_validator
 
 from streamkv.entrypoints.openai.chat_messages import ChatMessage, NamedToolChoice, Tool, ToolChoice
 from streamkv.entrypoints.openai.chat_template import check_template_kwargs
-from streamkv.entrypoints.openai.protocol import (
-    APIError,
-    Int,
-    OpenAIModel,
-    PassiveFields,
-    Unsupported,
-)
+from streamkv.entrypoints.openai.errors import APIError
+from streamkv.entrypoints.openai.protocol import Int, OpenAIModel, PassiveFields, Unsupported
 from streamkv.entrypoints.openai.structured_request import StructuredFields, structured_outputs
 from streamkv.entrypoints.openai.tool_calls import forced_tool_schema
 from streamkv.sampling_params import (

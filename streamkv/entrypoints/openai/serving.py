@@ -20,8 +20,9 @@ from starlette.responses import JSONResponse, Response
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.request_book import RequestStream
+from streamkv.entrypoints.openai.errors import APIError, request_failed
 from streamkv.entrypoints.openai.logprobs import LogprobFormatter
-from streamkv.entrypoints.openai.protocol import APIError, request_failed, validate
+from streamkv.entrypoints.openai.protocol import validate
 from streamkv.entrypoints.openai.requests import CompletionRequest, SamplingRequest
 from streamkv.entrypoints.openai.streaming import (
     ChoiceState,

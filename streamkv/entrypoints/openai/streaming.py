@@ -22,7 +22,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 
 from streamkv.engine.request_book import RequestStream
-from streamkv.entrypoints.openai.protocol import ENGINE_ERRORS, engine_error, request_failed
+from streamkv.entrypoints.openai.errors import ENGINE_ERRORS, engine_error, request_failed
 from streamkv.sequence import Logprob, RequestOutput
 
 if TYPE_CHECKING:

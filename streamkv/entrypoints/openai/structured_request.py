@@ -17,8 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from streamkv.engine.grammar_limits import MAX_SPEC_CHARS
+from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.lark_grammar import LarkError, is_lark, lark_to_ebnf
-from streamkv.entrypoints.openai.protocol import APIError, OpenAIModel, Unsupported
+from streamkv.entrypoints.openai.protocol import OpenAIModel, Unsupported
 from streamkv.sampling_params import InvalidParameter, StructuredOutputs
 
 

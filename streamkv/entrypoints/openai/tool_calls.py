@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamkv.entrypoints.openai.chat_messages import Tool
-from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.errors import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ANY_OBJECT = {"type": "object"}

@@ -28,13 +28,8 @@ from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.request_book import EngineDeadError
 from streamkv.entrypoints.openai.chat_serving import ChatServing
-from streamkv.entrypoints.openai.protocol import (
-    ENGINE_ERRORS,
-    APIError,
-    RequestTypes,
-    engine_error,
-    parse_json_body,
-)
+from streamkv.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error
+from streamkv.entrypoints.openai.protocol import RequestTypes, parse_json_body
 from streamkv.entrypoints.openai.serving import OpenAIServing
 from streamkv.entrypoints.openai.vllm_routes import TokenizeServing, VLLMRoutes, model_permission
 from streamkv.entrypoints.server.kv_view import KVView

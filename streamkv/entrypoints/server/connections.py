@@ -19,7 +19,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.errors import APIError
 
 logger = logging.getLogger(__name__)
 

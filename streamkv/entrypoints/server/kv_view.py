@@ -34,7 +34,7 @@ from starlette.responses import Response
 
 from streamkv.core.kv_snapshot import take_snapshot
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.errors import APIError
 
 logger = logging.getLogger(__name__)
 

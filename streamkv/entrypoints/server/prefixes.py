@@ -32,7 +32,7 @@ from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.llm_engine import LLMEngine
 from streamkv.engine.request_book import EngineDeadError
 from streamkv.engine.reserved_prefixes import PREFIX_PARAMS, register_prefix, reserved_prefixes
-from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.errors import APIError
 
 T = TypeVar("T")
 # How long a call waits for the engine thread (between two steps: normally milliseconds).

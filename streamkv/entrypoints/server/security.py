@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
-from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.errors import APIError
 
 logger = logging.getLogger(__name__)
 

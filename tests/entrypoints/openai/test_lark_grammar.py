@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from streamkv.engine.grammar_limits import check_spec
+from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.lark_grammar import LarkError, is_lark, lark_to_ebnf
 from streamkv.entrypoints.openai.lark_regex import regex_to_ebnf
-from streamkv.entrypoints.openai.protocol import APIError, validate
+from streamkv.entrypoints.openai.protocol import validate
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from tests.entrypoints.fake_engine import make_client, wait_healthy
 

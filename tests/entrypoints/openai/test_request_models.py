@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from streamkv.entrypoints.openai.protocol import APIError, validate
+from streamkv.entrypoints.openai.errors import APIError
+from streamkv.entrypoints.openai.protocol import validate
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
 from tests.entrypoints.fake_engine import make_client, wait_healthy
 

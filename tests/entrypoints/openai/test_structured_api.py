@@ -12,7 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from streamkv.entrypoints.openai.protocol import APIError, validate
+from streamkv.entrypoints.openai.errors import APIError
+from streamkv.entrypoints.openai.protocol import validate
 from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
 from tests.entrypoints.conftest import run_server
 

@@ -11,7 +11,7 @@ import pytest
 
 from streamkv.entrypoints.openai.chat_messages import ChatMessage, Tool
 from streamkv.entrypoints.openai.chat_template import render_chat
-from streamkv.entrypoints.openai.protocol import vllm_error_type
+from streamkv.entrypoints.openai.errors import vllm_error_type
 from tests.entrypoints.fake_engine import make_client, wait_healthy
 
 

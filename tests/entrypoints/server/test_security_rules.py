@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.entrypoints.openai.protocol import APIError
+from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.server.app import ServerConfig, build_app
 from streamkv.entrypoints.server.security import (
     AuthFailures,
