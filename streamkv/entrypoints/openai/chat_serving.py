@@ -26,11 +26,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from streamkv.engine.async_engine import AsyncEngine
+from streamkv.entrypoints.openai.chat_request import ChatCompletionRequest
 from streamkv.entrypoints.openai.chat_template import chat_size, render_chat
 from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.logprobs import LogprobFormatter
 from streamkv.entrypoints.openai.protocol import TOOLS_SYSTEM_PROMPT, validate
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from streamkv.entrypoints.openai.serving import OpenAIServing, renamed
 from streamkv.entrypoints.openai.streaming import ChoiceState, deltas, sse_chunks, usage_of
 from streamkv.entrypoints.openai.tool_calls import (

@@ -28,11 +28,11 @@ from starlette.routing import Route
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.entrypoints.openai.chat_messages import ChatMessage, Tool
+from streamkv.entrypoints.openai.chat_request import ChatCompletionRequest
 from streamkv.entrypoints.openai.chat_serving import ChatServing
 from streamkv.entrypoints.openai.chat_template import chat_size, check_template_kwargs, render_chat
 from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.protocol import TOOLS_SYSTEM_PROMPT, Int, OpenAIModel, validate
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from streamkv.entrypoints.openai.serving import OpenAIServing
 
 _PLAIN = (str, int, float, bool, type(None))

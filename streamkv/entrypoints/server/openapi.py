@@ -18,7 +18,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from streamkv import __version__
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
+from streamkv.entrypoints.openai.chat_request import ChatCompletionRequest
+from streamkv.entrypoints.openai.requests import CompletionRequest
 from streamkv.entrypoints.openai.vllm_routes import DetokenizeRequest, TokenizeRequest
 
 MODELS: tuple[type[BaseModel], ...] = (

@@ -21,10 +21,10 @@ import uuid
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from streamkv.entrypoints.openai.chat_request import ChatCompletionRequest
 from streamkv.entrypoints.openai.chat_serving import ChatServing
 from streamkv.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error, request_failed
 from streamkv.entrypoints.openai.protocol import parse_json_body, validate
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from streamkv.entrypoints.openai.serving import OpenAIServing
 from streamkv.entrypoints.openai.streaming import usage_of
 from streamkv.entrypoints.server.security import check_api_key, check_origin, check_subprotocols

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from streamkv.engine.grammar_limits import check_spec
+from streamkv.entrypoints.openai.chat_request import ChatCompletionRequest
 from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.lark_grammar import LarkError, is_lark, lark_to_ebnf
 from streamkv.entrypoints.openai.lark_regex import regex_to_ebnf
 from streamkv.entrypoints.openai.protocol import validate
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest
 from tests.entrypoints.fake_engine import make_client, wait_healthy
 
 xgr = pytest.importorskip("xgrammar")

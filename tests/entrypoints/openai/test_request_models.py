@@ -8,9 +8,10 @@ import logging
 
 import pytest
 
+from streamkv.entrypoints.openai.chat_request import ChatCompletionRequest
 from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.protocol import validate
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
+from streamkv.entrypoints.openai.requests import CompletionRequest
 from tests.entrypoints.fake_engine import make_client, wait_healthy
 
 CHAT = [{"role": "user", "content": "hi"}]

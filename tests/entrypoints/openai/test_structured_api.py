@@ -12,9 +12,10 @@ import jsonschema
 import openai
 import pytest
 
+from streamkv.entrypoints.openai.chat_request import ChatCompletionRequest
 from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.protocol import validate
-from streamkv.entrypoints.openai.requests import ChatCompletionRequest, CompletionRequest
+from streamkv.entrypoints.openai.requests import CompletionRequest
 from tests.entrypoints.conftest import run_server
 
 MODEL = "SmolLM2-135M-Instruct"
