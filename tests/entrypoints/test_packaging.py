@@ -63,7 +63,7 @@ def test_build_has_no_deprecation_warning_and_a_pep639_licence(wheel):
 def test_server_finds_the_page_installed_and_in_the_checkout(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel[0]).extractall(site)
-    code = "from streamkv.entrypoints.server.app import WEB_DIR; print(WEB_DIR)"
+    code = "from streamkv.entrypoints.server.pages import WEB_DIR; print(WEB_DIR)"
     # Run outside the checkout with the unpacked wheel first on the path: it must not need the repo.
     env = {**os.environ, "PYTHONPATH": str(site)}
     r = subprocess.run(
@@ -76,6 +76,6 @@ def test_server_finds_the_page_installed_and_in_the_checkout(wheel, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip().splitlines()[-1]) == site / "streamkv" / "web"
-    from streamkv.entrypoints.server.app import WEB_DIR
+    from streamkv.entrypoints.server.pages import WEB_DIR
 
     assert WEB_DIR is not None and (WEB_DIR / "index.html").is_file()

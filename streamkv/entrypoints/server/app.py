@@ -1,7 +1,6 @@
 """``streamkv serve``: the Starlette app (OpenAI HTTP API with SSE, WebSocket chat, metrics,
 the demo page) on uvicorn (asyncio's loop; --loop uvloop). The model loads on the engine
-thread after the
-server is up; until then /health answers 503.
+thread after the server is up; until then /health answers 503.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
-from starlette.staticfiles import StaticFiles
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
 
 from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine
@@ -34,7 +32,7 @@ from streamkv.entrypoints.openai.serving import OpenAIServing
 from streamkv.entrypoints.openai.vllm_routes import TokenizeServing, VLLMRoutes, model_permission
 from streamkv.entrypoints.server.kv_view import KVView
 from streamkv.entrypoints.server.metrics import ServerMetrics
-from streamkv.entrypoints.server.openapi import docs_page, openapi_document
+from streamkv.entrypoints.server.pages import WEB_DIR, page_routes
 from streamkv.entrypoints.server.prefixes import PrefixAdmin
 from streamkv.entrypoints.server.security import (
     AuthFailures,
@@ -46,27 +44,6 @@ from streamkv.entrypoints.server.security import (
 from streamkv.entrypoints.server.websocket import chat_ws
 
 logger = logging.getLogger(__name__)
-
-
-def find_web_dir() -> Path | None:
-    """The demo page's folder: shipped in the package as ``streamkv/web`` (pyproject.toml,
-    setup.py), or the repository's ``web/`` when running from a checkout."""
-    for folder in (
-        Path(__file__).resolve().parents[2] / "web",
-        Path(__file__).resolve().parents[3] / "web",
-    ):
-        if (folder / "index.html").is_file():
-            return folder
-    return None
-
-
-WEB_DIR = find_web_dir()
-_PAGE_HEADERS = {
-    "content-security-policy": (
-        "default-src 'self'; connect-src 'self' ws: wss:; frame-ancestors 'none'"
-    ),
-    "x-content-type-options": "nosniff",
-}
 
 
 @dataclass
@@ -97,12 +74,10 @@ class ServerConfig:
     # Request bodies' types as OpenAI checks them ("5" is not 5) rather than vLLM's coercion
     # (--strict-request-types).
     strict_request_types: bool = False
-    error_format: str = (
-        "openai"  # --error-format: "vllm" puts the error class and the status in type / code
-    )
-    tools_system_prompt: bool = (
-        True  # --tools-system-prompt: tools a template ignores go into a system message
-    )
+    # --error-format: "vllm" puts the error class and the status in type / code.
+    error_format: str = "openai"
+    # --tools-system-prompt: tools a template ignores go into a system message.
+    tools_system_prompt: bool = True
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -119,18 +94,15 @@ async def read_json(request: Request, limit: int) -> dict:
             "the request body must be JSON, sent with 'Content-Type: application/json'",
             code="invalid_content_type",
         )
+    too_large = f"the request body is larger than {limit} bytes"
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
-        raise APIError(
-            f"the request body is larger than {limit} bytes", 413, code="request_too_large"
-        )
+        raise APIError(too_large, 413, code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(
-                f"the request body is larger than {limit} bytes", 413, code="request_too_large"
-            )
+            raise APIError(too_large, 413, code="request_too_large")
         chunks.append(chunk)
     return parse_json_body(b"".join(chunks))
 
@@ -148,6 +120,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     tokens = TokenizeServing(engine, serving.check_model)
     metrics = ServerMetrics(engine, config.model_name)
     api = _api_wrapper(config)
+    kv_on = config.kv_view if config.kv_view is not None else config.hosts.loopback_only
+    kv_view = KVView(engine, enabled=kv_on)
 
     async def health(request: Request) -> Response:
         try:
@@ -179,32 +153,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    document = openapi_document(config.model_name)  # built once: the models do not change
-
-    async def openapi(request: Request) -> Response:
-        # Behind a proxy that routes a path prefix here (--root-path), clients call the API
-        # under that prefix (FastAPI says so the same way).
-        root = request.scope.get("root_path", "")
-        return JSONResponse({**document, "servers": [{"url": root}]} if root else document)
-
-    async def docs(request: Request) -> Response:
-        # Self-contained (inline style, no script), so its policy allows nothing else.
-        return HTMLResponse(
-            docs_page(document),
-            headers={
-                "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'",
-                "x-content-type-options": "nosniff",
-            },
-        )
-
-    async def index(request: Request) -> Response:
-        page = config.web_dir / "index.html" if config.web_dir else None
-        if page is None or not page.exists():
-            return error_response(
-                APIError("the demo page is not installed", 404, "not_found_error")
-            )
-        return FileResponse(page, headers=_PAGE_HEADERS)
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         engine.start()
@@ -218,7 +166,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
             await engine.stop()
 
     routes = [
-        Route("/", index),
         Route("/health", health),
         Route("/version", version),
         Route("/metrics", prometheus),
@@ -227,28 +174,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         Route("/v1/chat/completions", api(chat.completions), methods=["POST"]),
         Route("/tokenize", api(tokens.tokenize), methods=["POST"]),
         Route("/detokenize", api(tokens.detokenize), methods=["POST"]),
-        Route("/openapi.json", openapi),
-        Route("/docs", docs),
         WebSocketRoute("/v1/chat/ws", chat_ws),
-        Route(
-            "/v1/kv/stream",
-            api(
-                KVView(
-                    engine,
-                    enabled=config.kv_view
-                    if config.kv_view is not None
-                    else config.hosts.loopback_only,
-                ).stream,
-                body=False,
-            ),
-        ),  # the live KV-cache view
+        Route("/v1/kv/stream", api(kv_view.stream, body=False)),  # the live KV-cache view
         *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (prefixes.py)
-        *VLLMRoutes(engine, serving, chat, health).routes(
-            api
-        ),  # /ping, /invocations, /load, ... (openai/vllm_routes.py)
+        # /ping, /invocations, /load, ... (openai/vllm_routes.py)
+        *VLLMRoutes(engine, serving, chat, health).routes(api),
+        *page_routes(config.model_name, config.web_dir),  # /, /web, /openapi.json, /docs
     ]
-    if config.web_dir is not None and config.web_dir.is_dir():
-        routes.append(Mount("/web", StaticFiles(directory=config.web_dir), name="web"))
     app = Starlette(
         routes=routes,
         middleware=_middleware(config),
@@ -265,26 +197,18 @@ def _api_wrapper(config: ServerConfig):
     origin and (``auth``) the API key, passes the JSON body (``body``), and answers errors in
     the OpenAI shape."""
 
+    hosts, origins = config.hosts, config.allowed_origins
+    key, failures = config.api_key, config.auth_failures
+
     def api(handler, auth: bool = True, body: bool = True):
         async def endpoint(request: Request) -> Response:
             try:
                 local = request.scope["server"][0] if request.scope.get("server") else None
                 if request.method == "POST":
-                    check_origin(
-                        request.headers,
-                        request.url.scheme,
-                        config.hosts,
-                        config.allowed_origins,
-                        local,
-                    )
+                    check_origin(request.headers, request.url.scheme, hosts, origins, local)
                 if auth:
                     client = request.client.host if request.client else ""
-                    check_api_key(
-                        config.api_key,
-                        request.headers,
-                        failures=config.auth_failures,
-                        client=client,
-                    )
+                    check_api_key(key, request.headers, failures=failures, client=client)
                 if body:
                     return await handler(request, await read_json(request, config.max_body_bytes))
                 return await handler(request)

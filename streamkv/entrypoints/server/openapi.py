@@ -1,16 +1,13 @@
 """``/openapi.json``: every route the server serves, with request schemas generated from the
-request models; and ``/docs``: a self-contained HTML page rendered from that document on the
-server (no script, nothing fetched from elsewhere).
+request models (docs_page.py renders it as ``/docs``).
 
-The routes are listed here by hand, beside the code that serves them (app.py,
-openai/vllm_routes.py, prefixes.py, kv_view.py, websocket.py);
-tests/entrypoints/test_openapi_routes.py fails for a route of the app that this list lacks."""
+The routes are listed here by hand, beside the code that serves them (app.py, pages.py,
+openai/vllm_routes.py, prefixes.py, kv_view.py, websocket.py); a route of the app that this
+list lacks fails tests/entrypoints/server/test_openapi_routes.py."""
 
 from __future__ import annotations
 
 import copy
-import html
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +45,8 @@ class Endpoint:
 
 
 _SSE = "``text/event-stream`` with ``stream: true``"
+_PAGE = {"media": "text/html", "answer": "the page", "open": True}  # a browser's, no key
+_READY = {"media": "", "answer": "ready", "open": True}  # health checks
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint(
         "post",
@@ -146,16 +145,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "get",
         "/health",
         "200 once the model is loaded; 503 while loading, after a failure, shutting down",
-        media="",
-        answer="ready",
-        open=True,
+        **_READY,
     ),
-    Endpoint(
-        "get", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True
-    ),
-    Endpoint(
-        "post", "/ping", "SageMaker's health check: as /health", media="", answer="ready", open=True
-    ),
+    Endpoint("get", "/ping", "SageMaker's health check: as /health", **_READY),
+    Endpoint("post", "/ping", "SageMaker's health check: as /health", **_READY),
     Endpoint("get", "/version", "The server's version", answer='``{"version"}``', open=True),
     Endpoint(
         "get",
@@ -166,22 +159,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         open=True,
     ),
     Endpoint("get", "/openapi.json", "This document", answer="OpenAPI 3.1", open=True),
-    Endpoint(
-        "get",
-        "/docs",
-        "This document as an HTML page",
-        media="text/html",
-        answer="the page",
-        open=True,
-    ),
-    Endpoint(
-        "get",
-        "/",
-        "The chat page with the live KV-cache view",
-        media="text/html",
-        answer="the page",
-        open=True,
-    ),
+    Endpoint("get", "/docs", "This document as an HTML page", **_PAGE),
+    Endpoint("get", "/", "The chat page with the live KV-cache view", **_PAGE),
     Endpoint(
         "get",
         "/web/{path}",
@@ -198,10 +177,9 @@ _WEBSOCKET = (
     '``{"type": "chat", "id", "messages", "params"}`` (``params``: ChatCompletionRequest\'s fields '
     "but n, best_of, use_beam_search, stream, stream_options, tools, tool_choice, prompt_logprobs, "
     'echo, return_token_ids) and ``{"type": "cancel", "id"}``. Server: ``delta`` messages '
-    '(``{"type": "delta", "id", "text"}``; the first '
-    "also carries ``request_id``, the engine's id of "
-    "the generation), then one ``done`` (``finish_reason``, "
-    "``usage``) or one ``error`` (an OpenAI error)."
+    '(``{"type": "delta", "id", "text"}``; the first also carries ``request_id``, the engine\'s '
+    "id of the generation), then one ``done`` (``finish_reason``, ``usage``) or one ``error`` "
+    "(an OpenAI error)."
 )
 
 _ERROR = {
@@ -320,84 +298,3 @@ def openapi_document(model_name: str) -> dict[str, Any]:
         },
         "security": [{"bearer": []}],
     }
-
-
-def _type_of(prop: dict[str, Any]) -> str:
-    if "$ref" in prop:
-        return prop["$ref"].rsplit("/", 1)[-1]
-    if "anyOf" in prop or "oneOf" in prop:
-        kinds = [_type_of(p) for p in prop.get("anyOf", prop.get("oneOf", []))]
-        return " | ".join(k for k in kinds if k != "null") or "any"
-    kind = prop.get("type")
-    if kind == "array":
-        return f"array of {_type_of(prop.get('items', {}))}"
-    if "enum" in prop or "const" in prop:
-        return " | ".join(json.dumps(v) for v in prop.get("enum", [prop.get("const")]))
-    return kind if isinstance(kind, str) else "any"
-
-
-def _table(name: str, schema: dict[str, Any]) -> str:
-    required = set(schema.get("required", ()))
-    rows = []
-    for field, prop in schema.get("properties", {}).items():
-        default = (
-            "required"
-            if field in required
-            else json.dumps(prop["default"])
-            if "default" in prop
-            else ""
-        )
-        # The 64-bit bounds every integer has are the JSON's, not worth a line of the table.
-        limits = ", ".join(
-            f"{k} {prop[k]}" for k in ("minimum", "maximum") if k in prop and abs(prop[k]) < 2**62
-        )
-        rows.append(
-            f"<tr><td><code>{html.escape(field)}</code></td><td>{html.escape(_type_of(prop))}</td>"
-            f"<td>{html.escape(default)}</td><td>{html.escape(prop.get('description', ''))}"
-            f"{' (' + html.escape(limits) + ')' if limits else ''}</td></tr>"
-        )
-    doc = html.escape(schema.get("description", "").strip())
-    return (
-        f'<h3 id="{html.escape(name)}">{html.escape(name)}</h3><p>{doc}</p>'
-        "<table><tr><th>field</th><th>type</th><th>default</th><th>notes</th></tr>"
-        + "".join(rows)
-        + "</table>"
-    )
-
-
-_STYLE = (
-    "body{font:15px/1.5 system-ui,sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
-    "table{border-collapse:collapse;width:100%}td,th{border:1px solid #ccc;padding:.2em .5em;"
-    "text-align:left;vertical-align:top}code{font-size:90%}"
-)
-
-
-def docs_page(document: dict[str, Any]) -> str:
-    info = document["info"]
-    parts = [
-        "<!doctype html><html><head><meta "
-        f"charset='utf-8'><title>{html.escape(info['title'])}</title>"
-        f"<style>{_STYLE}</style></head><body><h1>{html.escape(info['title'])}</h1>"
-        f"<p>{html.escape(info['description'])} Version {html.escape(info['version'])}. "
-        "The machine-readable schema: <a "
-        "href='/openapi.json'>/openapi.json</a>.</p><h2>Endpoints</h2><ul>"
-    ]
-    for path, ops in document["paths"].items():
-        for method, op in ops.items():
-            parts.append(
-                f"<li><code>{method.upper()} {html.escape(path)}</code>: "
-                f"{html.escape(op['summary'])}"
-                f"{_body_link(op)}{'' if op.get('security') == [] else ' (API key)'}"
-                f"{'<br>' + html.escape(op['description']) if 'description' in op else ''}</li>"
-            )
-    parts.append("</ul><h2>Schemas</h2>")
-    parts.extend(_table(name, schema) for name, schema in document["components"]["schemas"].items())
-    parts.append("</body></html>")
-    return "".join(parts)
-
-
-def _body_link(op: dict[str, Any]) -> str:
-    if "requestBody" not in op:
-        return ""
-    model = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
-    return f" (body: <a href='#{model}'>{model}</a>)"
