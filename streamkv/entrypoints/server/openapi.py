@@ -1,5 +1,5 @@
 """``/openapi.json``: every route the server serves, with request schemas generated from the
-request models (docs_page.py renders it as ``/docs``).
+request models (pages.py serves it, and renders it as ``/docs``).
 
 The routes are listed here by hand, beside the code that serves them (app.py, pages.py,
 openai/vllm_routes.py, prefixes.py, kv_view.py, websocket.py); a route of the app that this
@@ -182,17 +182,8 @@ _WEBSOCKET = (
     "(an OpenAI error)."
 )
 
-_ERROR = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                name: {"type": ["string", "null"]} for name in ("message", "type", "param", "code")
-            },
-        }
-    },
-}
+_FIELDS = {name: {"type": ["string", "null"]} for name in ("message", "type", "param", "code")}
+_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": _FIELDS}}}
 _PREFIX = {  # prefixes.py parses this body by hand (it has no model)
     "type": "object",
     "required": ["prompt"],
