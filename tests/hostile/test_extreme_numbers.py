@@ -179,7 +179,7 @@ def test_accepted_extremes_sample_a_real_token_in_bounded_time(
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
     )
-    if req.has_penalties:
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
         from streamkv.layers.penalties import TokenCounts
 
         counts = TokenCounts(VOCAB, device)
