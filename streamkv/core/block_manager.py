@@ -3,7 +3,7 @@
 Every decoding algorithm is expressed with the same few calls: ``allocate`` maps a prompt
 (reusing cached prefix blocks), ``ensure_slots`` grows a table one block at a time and copies
 a shared last block before it is written (copy-on-write), ``fork`` shares a table, ``free``
-drops one, and ``swap_out`` / ``swap_in`` move a whole group between device and CPU pools.
+drops one; a preempted group is swapped or re-admitted whole (core/preempted_groups.py).
 Reserved prefixes (core/reserved_prefix.py) are pinned blocks that ``allocate`` maps first,
 with the prefix cache on or off. Every chain of content keys starts from the sequence's
 ``cache_root`` (its cache_salt's root, or None), never from None itself: a salted sequence
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from streamkv.config import CacheConfig
 from streamkv.core.block_pool import BlockPool, block_key
 from streamkv.core.kv_waste import KVUsage, table_waste
+from streamkv.core.preempted_groups import PreemptedGroups
 from streamkv.core.reserved_prefix import ReservedPrefixes
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -40,7 +41,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
+class BlockManager(PreemptedGroups):
     policy = "paged"  # the kv_allocation this manager serves
 
     def __init__(
@@ -67,17 +68,12 @@ class BlockManager:
         self._computing: dict[bytes, int] = {}
         self._pending: dict[int, list[bytes]] = {}
         # Leaders of groups re-admitted by allocate_group: seq id -> blocks shared with the
-        # group that the leader is still filling. Writing them is not a copy-on-write case:
-        # every sharer expects exactly the KV the leader computes there.
+        # group that it is still filling (no copy-on-write: the sharers expect that KV).
         self._filling: dict[int, int] = {}
         self.num_cow_copies = 0
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up, found
 
     # -- prompt allocation --------------------------------------------------------------
-    def _prefix_hits(self, seq: Sequence, claim: bool = False) -> list[int]:
-        return self._walk_prefix(seq, claim)[0]
-
     def _walk_prefix(self, seq: Sequence, claim: bool = False) -> tuple[list[int], bytes | None]:
         """Blocks already computed for a prefix of ``seq``: a reserved prefix's pinned blocks,
         then cached blocks; never the block of its last token, which must be computed to
@@ -105,17 +101,12 @@ class BlockManager:
         return hits, None
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether ``group``'s waiting sequences fit now. A group of several (parallel
-        samples or beams preempted by recompute) costs what ``allocate_group`` takes: the
-        blocks of the prefix common to all its sequences once, plus each one's own tail."""
+        """Whether ``group``'s waiting sequences fit now (a group of several: _group_cost)."""
         seqs = group.live_seqs(SequenceStatus.WAITING)
         if not seqs:
             return AllocStatus.OK
-        leader, followers = seqs[0], seqs[1:]
-        shared = self.shared_prefix_blocks(seqs) if followers else 0
-        total = _cdiv(len(leader), self.block_size) + sum(
-            _cdiv(len(s), self.block_size) - shared for s in followers
-        )
+        leader = seqs[0]
+        total = _cdiv(len(leader), self.block_size) if len(seqs) == 1 else self._group_cost(seqs)
         if total > self.device.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         hits, miss = self._walk_prefix(leader)
@@ -131,13 +122,15 @@ class BlockManager:
         """Map ``seq``'s tokens to blocks; returns how many tokens were prefix-cache hits."""
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
-        hits = self._prefix_hits(seq, claim=True)
+        hits = self._walk_prefix(seq, claim=True)[0]
         for block in hits:
             self.device.incref(block)
         table = list(hits)
         for _ in range(_cdiv(len(seq), self.block_size) - len(hits)):
             table.append(self.device.allocate())
         self.tables[seq.seq_id] = table
+        self._keys[seq.seq_id] = []
+        hit_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             keys = self._chain_keys(seq, len(seq) // self.block_size)
             self._keys[seq.seq_id], pending = keys[: len(hits)], keys[len(hits) :]
@@ -145,54 +138,10 @@ class BlockManager:
                 self._pending[seq.seq_id] = pending
                 for key in pending:
                     self._computing.setdefault(key, seq.seq_id)
-        else:
-            self._keys[seq.seq_id] = []
-        hit_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += hit_tokens
         seq.num_computed_tokens = hit_tokens
         return hit_tokens
-
-    def shared_prefix_blocks(self, seqs: list[Sequence]) -> int:
-        """Full blocks of the token prefix that all of ``seqs`` have in common, leaving every
-        sequence at least one token to compute (its logits are needed)."""
-        first = seqs[0]
-        common = min(len(s) for s in seqs) - 1
-        for seq in seqs[1:]:
-            if seq.prompt_token_ids != first.prompt_token_ids:
-                return 0
-            a, b = first.output_token_ids, seq.output_token_ids
-            i = 0
-            while i < len(a) and i < len(b) and a[i] == b[i]:
-                i += 1
-            common = min(common, len(first.prompt_token_ids) + i)
-        return common // self.block_size
-
-    def allocate_group(self, seqs: list[Sequence]) -> int:
-        """Map a group preempted by recompute so that it keeps its sharing: the leader
-        (``seqs[0]``) maps all its tokens; the others map the leader's blocks of their common
-        prefix and only their own tails. Returns the shared tokens, which the others treat as
-        computed: the scheduler lets the leader compute them before the others start."""
-        shared = self.shared_prefix_blocks(seqs)
-        self.allocate(seqs[0])
-        if shared:
-            self._filling[seqs[0].seq_id] = shared
-        leader_table = self.tables[seqs[0].seq_id]
-        for seq in seqs[1:]:
-            if seq.seq_id in self.tables:
-                raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
-            table = leader_table[:shared]
-            for block in table:
-                self.device.incref(block)
-            for _ in range(_cdiv(len(seq), self.block_size) - shared):
-                table.append(self.device.allocate())
-            self.tables[seq.seq_id] = table
-            self._keys[seq.seq_id] = (
-                self._chain_keys(seq, shared) if self.enable_prefix_caching else []
-            )
-            seq.num_computed_tokens = shared * self.block_size
-        return shared * self.block_size
 
     def _chain_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         keys: list[bytes] = []
@@ -229,8 +178,7 @@ class BlockManager:
         return True
 
     def can_append_slots(self, demands: Iterable[tuple[Sequence, int]]) -> bool:
-        needed = sum(self.blocks_needed(seq, n) for seq, n in demands)
-        return needed <= self.device.num_free
+        return sum(self.blocks_needed(seq, n) for seq, n in demands) <= self.device.num_free
 
     def ensure_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Give ``seq`` slots for its next ``num_new_tokens`` tokens.
@@ -247,8 +195,7 @@ class BlockManager:
             and self.device.ref_counts[table[first]] > 1
             and self._needs_cow(seq, table, first)
         ):
-            src = table[first]
-            dst = self.device.allocate()
+            src, dst = table[first], self.device.allocate()
             self.device.decref(src)
             table[first] = dst
             copies.append((src, dst))
@@ -296,69 +243,13 @@ class BlockManager:
             if self._computing.get(key) == seq.seq_id:
                 del self._computing[key]
         self.reserved.forget(seq.seq_id)
-        table = self.tables.pop(seq.seq_id, None)
-        if table is not None:
-            for block in table:
-                self.device.decref(block)
-        cpu_table = self.cpu_tables.pop(seq.seq_id, None)
-        if cpu_table is not None:
-            for block in cpu_table:
-                self.cpu.decref(block)
+        for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
+            for block in tables.pop(seq.seq_id, ()):
+                pool.decref(block)
         self._keys.pop(seq.seq_id, None)
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id]
-
-    # -- swapping (whole groups) --------------------------------------------------------
-    def _unique_blocks(self, tables: Iterable[list[int]]) -> set[int]:
-        return {b for t in tables for b in t}
-
-    def can_swap_out(self, group: SequenceGroup) -> bool:
-        seqs = group.live_seqs(SequenceStatus.RUNNING)
-        return len(self._unique_blocks(self.tables[s.seq_id] for s in seqs)) <= self.cpu.num_free
-
-    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move every running sequence of ``group`` to the CPU pool; returns (device, cpu)."""
-        return self._move(
-            group,
-            SequenceStatus.RUNNING,
-            SequenceStatus.SWAPPED,
-            (self.device, self.tables),
-            (self.cpu, self.cpu_tables),
-        )
-
-    def can_swap_in(self, group: SequenceGroup) -> bool:
-        seqs = group.live_seqs(SequenceStatus.SWAPPED)
-        needed = len(self._unique_blocks(self.cpu_tables[s.seq_id] for s in seqs)) + len(seqs)
-        return self.device.num_free - needed >= self.watermark_blocks
-
-    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        """Bring a swapped group back to the device pool; returns (cpu, device)."""
-        return self._move(
-            group,
-            SequenceStatus.SWAPPED,
-            SequenceStatus.RUNNING,
-            (self.cpu, self.cpu_tables),
-            (self.device, self.tables),
-        )
-
-    def _move(self, group, from_status, to_status, src, dst) -> list[tuple[int, int]]:
-        """Re-home a group's tables from one pool to the other. A block shared inside the
-        group moves once and stays shared on the other side."""
-        (src_pool, src_tables), (dst_pool, dst_tables) = src, dst
-        mapping: dict[int, int] = {}
-        for seq in group.live_seqs(from_status):
-            table = []
-            for block in src_tables.pop(seq.seq_id):
-                if block not in mapping:
-                    mapping[block] = dst_pool.allocate()
-                else:
-                    dst_pool.incref(mapping[block])
-                table.append(mapping[block])
-                src_pool.decref(block)
-            dst_tables[seq.seq_id] = table
-            seq.status = to_status
-        return list(mapping.items())
 
     # -- accounting ---------------------------------------------------------------------
     def num_shared_blocks(self) -> int:
