@@ -22,7 +22,7 @@ import torch
 
 from streamkv.layers.attention import AttentionMetadata
 from streamkv.layers.sample_request import SamplingRows
-from streamkv.layers.sampled_batch import SampledBatch
+from streamkv.layers.sampled_batch import SampledBatch, on_device
 from streamkv.layers.sampler import Sampler
 from streamkv.layers.token_mask import TokenMask
 from streamkv.messages import MASK_FOLLOWS, StepOutput
@@ -114,15 +114,7 @@ class ModelRunner:
         host32[n_seq:at_tables] = cu[n_dec:] - cu[n_dec]
         host32[at_tables:] = tables.reshape(-1)
 
-        if self.device.type == "cuda":
-            # Pinned through torch's caching host allocator, which keeps each block until its
-            # asynchronous copy is done: no host sync and no pinned allocation per step.
-            dev64, dev32 = (
-                torch.from_numpy(h).pin_memory().to(self.device, non_blocking=True)
-                for h in (host64, host32)
-            )
-        else:
-            dev64, dev32 = torch.from_numpy(host64), torch.from_numpy(host32)
+        dev64, dev32 = (on_device(self.device, torch.from_numpy(h)) for h in (host64, host32))
         input_ids, positions, slot_mapping = dev64.unbind(0)
         ctx, cu_prefill = dev32[:n_seq], dev32[n_seq:at_tables]
         dev_tables = dev32[at_tables:].view(n_seq, width)
@@ -135,14 +127,6 @@ class ModelRunner:
             meta.prefill_context_lens, meta.prefill_block_tables = ctx[n_dec:], dev_tables[n_dec:]
         return input_ids, positions, meta, ordered
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.long)
-        # A pageable host-to-device copy waits for the whole stream: that would make the
-        # next step's launch wait for the step still running.
-        return (
-            t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-        )
-
     def _pending_gather(self, rows: list[SeqInput]):
         """A function that writes the pending input tokens of ``rows`` (row i = input id i)
         into an input-ids tensor on the device, and counts them for penalties; None when
@@ -151,7 +135,7 @@ class ModelRunner:
             pend = [i for i, s in enumerate(rows) if s.pending]
             if not pend:
                 return None
-            at, got = self._to_device(pend), self.share_tokens(None, len(pend))
+            at, got = on_device(self.device, pend), self.share_tokens(None, len(pend))
             return lambda input_ids: input_ids.index_copy_(0, at, got)
         dst, src, slots = [], [], []
         for i, s in enumerate(rows):
@@ -180,7 +164,7 @@ class ModelRunner:
             else:
                 counts = None
         last = self._last_tokens
-        d, g = self._to_device(dst + count_rows), self._to_device(src + count_src)
+        d, g = on_device(self.device, dst + count_rows), on_device(self.device, src + count_src)
         n = len(dst)
         picked = last[g[:n]]
         if self.share_tokens is not None:
@@ -250,7 +234,7 @@ class ModelRunner:
         if rows[-1] == len(rows) - 1:  # rows ascend, so these are rows 0..k-1: no gather
             hidden = hidden[: len(rows)]
         else:
-            hidden = hidden[self._to_device(rows)]
+            hidden = hidden[on_device(self.device, rows)]
         if not self.samples:
             # A sharded (untied) lm_head all-gathers its logits: this rank must take part.
             if self.model.lm_head is not None and self.model.tp_size > 1:
