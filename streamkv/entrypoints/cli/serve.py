@@ -1,5 +1,5 @@
 """``streamkv serve``: the command that runs the app of entrypoints/server/app.py on uvicorn
-(its flags are serve_args.py's), and the listening socket bound before the model loads.
+(its flags are serve_args.py's; the socket it binds before the model loads, listener.py's).
 
 Start-up, as the operator sees it: uvicorn listens at once and ``/health`` answers 503
 while the model loads; one ``ready: URL (model, KV blocks, max context)`` line follows when
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import logging
 import os
-import socket
 import sys
+
+from streamkv.entrypoints.cli.listener import bind_listener, fit_open_files, url_host
 
 logger = logging.getLogger("streamkv.entrypoints.server")
 
@@ -37,44 +37,59 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    import functools
-
-    import uvicorn
-
-    from streamkv.engine.async_engine import AsyncEngine
-    from streamkv.engine.recovery import RestartBudget
-    from streamkv.entrypoints.args import engine_kwargs
-    from streamkv.entrypoints.cli.common import load_chat_template, set_chat_template
-    from streamkv.entrypoints.cli.serve_args import check_serve_args, served_name, serving_backend
-    from streamkv.entrypoints.llm import build_engine, engine_config
-    from streamkv.entrypoints.server.app import ServerConfig, build_app
-    from streamkv.entrypoints.server.connections import (
-        ConnectionLimits,
-        GuardedH11Protocol,
-        QuietDenialWebSocket,
-    )
-    from streamkv.entrypoints.server.security import HostPolicy
-    from streamkv.entrypoints.server.shutdown import DrainingServer
-    from streamkv.models.loader import phase
+    from streamkv.entrypoints.cli.serve_args import check_serve_args
 
     check_serve_args(args)
     # Bound before anything loads: a port in use fails now, not after the model has loaded.
     listener = bind_listener(args.host, args.port)
+    config, template = resolve_engine_config(args)
+    engine = make_engine(args, config, template)
+    startup = Startup(args, config, engine)
+    app = make_app(args, engine, startup)
+    warn_if_public(args)
+    check_loop(args)
+    startup.server = make_server(args, app, engine)
+    # uvicorn says nothing when given the socket; this line says what /health will answer.
+    logger.info(
+        "listening on %s://%s:%d%s; loading the model (/health answers 503 until the "
+        "'ready:' line)",
+        startup.scheme,
+        url_host(args.host),
+        listener.getsockname()[1],
+        args.root_path,
+    )
+    run_until_stopped(startup, listener)
+
+
+def resolve_engine_config(args: argparse.Namespace):
+    """The engine's config, verified, and the chat template: a bad flag fails here, before
+    the server listens."""
+    from streamkv.entrypoints.args import engine_kwargs
+    from streamkv.entrypoints.cli.common import load_chat_template
+    from streamkv.entrypoints.cli.serve_args import serving_backend
+    from streamkv.entrypoints.llm import engine_config
+
     kwargs = engine_kwargs(args)
     kwargs["distributed_executor_backend"] = serving_backend(
         args.device, args.distributed_executor_backend
     )
     config = engine_config(args.model, **kwargs)
     try:
-        config.verify()  # a bad flag fails here, before the server listens
+        config.verify()
         template = load_chat_template(args.chat_template) if args.chat_template else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    return config, template
+
+
+def make_engine(args: argparse.Namespace, config, template):
+    """The async engine; it builds (and rebuilds after a worker restart) the engine proper."""
+    from streamkv.engine.async_engine import AsyncEngine
+    from streamkv.engine.recovery import RestartBudget
+    from streamkv.entrypoints.cli.common import set_chat_template
+    from streamkv.entrypoints.llm import build_engine
+    from streamkv.models.loader import phase
 
     def build():
         with phase("loading the model and allocating the KV cache"):
@@ -83,57 +98,71 @@ def cmd_serve(args: argparse.Namespace) -> int:
             set_chat_template(engine.tokenizer, template)  # again after a worker restart
         return engine
 
-    engine = AsyncEngine(
+    return AsyncEngine(
         build,
         restarts=RestartBudget(limit=args.max_worker_restarts),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         log_requests=args.enable_log_requests,
         step_timeout_s=args.engine_step_timeout,
     )
-    origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
-    hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
-    failed: list[bool] = []
-    server: uvicorn.Server | None = None
-    names = args.served_model_name or [served_name(args.model)]
-    model_name = names[0]
-    scheme = "https" if args.ssl_certfile else "http"
 
-    def on_load_failure() -> None:
-        failed.append(True)
-        server.should_exit = True
 
-    async def announce() -> None:
+class Startup:
+    """The app's two start-up callbacks, which need the server built after the app."""
+
+    def __init__(self, args: argparse.Namespace, config, engine) -> None:
+        from streamkv.entrypoints.cli.serve_args import served_name
+
+        self.args, self.config, self.engine = args, config, engine
+        self.names = args.served_model_name or [served_name(args.model)]
+        self.scheme = "https" if args.ssl_certfile else "http"
+        self.failed: list[bool] = []
+        self.server = None
+
+    def on_load_failure(self) -> None:
+        self.failed.append(True)
+        self.server.should_exit = True
+
+    async def announce(self) -> None:
+        args, server = self.args, self.server
         while not server.started:  # the engine may be loaded before the socket is bound
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-        info = engine.info
+        info = self.engine.info
         short = kv_pool_shortfall(info)
         if short:
             logger.error("%s", short)
-            on_load_failure()
+            self.on_load_failure()
             return
         logger.info(
             "ready: %s://%s:%d%s (model %s, %d KV blocks of %d tokens, max context %d)",
-            scheme,
+            self.scheme,
             url_host(args.host),
             port,
             args.root_path,
-            model_name,
+            self.names[0],
             info.num_kv_blocks,
             info.block_size,
             info.max_model_len,
         )
-        if config.scheduler.preemption_mode == "swap" and info.num_swap_blocks == 0:
+        if self.config.scheduler.preemption_mode == "swap" and info.num_swap_blocks == 0:
             logger.warning(
                 "--preemption-mode swap with no CPU swap blocks (none by default on a CPU): a "
                 "request preempted is recomputed instead; set --swap-space or --num-swap-blocks"
             )
 
-    app = build_app(
+
+def make_app(args: argparse.Namespace, engine, startup: Startup):
+    from streamkv.entrypoints.server.app import ServerConfig, build_app
+    from streamkv.entrypoints.server.security import HostPolicy
+
+    origins = tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip())
+    hosts = HostPolicy.build(args.host, (h for arg in args.allowed_hosts for h in arg.split(",")))
+    return build_app(
         engine,
         ServerConfig(
-            model_name=model_name,
-            model_aliases=tuple(dict.fromkeys(names[1:])),
+            model_name=startup.names[0],
+            model_aliases=tuple(dict.fromkeys(startup.names[1:])),
             api_key=args.api_key or None,
             allowed_origins=origins,
             hosts=hosts,
@@ -142,16 +171,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_queue_len=None if args.max_queue_len == -1 else args.max_queue_len,
             sse_keepalive=args.sse_keepalive,
             ws_max_active=args.ws_max_active,
-            on_load_failure=on_load_failure,
+            on_load_failure=startup.on_load_failure,
             auto_tool_choice=args.enable_auto_tool_choice,
             tokens_as_ids=args.return_tokens_as_token_ids,
-            on_ready=announce,
+            on_ready=startup.announce,
             kv_view=args.enable_kv_view,
             strict_request_types=args.strict_request_types,
             error_format=args.error_format,
             tools_system_prompt=args.tools_system_prompt,
         ),
     )
+
+
+def warn_if_public(args: argparse.Namespace) -> None:
     public = args.host not in ("127.0.0.1", "localhost", "::1")
     if public and not args.api_key:
         logger.warning(
@@ -163,15 +195,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "a loopback name; list its DNS names with --allowed-hosts (others get 421)",
             args.host,
         )
+
+
+def check_loop(args: argparse.Namespace) -> None:
     if args.loop == "uvloop":
         try:
             import uvloop  # noqa: F401
         except ImportError:
             raise SystemExit("error: --loop uvloop: uvloop is not installed") from None
+
+
+def make_server(args: argparse.Namespace, app, engine):
+    import functools
+
+    import uvicorn
+
+    from streamkv.entrypoints.server.connections import (
+        ConnectionLimits,
+        GuardedH11Protocol,
+        QuietDenialWebSocket,
+    )
+    from streamkv.entrypoints.server.shutdown import DrainingServer
+
     limits = ConnectionLimits(
         args.timeout_request_head, args.timeout_request_body, fit_open_files(args.limit_concurrency)
     )
-    server = DrainingServer(
+    return DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
@@ -193,16 +242,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine,
         args.shutdown_timeout,
     )
-    # uvicorn says nothing when given the socket; this line says what /health will answer.
-    bound = listener.getsockname()[1]
-    logger.info(
-        "listening on %s://%s:%d%s; loading the model (/health answers 503 until the "
-        "'ready:' line)",
-        scheme,
-        url_host(args.host),
-        bound,
-        args.root_path,
-    )
+
+
+def run_until_stopped(startup: Startup, listener) -> None:
+    """Serve until stopped, then end the process with the exit status."""
+    server, failed = startup.server, startup.failed
     status = 1 if failed else 0
     try:
         server.run(sockets=[listener])
@@ -218,31 +262,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os._exit(1 if failed else status)
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The listening socket, bound now (uvicorn would bind only after its start-up)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise SystemExit(f"error: --host {host}: {e.strerror}") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(
-        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-    )  # as uvicorn: TIME_WAIT is no conflict
-    try:
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        hint = ""
-        if e.errno == errno.EADDRINUSE:
-            hint = " (another server is running there: stop it or choose another --port)"
-        raise SystemExit(
-            f"error: cannot listen on {url_host(host)}:{port}: {e.strerror}{hint}"
-        ) from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def kv_pool_shortfall(info) -> str | None:
     """Why the server must not start, when the KV pool cannot hold one request of the
     context it advertises (vLLM refuses too): every long request would fail one by one."""
@@ -255,28 +274,3 @@ def kv_pool_shortfall(info) -> str | None:
         f"to {tokens} or less, or give the pool more blocks (--num-kv-blocks, or more memory: "
         "--gpu-memory-utilization on a GPU)"
     )
-
-
-def fit_open_files(connections: int, spare: int = 256) -> int:
-    """Raise this process's open-file limit so that ``connections`` sockets fit beside the
-    files it needs itself (``spare``); if the hard limit is lower, cap connections to fit it,
-    so that the cap answers the excess with a JSON 503 rather than accept() failing."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = connections + spare
-    if soft != resource.RLIM_INFINITY and soft < want:
-        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        soft = new
-    if soft != resource.RLIM_INFINITY and soft < want:
-        fitted = max(1, soft - spare)
-        logger.warning(
-            "the open-file limit (%d, hard) fits %d connections, not --limit-concurrency %d; "
-            "raise it with `ulimit -n`",
-            soft,
-            fitted,
-            connections,
-        )
-        return fitted
-    return connections
