@@ -5,9 +5,6 @@ thread after the server is up; until then /health answers 503.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import gc
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,13 +21,13 @@ from starlette.routing import Route, WebSocketRoute
 
 from streamkv import __version__
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.engine.request_book import EngineDeadError
 from streamkv.entrypoints.openai.chat_serving import ChatServing
 from streamkv.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error
 from streamkv.entrypoints.openai.protocol import RequestTypes, parse_json_body
 from streamkv.entrypoints.openai.serving import OpenAIServing
 from streamkv.entrypoints.openai.vllm_routes import TokenizeServing, VLLMRoutes, model_permission
 from streamkv.entrypoints.server.kv_view import KVView
+from streamkv.entrypoints.server.lifespan import make_lifespan
 from streamkv.entrypoints.server.metrics import ServerMetrics
 from streamkv.entrypoints.server.pages import WEB_DIR, page_routes
 from streamkv.entrypoints.server.prefixes import PrefixAdmin
@@ -122,7 +119,35 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     api = _api_wrapper(config)
     kv_on = config.kv_view if config.kv_view is not None else config.hosts.loopback_only
     kv_view = KVView(engine, enabled=kv_on)
+    health = _health(engine)
+    routes = [
+        Route("/health", health),
+        Route("/version", _version),
+        Route("/metrics", _prometheus(metrics)),
+        Route("/v1/models", api(_models(engine, config), body=False)),
+        Route("/v1/completions", api(serving.completions), methods=["POST"]),
+        Route("/v1/chat/completions", api(chat.completions), methods=["POST"]),
+        Route("/tokenize", api(tokens.tokenize), methods=["POST"]),
+        Route("/detokenize", api(tokens.detokenize), methods=["POST"]),
+        WebSocketRoute("/v1/chat/ws", chat_ws),
+        Route("/v1/kv/stream", api(kv_view.stream, body=False)),  # the live KV-cache view
+        *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (prefixes.py)
+        # /ping, /invocations, /load, ... (openai/vllm_routes.py)
+        *VLLMRoutes(engine, serving, chat, health).routes(api),
+        *page_routes(config.model_name, config.web_dir),  # /, /web, /openapi.json, /docs
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=_middleware(config),
+        lifespan=make_lifespan(engine, metrics, config.on_load_failure, config.on_ready),
+        exception_handlers={HTTPException: _on_http_error, Exception: _on_crash},
+    )
+    app.state.engine, app.state.serving, app.state.chat = engine, serving, chat
+    app.state.metrics, app.state.config = metrics, config
+    return app
 
+
+def _health(engine: AsyncEngine):
     async def health(request: Request) -> Response:
         try:
             engine.check_alive()
@@ -130,9 +155,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
             return error_response(engine_error(e))
         return Response(status_code=200)
 
-    async def version(request: Request) -> Response:
-        return JSONResponse({"version": __version__})
+    return health
 
+
+async def _version(request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+def _models(engine: AsyncEngine, config: ServerConfig):
     async def models(request: Request) -> Response:
         cards = []
         for name in (config.model_name, *config.model_aliases):
@@ -150,46 +180,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
             cards.append(card)
         return JSONResponse({"object": "list", "data": cards})
 
+    return models
+
+
+def _prometheus(metrics: ServerMetrics):
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        engine.start()
-        lag = asyncio.create_task(metrics.watch_loop_lag())
-        watch = asyncio.create_task(_watch_load(engine, config.on_load_failure, config.on_ready))
-        try:
-            yield
-        finally:
-            lag.cancel()
-            watch.cancel()
-            await engine.stop()
-
-    routes = [
-        Route("/health", health),
-        Route("/version", version),
-        Route("/metrics", prometheus),
-        Route("/v1/models", api(models, body=False)),
-        Route("/v1/completions", api(serving.completions), methods=["POST"]),
-        Route("/v1/chat/completions", api(chat.completions), methods=["POST"]),
-        Route("/tokenize", api(tokens.tokenize), methods=["POST"]),
-        Route("/detokenize", api(tokens.detokenize), methods=["POST"]),
-        WebSocketRoute("/v1/chat/ws", chat_ws),
-        Route("/v1/kv/stream", api(kv_view.stream, body=False)),  # the live KV-cache view
-        *PrefixAdmin(engine).routes(api),  # reserved shared prefixes (prefixes.py)
-        # /ping, /invocations, /load, ... (openai/vllm_routes.py)
-        *VLLMRoutes(engine, serving, chat, health).routes(api),
-        *page_routes(config.model_name, config.web_dir),  # /, /web, /openapi.json, /docs
-    ]
-    app = Starlette(
-        routes=routes,
-        middleware=_middleware(config),
-        lifespan=lifespan,
-        exception_handlers={HTTPException: _on_http_error, Exception: _on_crash},
-    )
-    app.state.engine, app.state.serving, app.state.chat = engine, serving, chat
-    app.state.metrics, app.state.config = metrics, config
-    return app
+    return prometheus
 
 
 def _api_wrapper(config: ServerConfig):
@@ -258,31 +256,3 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
     # Logged with its traceback here; the client only learns that it was our fault.
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(APIError("internal server error", 500, "internal_error"))
-
-
-async def _watch_load(
-    engine: AsyncEngine,
-    on_failure: Callable[[], None] | None,
-    on_ready: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    try:
-        await engine.wait_ready()
-    except EngineDeadError:
-        if on_failure is not None:
-            on_failure()
-        return
-    if on_ready is not None:  # /health answers 200 from now on: say so at once
-        await on_ready()
-    # Everything alive now (model, tokenizer, app) lives as long as the server. Freezing it
-    # keeps the cyclic GC from walking it again on every full collection: unfrozen, those
-    # took ~0.1 s each on the engine thread under streaming load (measured on a CPU run).
-    gc.collect()
-    gc.freeze()
-    # A dead engine serves nothing: exit (non-zero) so that a supervisor restarts the server,
-    # rather than answering 503 forever from a live process.
-    error = await engine.wait_dead()
-    logger.error(
-        "the engine is dead (%s); the server exits with status 1", str(error).splitlines()[0]
-    )
-    if on_failure is not None:
-        on_failure()
