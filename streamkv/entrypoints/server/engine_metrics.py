@@ -56,6 +56,16 @@ class EngineCollector:
         s, info = self.engine.stats, self.engine.info
         if not s or info is None:
             return
+        yield from self._queue_gauges(s)
+        yield from self._counters(s)
+        for key, snap in s.get("histograms", {}).items():
+            name, doc = _ENGINE_HISTOGRAMS[key]
+            yield _histogram(name, doc, self.labels, snap)
+        yield _cache_config(info)
+        yield from self._pool_gauges(s)
+        yield from self._kv_waste(s)
+
+    def _queue_gauges(self, s: dict):
         for name, key, doc in (
             (
                 "num_requests_running",
@@ -71,6 +81,8 @@ class EngineCollector:
             "KV-cache usage. 1 means 100 percent usage.",
             _used(s["num_kv_blocks"], s["num_free_kv_blocks"]),
         )
+
+    def _counters(self, s: dict):
         for name, key, doc in (
             (
                 "num_preemptions",
@@ -99,23 +111,9 @@ class EngineCollector:
             c = CounterMetricFamily(f"vllm:{name}", doc, labels=LABELS)
             c.add_metric(self.labels, s[key])
             yield c
-        for key, snap in s.get("histograms", {}).items():
-            name, doc = _ENGINE_HISTOGRAMS[key]
-            yield _histogram(name, doc, self.labels, snap)
-        labels = {
-            "block_size": str(info.block_size),
-            "num_gpu_blocks": str(info.num_kv_blocks),
-            "num_cpu_blocks": str(info.num_swap_blocks),
-            "enable_prefix_caching": str(info.prefix_caching),
-            "engine": ENGINE_INDEX,
-        }
-        g = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "Information of the engine's cache config.",
-            labels=list(labels),
-        )
-        g.add_metric(list(labels.values()), 1)
-        yield g
+
+    def _pool_gauges(self, s: dict):
+        """streamkv's own: the CPU swap pool's usage, and the blocks reserved prefixes pin."""
         yield self._gauge(
             "streamkv:cpu_cache_usage_perc",
             "Fraction of CPU swap blocks in use (1 = full).",
@@ -131,7 +129,6 @@ class EngineCollector:
                 self.labels[:1],
                 ["model_name"],
             )
-        yield from self._kv_waste(s)
 
     def _kv_waste(self, s: dict):
         """The paper's Fig 2 and Fig 13 figures: averages since start as gauges, and their
@@ -195,6 +192,23 @@ class EngineCollector:
         g = GaugeMetricFamily(name, doc, labels=labels or LABELS)
         g.add_metric(values or self.labels, value)
         return g
+
+
+def _cache_config(info) -> GaugeMetricFamily:
+    labels = {
+        "block_size": str(info.block_size),
+        "num_gpu_blocks": str(info.num_kv_blocks),
+        "num_cpu_blocks": str(info.num_swap_blocks),
+        "enable_prefix_caching": str(info.prefix_caching),
+        "engine": ENGINE_INDEX,
+    }
+    g = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "Information of the engine's cache config.",
+        labels=list(labels),
+    )
+    g.add_metric(list(labels.values()), 1)
+    return g
 
 
 def _histogram(name: str, doc: str, labels: list[str], snap: dict) -> HistogramMetricFamily:
