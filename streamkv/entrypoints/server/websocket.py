@@ -165,16 +165,8 @@ class ChatSocket:
             head.clear()
 
         try:
-            if params is None:
-                params = {}
-            if not isinstance(params, dict):
-                raise APIError("'params' must be an object", param="params")
-            bad = next((k for k in _PARAMS_NOT_ALLOWED if k in params), None)
-            if bad is not None:
-                raise APIError(
-                    f"'params.{bad}' is not available on the WebSocket", param=f"params.{bad}"
-                )
-            req = validate(ChatCompletionRequest, {**params, "messages": messages, "stream": True})
+            body = {**_socket_params(params), "messages": messages, "stream": True}
+            req = validate(ChatCompletionRequest, body)
             sampling = req.params()
             ids = await self.chat.prompt(req)
             num_prompt = len(ids)
@@ -191,26 +183,12 @@ class ChatSocket:
                     await send({"type": "delta", "id": mid, "text": text[sent:]})
                     sent = len(text)
             c = last.outputs[0]
-            await send(
-                {
-                    "type": "done",
-                    "id": mid,
-                    "finish_reason": c.finish_reason,
-                    "usage": usage_of(num_prompt, len(c.token_ids)),
-                }
-            )
+            await send(_done(mid, c.finish_reason, num_prompt, len(c.token_ids)))
         except asyncio.CancelledError:
             if mid not in self.cancelled:
                 raise  # the socket closed
             num_out = len(last.outputs[0].token_ids) if last is not None and last.outputs else 0
-            await send(
-                {
-                    "type": "done",
-                    "id": mid,
-                    "finish_reason": "abort",
-                    "usage": usage_of(num_prompt, num_out),
-                }
-            )
+            await send(_done(mid, "abort", num_prompt, num_out))
         except APIError as e:
             await self.error(mid, e, rid, head)
         except ENGINE_ERRORS as e:
@@ -228,6 +206,28 @@ class ChatSocket:
             self.serving.abort_all(streams)
             self.tasks.pop(mid, None)
             self.cancelled.discard(mid)
+
+
+def _socket_params(params) -> dict:
+    """A chat's ``params``, checked: the sampling fields of an HTTP chat body, less those the
+    socket cannot stream (_PARAMS_NOT_ALLOWED)."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise APIError("'params' must be an object", param="params")
+    bad = next((k for k in _PARAMS_NOT_ALLOWED if k in params), None)
+    if bad is not None:
+        raise APIError(f"'params.{bad}' is not available on the WebSocket", param=f"params.{bad}")
+    return params
+
+
+def _done(mid, finish_reason: str | None, num_prompt: int, num_out: int) -> dict:
+    return {
+        "type": "done",
+        "id": mid,
+        "finish_reason": finish_reason,
+        "usage": usage_of(num_prompt, num_out),
+    }
 
 
 async def chat_ws(ws: WebSocket) -> None:
