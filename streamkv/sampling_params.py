@@ -7,21 +7,6 @@ from dataclasses import dataclass, field
 
 from streamkv import sampling_limits as limits
 
-# The limits are importable from here too, with the parameters they bound.
-from streamkv.sampling_limits import (  # noqa: F401
-    GREEDY_EPS,
-    MAX_ALLOWED_TOKEN_IDS,
-    MAX_CACHE_SALT,
-    MAX_LENGTH_PENALTY,
-    MAX_LOGIT_BIAS,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TEMPERATURE,
-    MIN_REPETITION_PENALTY,
-    MIN_TOP_P,
-)
-
 
 class InvalidParameter(ValueError):
     """A request refused because of one parameter (``param``); ``code`` is the OpenAI error
@@ -231,7 +216,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
+        return self.temperature < limits.GREEDY_EPS
 
 
 @dataclass

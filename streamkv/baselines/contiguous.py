@@ -36,15 +36,11 @@ from dataclasses import dataclass
 
 from streamkv.baselines.first_fit import FirstFitAllocator, Run
 from streamkv.core.block_manager import AllocStatus
-from streamkv.core.block_pool import BlockPool, NoFreeBlocksError
+from streamkv.core.block_pool import BlockPool, NoFreeBlocksError, cdiv
 from streamkv.core.kv_waste import KVUsage, KVWaste, final_len, table_waste
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 ORCA_POLICIES = ("orca-max", "orca-pow2", "orca-oracle", "ft-max")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def reservation_slots(policy: str, final: int, max_model_len: int) -> int:
@@ -100,7 +96,7 @@ class ContiguousBlockManager:
         final = final_len(
             len(group.seqs[0].prompt_token_ids), group.sampling_params, self.max_model_len
         )
-        return _cdiv(reservation_slots(self.policy, final, self.max_model_len), self.block_size)
+        return cdiv(reservation_slots(self.policy, final, self.max_model_len), self.block_size)
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Plans the group's reservation (``allocate`` carries it out): one run per waiting
@@ -121,7 +117,7 @@ class ContiguousBlockManager:
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
         family_id, k, spares = self._plan.pop(
-            seq.seq_id, (seq.seq_id, _cdiv(len(seq), self.block_size), 0)
+            seq.seq_id, (seq.seq_id, cdiv(len(seq), self.block_size), 0)
         )
         if not self.device.can_fit([k] * (1 + spares)):
             raise NoFreeBlocksError(f"no room for {1 + spares} run(s) of {k} blocks")
@@ -131,7 +127,7 @@ class ContiguousBlockManager:
         family.members += 1
         self._family_of[seq.seq_id] = family_id
         self.runs[seq.seq_id] = run
-        self.tables[seq.seq_id] = run.blocks(_cdiv(len(seq), self.block_size))
+        self.tables[seq.seq_id] = run.blocks(cdiv(len(seq), self.block_size))
         seq.num_computed_tokens = 0
         return 0
 
@@ -181,7 +177,7 @@ class ContiguousBlockManager:
         if seq.num_computed_tokens:
             self._batch_closed = True
         run, table = self.runs[seq.seq_id], self.tables[seq.seq_id]
-        need = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         if need > run.num_blocks:
             raise RuntimeError(
                 f"sequence {seq.seq_id} outgrew its reservation ({need} > {run.num_blocks} blocks)"

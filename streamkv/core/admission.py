@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from streamkv.core.block_pool import cdiv
 from streamkv.sampling_params import InvalidParameter, SamplingParams
 
 __all__ = ["EngineLimits", "InvalidParameter", "check_request", "peak_blocks"]
@@ -36,18 +37,14 @@ class EngineLimits:
     prefix_caching: bool
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def peak_blocks(prompt_len: int, num_out: int, num_seqs: int, block_size: int) -> int:
     """Blocks a group holds at its largest: ``num_seqs`` sequences that share the prompt's
     full blocks (forked after the prompt) and each write ``num_out - 1`` tokens of their own
     (the last sampled token is never fed back, so it needs no slot)."""
     if num_out <= 1 or num_seqs == 1:
-        return _cdiv(prompt_len + max(num_out - 1, 0), block_size)
+        return cdiv(prompt_len + max(num_out - 1, 0), block_size)
     shared = prompt_len // block_size
-    own = _cdiv(prompt_len + num_out - 1, block_size) - shared
+    own = cdiv(prompt_len + num_out - 1, block_size) - shared
     return shared + num_seqs * own
 
 
@@ -114,7 +111,7 @@ def check_request(
     if peak_blocks(n, 1, 1, bs) > pool:
         raise InvalidParameter(
             "prompt",
-            f"the prompt needs {_cdiv(n, bs)} KV-cache blocks, more than the whole pool "
+            f"the prompt needs {cdiv(n, bs)} KV-cache blocks, more than the whole pool "
             f"has ({pool} usable blocks of {bs} tokens)",
             "context_length_exceeded",
         )

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from streamkv.config import CacheConfig
-from streamkv.core.block_pool import BlockPool, block_key
+from streamkv.core.block_pool import BlockPool, block_key, cdiv
 from streamkv.core.kv_waste import KVUsage, table_waste
 from streamkv.core.preempted_groups import PreemptedGroups
 from streamkv.core.reserved_prefix import ReservedPrefixes
@@ -35,10 +35,6 @@ class AllocStatus(enum.Enum):
     # same tokens before it: admitted now, the request would compute its own copy in the same
     # step; a step later it maps that block instead.
     SHARE_LATER = enum.auto()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockManager(PreemptedGroups):
@@ -106,7 +102,7 @@ class BlockManager(PreemptedGroups):
         if not seqs:
             return AllocStatus.OK
         leader = seqs[0]
-        total = _cdiv(len(leader), self.block_size) if len(seqs) == 1 else self._group_cost(seqs)
+        total = cdiv(len(leader), self.block_size) if len(seqs) == 1 else self._group_cost(seqs)
         if total > self.device.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         hits, miss = self._walk_prefix(leader)
@@ -126,7 +122,7 @@ class BlockManager(PreemptedGroups):
         for block in hits:
             self.device.incref(block)
         table = list(hits)
-        for _ in range(_cdiv(len(seq), self.block_size) - len(hits)):
+        for _ in range(cdiv(len(seq), self.block_size) - len(hits)):
             table.append(self.device.allocate())
         self.tables[seq.seq_id] = table
         self._keys[seq.seq_id] = []
@@ -163,7 +159,7 @@ class BlockManager(PreemptedGroups):
             first >= len(table) or self.device.ref_counts[table[first]] <= 1
         ):
             return 0  # in place, nothing shared (_needs_cow): most decode steps
-        grow = max(0, _cdiv(computed + num_new_tokens, size) - len(table))
+        grow = max(0, cdiv(computed + num_new_tokens, size) - len(table))
         return grow + (1 if self._needs_cow(seq, table, first) else 0)
 
     def _needs_cow(self, seq: Sequence, table: list[int], first: int) -> bool:

@@ -19,6 +19,11 @@ import struct
 from collections import OrderedDict, deque
 
 
+def cdiv(a: int, b: int) -> int:
+    """Blocks that ``a`` tokens fill at ``b`` tokens a block (ceiling division)."""
+    return -(-a // b)
+
+
 def root_key(cache_salt: str | None) -> bytes | None:
     """The parent key of a sequence's first block: None (the shared root) without a salt.
     The NUL keeps a salt from ever spelling the unsalted root."""

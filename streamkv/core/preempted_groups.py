@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from streamkv.core.block_pool import cdiv
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
     from streamkv.core.block_pool import BlockPool
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PreemptedGroups:
@@ -36,7 +33,7 @@ class PreemptedGroups:
         beams preempted by recompute): the prefix all its sequences share once, plus each
         one's own tail."""
         shared = self.shared_prefix_blocks(seqs)
-        return sum(_cdiv(len(s), self.block_size) for s in seqs) - shared * (len(seqs) - 1)
+        return sum(cdiv(len(s), self.block_size) for s in seqs) - shared * (len(seqs) - 1)
 
     def shared_prefix_blocks(self, seqs: list[Sequence]) -> int:
         """Full blocks of the token prefix that all of ``seqs`` have in common, leaving every
@@ -69,7 +66,7 @@ class PreemptedGroups:
             table = leader_table[:shared]
             for block in table:
                 self.device.incref(block)
-            for _ in range(_cdiv(len(seq), self.block_size) - shared):
+            for _ in range(cdiv(len(seq), self.block_size) - shared):
                 table.append(self.device.allocate())
             self.tables[seq.seq_id] = table
             self._keys[seq.seq_id] = (

@@ -16,17 +16,16 @@ from pydantic import Field, field_validator
 from streamkv.entrypoints.openai.errors import APIError
 from streamkv.entrypoints.openai.protocol import Int, OpenAIModel, PassiveFields, Unsupported
 from streamkv.entrypoints.openai.structured_request import StructuredFields, structured_outputs
-from streamkv.sampling_params import (
+from streamkv.sampling_limits import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_CACHE_SALT,
-    InvalidParameter,
-    SamplingParams,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
 )
+from streamkv.sampling_params import InvalidParameter, SamplingParams
 
 MAX_SAMPLES = 16  # cap on n, best_of and prompts per request
 MAX_STOP = 32  # stop strings per request (OpenAI allows 4)
-MAX_STOP_CHARS = 1024  # per stop string: the engine holds back up to this many characters per step
-MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 
 Samples = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]
 # Logprob counts: the engine caps them (--max-logprobs, checked when the request is added).
