@@ -387,21 +387,20 @@ def main() -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )
-    worker = llm.engine.executor  # device and dtype, whichever executor holds the model
+    from streamkv.worker.worker import resolve_dtype
+
+    device = torch.device(llm.engine.config.model.device)  # resolved by the engine
+    dtype = resolve_dtype(llm.engine.config.model.dtype, device)
     model_dir = str(llm.engine.model_info.model_dir)
     if args.load_format == "dummy":
         # The same shape with random weights, built on the device (values do not matter).
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-        with torch.device(worker.device):
-            hf = AutoModelForCausalLM.from_config(config, dtype=worker.dtype).eval()
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     else:
-        hf = (
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=worker.dtype)
-            .to(worker.device)
-            .eval()
-        )
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad_id = 0
 
     run_streamkv(llm, requests[:4])  # warm-up
@@ -472,7 +471,7 @@ def main() -> int:
         torch.cuda.synchronize()
     print(
         f"\nmodel {args.model or 'SmolLM2-135M'} "
-        f"({args.load_format}, {worker.dtype}, {worker.device}); "
+        f"({args.load_format}, {dtype}, {device}); "
         f"{llm.stats()['num_kv_blocks']} KV blocks; TP {args.tensor_parallel_size}, "
         f"{llm.engine.config.model.executor_backend} executor"
     )

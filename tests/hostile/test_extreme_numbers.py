@@ -185,7 +185,7 @@ def test_accepted_extremes_sample_a_real_token_in_bounded_time(
         counts = TokenCounts(VOCAB, device)
         req.counts, req.counts_row = counts, counts.allocate([1, 2, 3], [4, 5])
     with deadline(10):
-        out = Sampler()(x, [req, SampleRequest(temperature=1.0, top_p=0.5)])
+        out = Sampler(device=device)(x, [req, SampleRequest(temperature=1.0, top_p=0.5)])
         out.finalize()
     assert 0 <= out[0].token_ids[0] < VOCAB and 0 <= out[1].token_ids[0] < VOCAB
 
