@@ -12,6 +12,7 @@ every script that builds an LLM at top level without an ``if __name__ == "__main
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -178,12 +179,22 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
             return
 
 
+def freeze_heap() -> None:
+    """Move everything alive now (torch, the model, its CUDA graphs) out of the cyclic GC's
+    reach: the rank then allocates only per-step objects, and without this every full
+    collection walks the whole start-up heap while the device waits for the next step, as
+    the server's process freezes its own (server/lifespan.py)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _control(worker, conn: Connection, msg) -> bool:
     """Answer a message other than Step or Resume; whether to serve on (False: Shutdown)."""
     if isinstance(msg, ipc.QueryBlocks):
         conn.send_bytes(ipc.encode(ipc.Blocks(*worker.num_available_blocks())))
     elif isinstance(msg, ipc.InitCache):
         worker.init_cache(msg.num_device_blocks, msg.num_cpu_blocks)
+        freeze_heap()
         conn.send_bytes(ipc.encode(ipc.Ok()))
     elif isinstance(msg, ipc.Shutdown):
         return False

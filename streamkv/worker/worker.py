@@ -184,6 +184,7 @@ class Worker:
         for name in ("runner", "cache", "model", "input_batch", "share_tokens"):
             if hasattr(self, name):
                 setattr(self, name, None)
+        gc.unfreeze()  # a rank froze its heap after start-up (executor/rank.py): cycles too
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
