@@ -41,7 +41,6 @@ def gather(
     ``diverge_timeout`` seconds after another failed it have diverged from it (stuck in a
     collective it left): WorkerError. Only ranks yet to answer are read: the others'
     next messages answer the next step."""
-    kind = ipc.kind(reply)
     pending = set(range(len(conns)))
     replies: dict[int, ipc.FromWorker] = {}
     failed: dict[int, str] = {}
@@ -49,30 +48,10 @@ def gather(
     while pending:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            if failed:
-                fail(
-                    f"worker rank(s) {sorted(failed)} failed "
-                    f"a step ({next(iter(failed.values()))}) "
-                    f"while rank(s) {sorted(pending)} did not "
-                    f"finish it within {diverge_timeout:.0f}s:"
-                    " the ranks diverged"
-                )
-            fail(f"no {kind!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s")
+            fail(_timeout_message(reply, pending, failed, timeout, diverge_timeout))
         for conn in wait([conns[r] for r in pending], left):
             rank = conns.index(conn)
-            try:
-                msg = decoder.decode(conn.recv_bytes())
-            except (EOFError, OSError):  # its end of the pipe closed: the process is gone
-                fail(death(rank))
-            except msgspec.DecodeError as e:
-                fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
-            if isinstance(msg, ipc.Error):
-                text = (
-                    f"worker rank {rank} failed: {msg.message}\n--- "
-                    f"worker traceback ---\n{msg.traceback}"
-                )
-                cause = _peer_death(conns, rank, death)
-                fail(f"{cause}; then {text}" if cause else text)
+            msg = _receive(conns, rank, decoder, fail, death)
             want = ipc.Ok if reply is ipc.Out and rank != 0 else reply
             if isinstance(msg, ipc.StepError) and reply is ipc.Out and rank in pending:
                 failed[rank] = msg.message
@@ -86,19 +65,73 @@ def gather(
             replies[rank] = msg
             pending.discard(rank)
     if failed:
-        resume = ipc.encode(ipc.Resume())
-        for rank in sorted(failed):
-            try:
-                conns[rank].send_bytes(resume)
-            except OSError:
-                fail(death(rank))
-        rank, message = min(failed.items())
-        raise StepFailed(
-            message
-            if len(failed) == len(conns)
-            else f"{message} (on worker rank(s) {sorted(failed)})"
-        )
+        _resume_and_raise(conns, failed, fail, death)
     return [replies[r] for r in sorted(replies)]
+
+
+def _timeout_message(
+    reply: type,
+    pending: set[int],
+    failed: dict[int, str],
+    timeout: float | None,
+    diverge_timeout: float,
+) -> str:
+    """After a failed step the deadline is the divergence one: say so, not "no reply"."""
+    if failed:
+        return (
+            f"worker rank(s) {sorted(failed)} failed "
+            f"a step ({next(iter(failed.values()))}) "
+            f"while rank(s) {sorted(pending)} did not "
+            f"finish it within {diverge_timeout:.0f}s:"
+            " the ranks diverged"
+        )
+    return (
+        f"no {ipc.kind(reply)!r} reply from worker rank(s) {sorted(pending)} within {timeout:.0f}s"
+    )
+
+
+def _receive(
+    conns: list[Connection],
+    rank: int,
+    decoder: msgspec.msgpack.Decoder,
+    fail: Callable[[str], NoReturn],
+    death: Callable[[int], str],
+) -> ipc.FromWorker:
+    """The next message from ``rank``; a closed pipe, an unreadable message or a reported
+    error fails the gather (an error names a peer's death when there is one)."""
+    try:
+        msg = decoder.decode(conns[rank].recv_bytes())
+    except (EOFError, OSError):  # its end of the pipe closed: the process is gone
+        fail(death(rank))
+    except msgspec.DecodeError as e:
+        fail(f"worker rank {rank} sent a message that is none of the replies: {e}")
+    if isinstance(msg, ipc.Error):
+        text = (
+            f"worker rank {rank} failed: {msg.message}\n--- worker traceback ---\n{msg.traceback}"
+        )
+        cause = _peer_death(conns, rank, death)
+        fail(f"{cause}; then {text}" if cause else text)
+    return msg
+
+
+def _resume_and_raise(
+    conns: list[Connection],
+    failed: dict[int, str],
+    fail: Callable[[str], NoReturn],
+    death: Callable[[int], str],
+) -> NoReturn:
+    """Let the ranks that failed the step go on (Resume), then raise its StepFailed once,
+    naming those ranks unless every rank failed it."""
+    resume = ipc.encode(ipc.Resume())
+    for rank in sorted(failed):
+        try:
+            conns[rank].send_bytes(resume)
+        except OSError:
+            fail(death(rank))
+    rank, message = min(failed.items())
+    raise StepFailed(
+        message if len(failed) == len(conns) else f"{message} (on worker rank(s) {sorted(failed)})"
+    )
 
 
 def _peer_death(conns: list[Connection], rank: int, death: Callable[[int], str]) -> str | None:
