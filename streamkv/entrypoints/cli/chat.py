@@ -97,72 +97,85 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     import httpx
 
-    logging.getLogger("httpx").setLevel(
-        logging.WARNING
-    )  # a line per request would cut into the replies
+    # A line per request would cut into the replies.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    messages: list[dict] = []
     with httpx.Client(headers=headers, timeout=httpx.Timeout(10.0, read=None)) as client:
         try:
             model = args.model_name or _first_model(client, url)
         except ChatError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        interactive = args.quick is None
-        if interactive:
+        if args.quick is None:
             print(f"chatting with {model} at {url} · {HELP}", file=sys.stderr)
-        while True:
-            if interactive:
-                try:
-                    line = input("> ")
-                except (EOFError, KeyboardInterrupt):
-                    print(file=sys.stderr)
-                    return 0
-            else:
-                line = args.quick
-            if line.strip() in ("/exit", "/quit"):
-                return 0
-            if line.strip() == "/reset":
-                messages.clear()
-                print("(the conversation is forgotten)", file=sys.stderr)
-                continue
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line})
-            body = {
-                "model": model,
-                "messages": system + messages,
-                "stream": True,
-                "max_tokens": args.max_tokens,
-                "temperature": args.temperature,
-                "stream_options": {"include_usage": True},
-            }
-            t0 = time.perf_counter()
-            try:
-                reply, usage = stream_reply(client, url, body, sys.stdout)
-            except KeyboardInterrupt:  # stops this reply, not the chat
-                print("\n(stopped)", file=sys.stderr)
-                messages.pop()
-                continue
-            except ChatError as e:
-                print(f"error: {e}", file=sys.stderr)
-                messages.pop()
-                if not interactive:
-                    return 1
-                continue
-            messages.append({"role": "assistant", "content": reply})
-            took = time.perf_counter() - t0
-            tokens = usage["completion_tokens"] if usage else None
-            print()
-            if tokens:
-                print(
-                    f"[{tokens} tokens in {took:.1f} s · {tokens / took:.1f} tok/s]",
-                    file=sys.stderr,
-                )
+        return _converse(client, url, model, args)
+
+
+def _converse(client, url: str, model: str, args: argparse.Namespace) -> int:
+    """The conversation loop: one turn per line read, or the single turn of --quick."""
+    interactive = args.quick is None
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages: list[dict] = []
+    while True:
+        line = _read_line(args.quick)
+        if line is None or line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages.clear()
+            print("(the conversation is forgotten)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        body = {
+            "model": model,
+            "messages": system + messages,
+            "stream": True,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            reply = _reply(client, url, body)
+        except ChatError as e:
+            print(f"error: {e}", file=sys.stderr)
             if not interactive:
-                return 0
+                return 1
+            reply = None
+        if reply is None:  # failed or stopped: forget the unanswered message
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+        if not interactive:
+            return 0
+
+
+def _read_line(quick: str | None) -> str | None:
+    """The next message: --quick's, or typed at the prompt; None at Ctrl-D or Ctrl-C."""
+    if quick is not None:
+        return quick
+    try:
+        return input("> ")
+    except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return None
+
+
+def _reply(client, url: str, body: dict) -> str | None:
+    """Stream one reply, then its tokens/s; None when Ctrl-C stopped it (the chat goes on)."""
+    t0 = time.perf_counter()
+    try:
+        reply, usage = stream_reply(client, url, body, sys.stdout)
+    except KeyboardInterrupt:  # stops this reply, not the chat
+        print("\n(stopped)", file=sys.stderr)
+        return None
+    took = time.perf_counter() - t0
+    tokens = usage["completion_tokens"] if usage else None
+    print()
+    if tokens:
+        print(f"[{tokens} tokens in {took:.1f} s · {tokens / took:.1f} tok/s]", file=sys.stderr)
+    return reply
 
 
 def _first_model(client, url: str) -> str:

@@ -125,7 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{serve,chat,generate,bench,worker}"
     )
+    gen = _add_generate_parser(sub)
 
+    from streamkv.entrypoints.cli.chat import add_chat_parser
+    from streamkv.entrypoints.cli.serve import add_serve_parser
+    from streamkv.executor.launcher import add_worker_parser  # ranks on another host (issue 17)
+
+    bench = _add_bench_parser(sub)
+    parser.commands = {
+        "generate": gen,
+        "serve": add_serve_parser(sub),
+        "chat": add_chat_parser(sub),
+        "bench": bench,
+        "worker": add_worker_parser(sub),
+    }
+    return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate",
         help="stream one completion to the terminal (offline, no server)",
@@ -161,11 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    return gen
 
-    from streamkv.entrypoints.cli.chat import add_chat_parser
-    from streamkv.entrypoints.cli.serve import add_serve_parser
-    from streamkv.executor.launcher import add_worker_parser  # ranks on another host (issue 17)
 
+def _add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="benchmarks: `streamkv bench serve --help`", formatter_class=HelpFormatter
     )
@@ -179,15 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_bench.add_argument("rest", nargs=argparse.REMAINDER)
     serve_bench.set_defaults(func=cmd_bench_serve)
-
-    parser.commands = {
-        "generate": gen,
-        "serve": add_serve_parser(sub),
-        "chat": add_chat_parser(sub),
-        "bench": bench,
-        "worker": add_worker_parser(sub),
-    }
-    return parser
+    return bench
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -19,6 +19,7 @@ from streamkv.entrypoints.cli.common import (
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``streamkv serve``, one group at a time; the order here is --help's."""
     p.add_argument(
         "model",
         nargs="?",
@@ -26,6 +27,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="local HF directory, .gguf file or shape preset (default: the embedded "
         "SmolLM2-135M-Instruct)",
     )
+    _add_server_args(p)
+    _add_api_args(p)
+    _add_logging_args(p)
+    _add_security_args(p)
+    add_common_args(p)
+    add_engine_args(p)
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """Where and how the server listens, and what it calls the model."""
     s = p.add_argument_group("server")
     s.add_argument(
         "--host", default="127.0.0.1", help="address to listen on ('0.0.0.0': every interface)"
@@ -65,6 +76,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("STREAMKV_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $STREAMKV_API_KEY; none = open)",
     )
+
+
+def _add_api_args(p: argparse.ArgumentParser) -> None:
+    """How the OpenAI API answers: tool calls, logprobs' token names, type coercion, errors."""
     tc = p.add_argument_group("tool calling")
     tc.add_argument(
         "--enable-auto-tool-choice",
@@ -104,6 +119,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="for a chat template that ignores tools, list the offered tools in a system message "
         "(--no-tools-system-prompt: leave them out, as vLLM does)",
     )
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
     lg = p.add_argument_group("logging")
     lg.add_argument(
         "--disable-log-stats",
@@ -128,6 +146,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=True,
         help="uvicorn's line per HTTP request",
     )
+
+
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    """Who may call, how much one request may ask, and when the server sheds load."""
     sec = p.add_argument_group("security and limits")
     sec.add_argument(
         "--allowed-origins",
@@ -169,8 +191,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "alone, as even its anonymous rows show other users' activity)",
     )
     add_server_limit_args(sec)
-    add_common_args(p)
-    add_engine_args(p)
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
