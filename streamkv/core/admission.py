@@ -1,4 +1,4 @@
-"""Admission: every rule that decides whether a request can *ever* run, in one function.
+"""Admission: every rule that decides whether a request can *ever* run, behind one function.
 
 ``LLMEngine.add_request`` calls ``check_request`` before a request enters the waiting queue,
 so a request the engine could never finish is refused at once with an error naming the
@@ -67,18 +67,26 @@ def check_request(
     prompt_token_ids: list[int], params: SamplingParams, limits: EngineLimits
 ) -> None:
     """Raise InvalidParameter unless the request could run to its end on an idle engine."""
-    n = len(prompt_token_ids)
-    if n == 0:
+    _check_token_ids(prompt_token_ids, params, limits.vocab_size)
+    n, num_out = len(prompt_token_ids), params.max_tokens or 1
+    _check_context(n, num_out, params.min_tokens, limits.max_model_len)
+    _check_width(params, limits.max_num_seqs)
+    _check_pool(n, num_out, params, limits)
+
+
+def _check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab: int) -> None:
+    if len(prompt_token_ids) == 0:
         raise InvalidParameter("prompt", "the prompt is empty")
-    _check_ids("prompt", prompt_token_ids, limits.vocab_size)
+    _check_ids("prompt", prompt_token_ids, vocab)
     # Token ids of the parameters index the logits in the worker: an id past the vocabulary
     # would fail the whole batch's step, so it is refused here, for this request alone.
-    _check_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
-    _check_ids("logit_bias", params.logit_bias or (), limits.vocab_size)
-    _check_ids("allowed_token_ids", params.allowed_token_ids or (), limits.vocab_size)
+    _check_ids("stop_token_ids", params.stop_token_ids, vocab)
+    _check_ids("logit_bias", params.logit_bias or (), vocab)
+    _check_ids("allowed_token_ids", params.allowed_token_ids or (), vocab)
 
-    ctx = limits.max_model_len
-    num_out = params.max_tokens or 1
+
+def _check_context(n: int, num_out: int, min_tokens: int, ctx: int) -> None:
+    """The prompt and the completion (at least min_tokens of it) fit the context."""
     if n + num_out > ctx:
         raise InvalidParameter(
             "prompt" if n >= ctx else "max_tokens",
@@ -87,26 +95,32 @@ def check_request(
             "reduce the length of the prompt or the completion.",
             "context_length_exceeded",
         )
-    if params.min_tokens and n + params.min_tokens > ctx:
+    if min_tokens and n + min_tokens > ctx:
         # EOS stays banned for min_tokens: past the context the request could only end at
         # the context's edge, so it is refused like max_tokens.
         raise InvalidParameter(
             "min_tokens",
             f"This model's maximum context length is {ctx} tokens. However, you requested at "
-            f"least {n + params.min_tokens} tokens ({n} in "
-            f"the prompt, min_tokens={params.min_tokens}).",
+            f"least {n + min_tokens} tokens ({n} in "
+            f"the prompt, min_tokens={min_tokens}).",
             "context_length_exceeded",
         )
 
+
+def _check_width(params: SamplingParams, max_num_seqs: int) -> None:
+    """A request's sequences always run together, so they must fit in one batch."""
     width = params.best_of
-    if width > limits.max_num_seqs:
+    if width > max_num_seqs:
         what = "the beam width" if params.use_beam_search else _width_param(params)
         raise InvalidParameter(
             _width_param(params),
-            f"{what} ({width}) may be at most the engine's max_num_seqs ({limits.max_num_seqs}): "
+            f"{what} ({width}) may be at most the engine's max_num_seqs ({max_num_seqs}): "
             "a request's sequences always run together",
         )
 
+
+def _check_pool(n: int, num_out: int, params: SamplingParams, limits: EngineLimits) -> None:
+    """The prompt, then the whole group at its largest, fit the usable KV pool."""
     bs, pool = limits.block_size, limits.usable_kv_blocks
     if peak_blocks(n, 1, 1, bs) > pool:
         raise InvalidParameter(
@@ -115,7 +129,7 @@ def check_request(
             f"has ({pool} usable blocks of {bs} tokens)",
             "context_length_exceeded",
         )
-    for seqs, param in ((1, "max_tokens"), (width, _width_param(params))):
+    for seqs, param in ((1, "max_tokens"), (params.best_of, _width_param(params))):
         need = peak_blocks(n, num_out, seqs, bs)
         if need > pool:
             raise InvalidParameter(
