@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from cuda.bindings import driver
 
-from streamkv.kernels import launch, nvrtc
+from streamkv.kernels import cuda_driver, launch
 from streamkv.kernels.cache_ops import check_pools, copy_unit, move_blocks, pointer_table
 
 
@@ -80,9 +80,9 @@ def _host_copy(
     for layer, host in enumerate(host_ptrs):
         dev = dev_base + layer * dev_pitch
         if to_host:
-            nvrtc.check(driver.cuMemcpyDtoHAsync(host + host_offset, dev, nbytes, stream))
+            cuda_driver.check(driver.cuMemcpyDtoHAsync(host + host_offset, dev, nbytes, stream))
         else:
-            nvrtc.check(driver.cuMemcpyHtoDAsync(dev, host + host_offset, nbytes, stream))
+            cuda_driver.check(driver.cuMemcpyHtoDAsync(dev, host + host_offset, nbytes, stream))
 
 
 def swap_blocks(

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-from streamkv.kernels import launch, nvrtc
+from streamkv.kernels import cuda_driver, launch
 from streamkv.kernels.fp8 import is_fp8
 from streamkv.kernels.launch import DTYPE_NAMES, FLOAT, INT, LONG, PTR
 
@@ -40,7 +40,7 @@ def copy_unit(nbytes: int, *addresses: int) -> int:
     return 1
 
 
-def _cache_ops_kernel(kind: str, unit: int, device: torch.device) -> nvrtc.Kernel:
+def _cache_ops_kernel(kind: str, unit: int, device: torch.device) -> cuda_driver.Kernel:
     module = launch.module(CACHE_OPS_SOURCE, cache_ops_names(), device)
     return module.kernel(f"streamkv::{kind}<{COPY_UNITS[unit]}>")
 

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from streamkv.kernels import launch, nvrtc
+from streamkv.kernels import cuda_driver, launch
 from streamkv.kernels.decode_kernels import (
     ATTENTION_SOURCE,
     ATTENTION_THREADS,
@@ -51,8 +51,8 @@ CUDA_CORE_LONG_WAVES = 8
 class DecodeKernels:
     """A decode kernel and the merge of its partitions, with what the launch needs of them."""
 
-    decode: nvrtc.Kernel
-    merge: nvrtc.Kernel
+    decode: cuda_driver.Kernel
+    merge: cuda_driver.Kernel
     shared_mem: Callable[[int], int]  # dynamic shared memory at a partition size
     long_waves: int  # choose_partition_size's, for this kernel
 
@@ -74,7 +74,7 @@ def case_kernels(
 
 
 def choose_partition_size(
-    kernel: nvrtc.Kernel,
+    kernel: cuda_driver.Kernel,
     ctas_per_partition: int,
     max_context_len: int,
     block_size: int,

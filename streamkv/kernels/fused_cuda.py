@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import torch
 
-from streamkv.kernels import launch, nvrtc
+from streamkv.kernels import cuda_driver, launch
 from streamkv.kernels.launch import FLOAT, INT, LONG, PTR
 
 FUSED_SOURCE = "fused_ops.cu"
@@ -40,7 +40,7 @@ def fused_names(dtype: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=64)
-def _kernel(kind: str, dtype: str, n: int, device: int) -> nvrtc.Kernel:
+def _kernel(kind: str, dtype: str, n: int, device: int) -> cuda_driver.Kernel:
     module = launch.module(FUSED_SOURCE, fused_names(dtype), torch.device("cuda", device))
     return module.kernel(kernel_name(kind, dtype, n))
 
@@ -55,7 +55,7 @@ def _width(dtype: torch.dtype, length: int, *tensors: torch.Tensor, extra: int =
     return n
 
 
-def _get(kind: str, t: torch.Tensor, n: int) -> nvrtc.Kernel:
+def _get(kind: str, t: torch.Tensor, n: int) -> cuda_driver.Kernel:
     return _kernel(kind, launch.DTYPE_NAMES[t.dtype], n, launch.device_index(t.device))
 
 

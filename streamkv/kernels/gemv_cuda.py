@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import torch
 
-from streamkv.kernels import launch, nvrtc
+from streamkv.kernels import cuda_driver, launch
 from streamkv.kernels.gemv import DEFAULT, ROW_VARIANTS, GemvConfig
 from streamkv.kernels.launch import INT, LONG, PTR
 
@@ -23,7 +23,7 @@ def gemv_names(dtype: str, unroll: int) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=64)
-def _kernel(dtype: str, rows: int, unroll: int, silu: bool, device: int) -> nvrtc.Kernel:
+def _kernel(dtype: str, rows: int, unroll: int, silu: bool, device: int) -> cuda_driver.Kernel:
     module = launch.module(GEMV_SOURCE, gemv_names(dtype, unroll), torch.device("cuda", device))
     return module.kernel(kernel_name(dtype, rows, unroll, silu))
 

@@ -1,6 +1,6 @@
 """What every CUDA launch module shares: the dtype names the .cu templates take, ctypes
 argument types, the device's arch / index / multiprocessor count, the current torch stream,
-and loading a program through ``nvrtc.load`` (compiled once, cached on disk).
+and loading a program through ``cuda_driver.load`` (compiled once, cached on disk).
 
 The lru_caches here memoise facts of a device that never change while the process runs.
 """
@@ -12,11 +12,11 @@ from functools import lru_cache
 
 import torch
 
-from streamkv.kernels import nvrtc
+from streamkv.kernels import cuda_driver
 
 DTYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
-# Kernel argument types for nvrtc.Kernel.launch.
+# Kernel argument types for cuda_driver.Kernel.launch.
 PTR, INT, LONG, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
@@ -44,8 +44,8 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def module(source: str, names: tuple[str, ...], device: torch.device) -> nvrtc.Module:
-    return nvrtc.load(source, names, device_index(device), arch(device))
+def module(source: str, names: tuple[str, ...], device: torch.device) -> cuda_driver.Module:
+    return cuda_driver.load(source, names, device_index(device), arch(device))
 
 
 def stream(device: torch.device) -> int:

@@ -1,17 +1,16 @@
-"""Run-time compilation of ``kernels_cu/*.cu`` with NVRTC, a cubin cache, and launches.
+"""Run-time compilation of ``kernels_cu/*.cu`` with NVRTC, and the on-disk cubin cache.
 
 Kernels are compiled for the exact architecture of the device (sm_90 on an H200) and for
 the exact template arguments in use (dtype, head size, block size...), which NVRTC
 instantiates from name expressions. Cubins are cached on disk under
 ``$STREAMKV_CACHE_DIR`` (default ``~/.cache/streamkv/kernels``), keyed by the sources, the
 options, the architecture and the NVRTC version, so a process pays for compilation once per
-configuration per machine. Modules are loaded and launched through the driver API on
-torch's current stream. Compilation needs no GPU, which is how CI checks every variant.
+configuration per machine. Compilation needs no GPU, which is how CI checks every variant;
+loading and launching the result is ``cuda_driver.py``'s.
 """
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import hashlib
 import json
@@ -21,10 +20,10 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 from pathlib import Path
 
-from cuda.bindings import driver, nvrtc
+from cuda.bindings import nvrtc
 
 # Shipped in the package as streamkv/kernels_cu (setup.py); the repository's kernels_cu/ in a
 # checkout.
@@ -39,26 +38,11 @@ class NVRTCError(RuntimeError):
     """NVRTC rejected a program; the message carries NVRTC's log."""
 
 
-class CUDADriverError(RuntimeError):
-    """A CUDA driver call failed."""
-
-
 @dataclass(frozen=True, slots=True)
 class Compiled:
     image: bytes  # cubin, or PTX when NVRTC is older than the device
     lowered: dict[str, str]  # name expression -> mangled kernel name
     log: str
-
-
-def check(result: tuple) -> object:
-    """Unwrap a cuda-python ``(status, *values)`` tuple, raising on a driver error."""
-    status, values = result[0], result[1:]
-    if status != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(status)
-        raise CUDADriverError(f"CUDA driver error {name.decode() if name else status}")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
 
 
 def _nvrtc_check(result: tuple, prog=None) -> object:
@@ -211,118 +195,3 @@ def _compile(filename: str, names: Sequence[str], opts: list[str], is_cubin: boo
         return Compiled(image, lowered, log)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-
-
-class Kernel:
-    """One loaded ``__global__`` function, launchable on a torch stream."""
-
-    def __init__(self, function, name: str) -> None:
-        self.function = function
-        self.name = name
-        self._occupancy: dict[tuple[int, int], int] = {}
-        self._dynamic_smem_allowed = 0
-
-    def launch(
-        self,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        args: Sequence[tuple[type, object]],
-        stream: int,
-        shared_mem: int = 0,
-        pdl: bool = False,
-    ) -> None:
-        """``args`` are (ctypes type, value) pairs in the kernel's parameter order.
-
-        ``pdl``: programmatic dependent launch (sm_90+; kernels_cu/pdl.cuh): the kernel may
-        start before the previous kernel on the stream ends, and must wait for it itself."""
-        self._allow_shared_mem(shared_mem)
-        holders = [ctype(value) for ctype, value in args]
-        params = (ctypes.c_void_p * len(holders))(*(ctypes.addressof(h) for h in holders))
-        if pdl:
-            check(
-                driver.cuLaunchKernelEx(
-                    _pdl_config(grid, block, shared_mem, stream),
-                    self.function,
-                    ctypes.addressof(params),
-                    0,
-                )
-            )
-            return
-        check(
-            driver.cuLaunchKernel(
-                self.function, *grid, *block, shared_mem, stream, ctypes.addressof(params), 0
-            )
-        )
-
-    def _allow_shared_mem(self, shared_mem: int) -> None:
-        # Static plus dynamic shared memory over 48 KiB needs the kernel's explicit opt-in;
-        # raising the cap is cheap and harmless below it, so do it for any new maximum.
-        if shared_mem > self._dynamic_smem_allowed:
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check(driver.cuFuncSetAttribute(self.function, attr, shared_mem))
-            self._dynamic_smem_allowed = shared_mem
-
-    def occupancy(self, threads: int, shared_mem: int) -> int:
-        """Resident CTAs per multiprocessor for this launch shape."""
-        key = (threads, shared_mem)
-        if key not in self._occupancy:
-            self._allow_shared_mem(shared_mem)
-            self._occupancy[key] = int(
-                check(
-                    driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                        self.function, threads, shared_mem
-                    )
-                )
-            )
-        return self._occupancy[key]
-
-
-def _pdl_config(grid, block, shared_mem: int, stream: int):
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = block
-    config.sharedMemBytes = shared_mem
-    config.hStream = driver.CUstream(stream)
-    config.attrs = [attr]
-    config.numAttrs = 1
-    return config
-
-
-class Module:
-    """A compiled program loaded into the primary context of one device."""
-
-    def __init__(self, compiled: Compiled, device: int) -> None:
-        _ensure_context(device)
-        self.compiled = compiled
-        self.handle = check(driver.cuModuleLoadData(compiled.image))
-        self._kernels: dict[str, Kernel] = {}
-
-    def kernel(self, name: str) -> Kernel:
-        if name not in self._kernels:
-            mangled = self.compiled.lowered[name]
-            fn = check(driver.cuModuleGetFunction(self.handle, mangled.encode()))
-            self._kernels[name] = Kernel(fn, name)
-        return self._kernels[name]
-
-
-def _ensure_context(device: int) -> None:
-    """Make the device's primary context (the one torch uses) current on this thread."""
-    check(driver.cuInit(0))
-    current = check(driver.cuCtxGetCurrent())
-    dev = check(driver.cuDeviceGet(device))
-    primary = check(driver.cuDevicePrimaryCtxRetain(dev))
-    if current is None or int(current) != int(primary):
-        check(driver.cuCtxSetCurrent(primary))
-
-
-_load_lock = threading.Lock()
-
-
-@cache
-def load(filename: str, names: tuple[str, ...], device: int, arch: int) -> Module:
-    """Compile (or fetch from the disk cache) and load a program; one Module per device."""
-    with _load_lock:
-        return Module(compile_program(filename, names, arch), device)

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from streamkv.kernels import nvrtc
+from streamkv.kernels import cuda_driver
 from streamkv.kernels.fp8 import FP8_CUDA_NAME, is_fp8
 
 SOURCE = "prefill_attention.cu"
@@ -111,9 +111,11 @@ def _device_index(device: torch.device) -> int:
 @lru_cache(maxsize=128)
 def _kernel(
     dtype: str, head: int, pack: int, tile: Tile, device: int, cache: str | None = None
-) -> nvrtc.Kernel:
+) -> cuda_driver.Kernel:
     major, minor = torch.cuda.get_device_capability(device)
-    module = nvrtc.load(SOURCE, program_names(dtype, head, tile, cache), device, major * 10 + minor)
+    module = cuda_driver.load(
+        SOURCE, program_names(dtype, head, tile, cache), device, major * 10 + minor
+    )
     return module.kernel(kernel_name(dtype, head, pack, tile, cache))
 
 

@@ -13,7 +13,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from streamkv.kernels import launch, nvrtc
+from streamkv.kernels import cuda_driver, launch
 from streamkv.kernels.launch import INT, LONG, PTR
 
 SAMPLING_SOURCE = "sampling.cu"
@@ -34,7 +34,7 @@ def sampling_names() -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=16)
-def _kernel(dtype: str, device: int) -> nvrtc.Kernel:
+def _kernel(dtype: str, device: int) -> cuda_driver.Kernel:
     module = launch.module(SAMPLING_SOURCE, sampling_names(), torch.device("cuda", device))
     return module.kernel(kernel_name(dtype))
 

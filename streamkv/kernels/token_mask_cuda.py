@@ -11,7 +11,7 @@ from functools import lru_cache
 import torch
 from cuda.bindings import driver
 
-from streamkv.kernels import launch, nvrtc
+from streamkv.kernels import cuda_driver, launch
 from streamkv.kernels.launch import INT, LONG, PTR
 
 SOURCE = "token_mask.cu"
@@ -21,7 +21,7 @@ TOKENS_PER_THREAD = 4
 
 
 @lru_cache(maxsize=16)
-def _kernel(device: int) -> nvrtc.Kernel:
+def _kernel(device: int) -> cuda_driver.Kernel:
     return launch.module(SOURCE, (NAME,), torch.device("cuda", device)).kernel(NAME)
 
 
@@ -86,7 +86,7 @@ class BanLaunch:
         if n == 0:
             return
         self._logits.value = logits.data_ptr()
-        nvrtc.check(
+        cuda_driver.check(
             driver.cuLaunchKernel(
                 self.function,
                 self.blocks,
