@@ -174,38 +174,13 @@ class SamplingRequest(StructuredFields, PassiveFields):
                 "'prompt_logprobs' is not available with stream=true", param="prompt_logprobs"
             )
         fields, source = constraint
-        beam = self.use_beam_search
-        # Beam search is deterministic: it defaults to (and needs) temperature 0.
-        temperature = self.temperature if self.temperature is not None else 0.0 if beam else 1.0
         try:
             params = SamplingParams(
-                n=self.n,
-                best_of=self.best_of,
+                **self._request_fields(),
                 max_tokens=max_tokens,
                 logprobs=logprobs,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                temperature=temperature,
-                top_p=self.top_p,
-                # vLLM reads top_k 0 as "all tokens", as -1 (clients that default to 0 send it).
-                top_k=-1 if self.top_k == 0 else self.top_k,
-                min_p=self.min_p,
-                seed=self.seed,
-                presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty,
-                ignore_eos=self.ignore_eos,
-                min_tokens=self.min_tokens,
-                use_beam_search=beam,
-                length_penalty=self.length_penalty,
-                early_stopping=self.early_stopping,
-                skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                logit_bias=self.logit_bias,
-                structured_outputs=structured_outputs(fields, source),
                 prompt_logprobs=prompt_logprobs,
-                allowed_token_ids=self.allowed_token_ids,
-                cache_salt=self.cache_salt,
+                structured_outputs=structured_outputs(fields, source),
             )
         except InvalidParameter as e:
             param = source if e.param == "structured_outputs" and source else e.param
@@ -221,6 +196,38 @@ class SamplingRequest(StructuredFields, PassiveFields):
                 param="best_of",
             )
         return params
+
+    def _request_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields taken from the request as sent, with vLLM's readings of
+        an unset temperature and of top_k 0."""
+        beam = self.use_beam_search
+        # Beam search is deterministic: it defaults to (and needs) temperature 0.
+        temperature = self.temperature if self.temperature is not None else 0.0 if beam else 1.0
+        return dict(
+            n=self.n,
+            best_of=self.best_of,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            temperature=temperature,
+            top_p=self.top_p,
+            # vLLM reads top_k 0 as "all tokens", as -1 (clients that default to 0 send it).
+            top_k=-1 if self.top_k == 0 else self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            use_beam_search=beam,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            cache_salt=self.cache_salt,
+        )
 
     def constraint_source(self) -> str | None:
         """The field that states the output constraint, if any."""
