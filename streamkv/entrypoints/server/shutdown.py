@@ -73,9 +73,19 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
+        """Stop accepting, give the running requests ``drain_timeout`` to finish, end the
+        rest, let the responses close in ``grace``, then run the lifespan's shutdown."""
         exit_after(self.drain_timeout + self.grace + EXIT_MARGIN_S, 1)
         loop = asyncio.get_running_loop()
-        started, running = loop.time(), self.engine.num_open_streams
+        started = loop.time()
+        self._stop_accepting(sockets)
+        await self._drain(loop, started)
+        await self._close_connections(loop)
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    def _stop_accepting(self, sockets) -> None:
+        running = self.engine.num_open_streams
         if running:
             logger.info(
                 "shutting down: waiting up to %g s for %d running request(s) to finish "
@@ -93,6 +103,8 @@ class DrainingServer(uvicorn.Server):
         for conn in self._connections(websocket=False):
             conn.shutdown()  # idle keep-alive sockets close now, busy ones after their response
 
+    async def _drain(self, loop: asyncio.AbstractEventLoop, started: float) -> None:
+        """Wait for the running requests (not for a stalled engine), then end what is left."""
         deadline = loop.time() + self.drain_timeout
         while (
             not self.force_exit
@@ -115,7 +127,9 @@ class DrainingServer(uvicorn.Server):
                 )
             )
 
-        # The responses end by themselves now; WebSockets get their error messages first.
+    async def _close_connections(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The responses end by themselves now; WebSockets get their error messages first,
+        then close; tasks still running past the grace period are cancelled."""
         grace_end = loop.time() + self.grace
         while (
             not self.force_exit and loop.time() < grace_end and self._connections(websocket=False)
@@ -132,8 +146,6 @@ class DrainingServer(uvicorn.Server):
             )
             for task in self.server_state.tasks:
                 task.cancel()
-        if not self.force_exit:
-            await self.lifespan.shutdown()
 
     def _connections(self, websocket: bool) -> list:
         return [c for c in self.server_state.connections if isinstance(c, H11Protocol) != websocket]
