@@ -1,7 +1,6 @@
-"""Builds one step's tensors (input ids, positions, slot mapping, block tables), runs the
-model and samples. Decode sequences (one new token) go first so they form one batched
-paged-decode call; prompt spans follow. On CUDA, a decode-only step replays a captured
-graph instead (worker/cuda_graphs.py).
+"""Runs one step: its tensors (input ids, positions, slot mapping, block tables; built in
+worker/step_tensors.py, decodes first), the model, and the sampler. On CUDA, a decode-only
+step replays a captured graph instead (worker/cuda_graphs.py).
 
 ``launch`` never waits for the device (async scheduling): it returns a StepResult whose
 ``result()`` waits for the step's sampled tokens alone. A sequence whose input token is
@@ -14,7 +13,6 @@ attaches the masks (``StepResult.attach_masks``), before it hands over the next 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -31,6 +29,7 @@ from streamkv.worker.input_batch import ProtocolError, SeqInput
 from streamkv.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 from streamkv.worker.prompt_logprobs import score_prompts
 from streamkv.worker.sampling_table import PLAIN, SamplingTable
+from streamkv.worker.step_tensors import prepare_step
 
 
 class ModelRunner:
@@ -84,48 +83,9 @@ class ModelRunner:
     def prepare(
         self, seqs: list[SeqInput]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[SeqInput]]:
-        """The step's tensors from two host buffers (two host-to-device copies): int64 input
-        ids / positions / slots, and int32 context lengths, the prefill spans' cumulative
-        query lengths and one padded block table of every sequence (decodes' rows first)."""
-        decodes = [s for s in seqs if len(s.token_ids) == 1]
-        ordered = decodes + [s for s in seqs if len(s.token_ids) > 1]
-        n_seq, n_dec, bs = len(ordered), len(decodes), self.block_size
-        lens = np.fromiter((len(s.token_ids) for s in ordered), np.int64, n_seq)
-        starts = np.fromiter((s.start_pos for s in ordered), np.int64, n_seq)
-        cu = np.zeros(n_seq + 1, np.int64)
-        np.cumsum(lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-        width = max((len(s.block_table) for s in ordered), default=1)
-        tables = np.zeros((n_seq, width), np.int64)
-        for i, s in enumerate(ordered):
-            tables[i, : len(s.block_table)] = s.block_table
-
-        host64 = np.empty((3, num_tokens), np.int64)
-        ids, pos, slots = host64
-        ids[:] = np.fromiter(
-            itertools.chain.from_iterable(s.token_ids for s in ordered), np.int64, num_tokens
-        )
-        pos[:] = np.arange(num_tokens) + np.repeat(starts - cu[:-1], lens)
-        slots[:] = tables[np.repeat(np.arange(n_seq), lens), pos // bs] * bs + pos % bs
-        n_pre = n_seq - n_dec
-        at_tables = n_seq + n_pre + 1  # host32: context lens | prefill cu | block tables
-        host32 = np.empty(at_tables + n_seq * width, np.int32)
-        host32[:n_seq] = starts + lens  # this step's tokens included
-        host32[n_seq:at_tables] = cu[n_dec:] - cu[n_dec]
-        host32[at_tables:] = tables.reshape(-1)
-
-        dev64, dev32 = (on_device(self.device, torch.from_numpy(h)) for h in (host64, host32))
-        input_ids, positions, slot_mapping = dev64.unbind(0)
-        ctx, cu_prefill = dev32[:n_seq], dev32[n_seq:at_tables]
-        dev_tables = dev32[at_tables:].view(n_seq, width)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode=n_dec)
-        if n_dec:
-            meta.decode_block_tables, meta.decode_context_lens = dev_tables[:n_dec], ctx[:n_dec]
-            meta.decode_max_context_len = int(host32[:n_dec].max())
-        if n_pre:
-            meta.prefill_cu_query_lens = cu_prefill
-            meta.prefill_context_lens, meta.prefill_block_tables = ctx[n_dec:], dev_tables[n_dec:]
-        return input_ids, positions, meta, ordered
+        """Input ids, positions, attention metadata and the rows' order, decodes first
+        (worker/step_tensors.py)."""
+        return prepare_step(seqs, self.block_size, self.device)
 
     def _pending_gather(self, rows: list[SeqInput]):
         """A function that writes the pending input tokens of ``rows`` (row i = input id i)
