@@ -12,7 +12,6 @@ every script that builds an LLM at top level without an ``if __name__ == "__main
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from streamkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from streamkv.executor import ipc
 from streamkv.executor.step_profile import StepProfiler
 from streamkv.executor.supervisor import start_heartbeat
+from streamkv.heap import freeze_heap
 from streamkv.messages import StepFailed, StepOutput
 from streamkv.model_info import ModelInfo
 
@@ -177,15 +177,6 @@ def _serve(rank: int, worker, conn: Connection, decoder) -> None:
         resumes_due += _answer_all(rank, conn, launched)
         if not _control(worker, conn, msg):
             return
-
-
-def freeze_heap() -> None:
-    """Move everything alive now (torch, the model, its CUDA graphs) out of the cyclic GC's
-    reach: the rank then allocates only per-step objects, and without this every full
-    collection walks the whole start-up heap while the device waits for the next step, as
-    the server's process freezes its own (server/lifespan.py)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _control(worker, conn: Connection, msg) -> bool:

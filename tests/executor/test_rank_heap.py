@@ -1,5 +1,5 @@
-"""A rank freezes its start-up heap (executor/rank.py) and a worker's release thaws it, so
-that reference cycles among what the worker dropped are still collected."""
+"""A serving process freezes its start-up heap (heap.py) and a worker's release thaws it,
+so that reference cycles among what the worker dropped are still collected."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from streamkv.executor.rank import freeze_heap
+from streamkv.heap import YOUNG_THRESHOLD, freeze_heap
 from streamkv.worker.worker import Worker
 
 
@@ -23,9 +23,11 @@ def test_release_collects_cycles_frozen_at_start_up() -> None:
     dead = weakref.ref(model)
     worker = types.SimpleNamespace(model=model, device=torch.device("cpu"))
     del model
+    thresholds = gc.get_threshold()
     try:
         freeze_heap()
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] == YOUNG_THRESHOLD
         gc.collect()
         assert dead() is not None  # frozen: out of the collector's reach
         Worker.release(worker)
@@ -33,3 +35,4 @@ def test_release_collects_cycles_frozen_at_start_up() -> None:
         assert dead() is None
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -14,6 +13,7 @@ from starlette.applications import Starlette
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.request_book import EngineDeadError
 from streamkv.entrypoints.server.metrics import ServerMetrics
+from streamkv.heap import freeze_heap
 
 # app.py's logger, as before this moved here: operators' log filters name it.
 logger = logging.getLogger("streamkv.entrypoints.server.app")
@@ -53,11 +53,8 @@ async def watch_load(
         return
     if on_ready is not None:  # /health answers 200 from now on: say so at once
         await on_ready()
-    # Everything alive now (model, tokenizer, app) lives as long as the server. Freezing it
-    # keeps the cyclic GC from walking it again on every full collection: unfrozen, those
-    # took ~0.1 s each on the engine thread under streaming load (measured on a CPU run).
-    gc.collect()
-    gc.freeze()
+    # Everything alive now (model, tokenizer, app) lives as long as the server (heap.py).
+    freeze_heap()
     # A dead engine serves nothing: exit (non-zero) so that a supervisor restarts the server,
     # rather than answering 503 forever from a live process.
     error = await engine.wait_dead()
