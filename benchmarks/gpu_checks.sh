@@ -49,6 +49,13 @@ step() {  # step NAME SECONDS COMMAND...: appends the whole output to $LOG
   echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 
+# GC_PROBE=1: every Python process records its cyclic-GC pauses (benchmarks/gc_probe), one
+# line each in $OUT/gc_probe.txt at the end.
+if [ "${GC_PROBE:-0}" = 1 ]; then
+  export GCPROBE_DIR=$OUT/gc_probe PYTHONPATH=$PWD/benchmarks/gc_probe:$PYTHONPATH
+  trap 'tail -qn1 "$GCPROBE_DIR"/* >"$OUT/gc_probe.txt" 2>/dev/null; rm -rf "$GCPROBE_DIR"' EXIT
+fi
+
 PARTS=${PARTS:-speed eval}
 SHAREGPT="--workload-file bench_inputs/sharegpt_1000.json --num-requests 1000 --max-output-len 1024 \
   --max-num-seqs 256 --num-kv-blocks 20000 --baseline-batch-sizes="
