@@ -4,6 +4,7 @@ the tiny random Llamas the engine, worker and executor tests run on."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -108,3 +109,15 @@ def _no_leaked_blocks():
     for llm in _ENGINES.values():
         bm = llm.engine.block_manager
         bm.check_no_leaks()
+
+
+@pytest.fixture(autouse=True)
+def _gc_as_found():
+    """A server started in this process freezes the heap and raises the GC's thresholds
+    (streamkv/heap.py): undo both after each test, so that later tests run with Python's
+    collector as it was."""
+    thresholds = gc.get_threshold()
+    yield
+    if gc.get_freeze_count() or gc.get_threshold() != thresholds:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
