@@ -8,9 +8,9 @@ other configurations the templates take (cp.async rings, per-warp softmax, other
 the fused merge) are experiments of ``benchmarks/decode_variants.py``.
 
 ``paged_attention_decode`` picks the kernel and the partition size (``choose_partition_size``)
-and launches on torch's current stream; it never synchronises the host. ``max_context_len``
-bounds the partitions: a CUDA graph is captured for one bound per context bucket
-(worker/cuda_graphs.py), an eager call uses the batch's own maximum.
+and launches on torch's current stream (``decode_launch.py``); it never synchronises the
+host. ``max_context_len`` bounds the partitions: a CUDA graph is captured for one bound per
+context bucket (worker/cuda_graphs.py), an eager call uses the batch's own maximum.
 
 With an fp8 cache the kernels run in the query's dtype and widen K/V in registers; the K
 scale folds into the softmax scale and the V scale multiplies the output (an extra
@@ -20,7 +20,6 @@ elementwise op only when it is not 1.0). ``dtype`` below is always the kernels' 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -38,23 +37,14 @@ from streamkv.kernels.decode_kernels import (
     reduce_name,
     uses_tensor_cores,
 )
+from streamkv.kernels.decode_launch import DecodeGrid, DecodeKernels, launch_kernels
 from streamkv.kernels.fp8 import FP8_CUDA_NAME, is_fp8
-from streamkv.kernels.launch import DTYPE_NAMES, FLOAT, INT, LONG, PTR
+from streamkv.kernels.launch import DTYPE_NAMES
 
 # choose_partition_size's long_waves: 1024-token partitions when the grid fits one wave or
 # spans at least this many (per kernel; docs/kernels.md has the sweeps).
 TC_LONG_WAVES = 2
 CUDA_CORE_LONG_WAVES = 8
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeKernels:
-    """A decode kernel and the merge of its partitions, with what the launch needs of them."""
-
-    decode: cuda_driver.Kernel
-    merge: cuda_driver.Kernel
-    shared_mem: Callable[[int], int]  # dynamic shared memory at a partition size
-    long_waves: int  # choose_partition_size's, for this kernel
 
 
 @lru_cache(maxsize=256)
@@ -187,27 +177,57 @@ def launch_decode(
     """The decode launch and, past one partition, the merge. ``partition_size`` (None: the
     rule's) and ``out`` (the kernels' dtype, [seqs, heads, head]) are for tests and
     benchmarks. An fp8 cache's K scale is already in ``scale``."""
-    num_seqs, num_heads, head = query.shape
-    _, num_kv_heads, block_size, _ = key_cache.shape
+    num_seqs = query.shape[0]
     dtype = query.dtype if is_fp8(key_cache.dtype) else key_cache.dtype
+    q, block_tables, context_lens = _kernel_inputs(query, dtype, block_tables, context_lens)
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if num_seqs else 0
+    out = _checked_out(out, query, dtype)
+    if num_seqs == 0:
+        return out.to(query.dtype)
+    grid = _decode_grid(kernels, query, key_cache, max_context_len, partition_size)
+    launch_kernels(kernels, grid, out, q, key_cache, value_cache, block_tables, context_lens, scale)
+    return out if query.dtype == dtype else out.to(query.dtype)
+
+
+def _kernel_inputs(
+    query: torch.Tensor, dtype: torch.dtype, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q in the kernels' dtype with contiguous, 16-byte aligned heads; int32 tables and
+    lengths with contiguous rows (copies only where the tensors are not already so)."""
+    head = query.shape[-1]
     q = query.to(dtype)
     if q.stride(-1) != 1 or q.stride(1) != head or not launch.aligned16(q):
         q = q.contiguous()
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
-    if max_context_len is None:
-        max_context_len = int(context_lens.max()) if num_seqs else 0
+    return q, block_tables, context_lens
+
+
+def _checked_out(out: torch.Tensor | None, query: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The caller's ``out`` once checked, or a new one: [seqs, heads, head] of ``dtype``."""
     if out is None:
-        out = torch.empty((num_seqs, num_heads, head), dtype=dtype, device=query.device)
-    elif out.shape != query.shape or out.dtype != dtype or not out.is_contiguous():
+        return torch.empty(query.shape, dtype=dtype, device=query.device)
+    if out.shape != query.shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(
             "out must be a contiguous [seqs, heads, head] tensor of the kernels' dtype"
         )
-    if num_seqs == 0:
-        return out.to(query.dtype)
+    return out
+
+
+def _decode_grid(
+    kernels: DecodeKernels,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    max_context_len: int,
+    partition_size: int | None = None,
+) -> DecodeGrid:
+    """The grid of a call with at least one sequence; ``partition_size`` None: the rule's."""
+    num_seqs, num_heads, head = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    columns = num_kv_heads * -(-group // group_pad(group))  # grid.y: kv heads x head chunks
+    columns = num_kv_heads * -(-group // group_pad(group))
     if partition_size is None:
         partition_size = choose_partition_size(
             kernels.decode,
@@ -221,59 +241,6 @@ def launch_decode(
     if partition_size % block_size or not 0 < partition_size <= PARTITION_SIZES[0]:
         raise ValueError(f"partition size {partition_size} vs block size {block_size}")
     max_parts = max(1, -(-max_context_len // partition_size))
-    part_ptrs = (0, 0, 0)
-    if max_parts > 1:
-        part_out = torch.empty(
-            (num_seqs, num_heads, max_parts, head), dtype=torch.float32, device=query.device
-        )
-        part_stats = torch.empty(
-            (2, num_seqs, num_heads, max_parts), dtype=torch.float32, device=query.device
-        )
-        part_ptrs = (part_out.data_ptr(), part_stats[0].data_ptr(), part_stats[1].data_ptr())
-    stream = launch.stream(query.device)
-    pdl = launch.use_pdl(query.device)
-    kernels.decode.launch(
-        (max_parts, columns, num_seqs),
-        (ATTENTION_THREADS, 1, 1),
-        [
-            (PTR, out.data_ptr()),
-            (PTR, part_ptrs[0]),
-            (PTR, part_ptrs[1]),
-            (PTR, part_ptrs[2]),
-            (PTR, 0),  # merge_counters: none, the merge kernel merges
-            (PTR, q.data_ptr()),
-            (PTR, key_cache.data_ptr()),
-            (PTR, value_cache.data_ptr()),
-            (PTR, block_tables.data_ptr()),
-            (PTR, context_lens.data_ptr()),
-            (FLOAT, scale),
-            (LONG, q.stride(0)),
-            (INT, block_tables.stride(0)),
-            (INT, num_kv_heads),
-            (INT, group),
-            (INT, partition_size),
-            (INT, max_parts),
-        ],
-        stream,
-        kernels.shared_mem(partition_size),
-        pdl=pdl,
+    return DecodeGrid(
+        num_seqs, num_heads, head, num_kv_heads, group, columns, partition_size, max_parts
     )
-    if max_parts > 1:
-        kernels.merge.launch(
-            (num_heads, num_seqs, 1),
-            (ATTENTION_THREADS, 1, 1),
-            [
-                (PTR, out.data_ptr()),
-                (PTR, part_ptrs[0]),
-                (PTR, part_ptrs[1]),
-                (PTR, part_ptrs[2]),
-                (PTR, context_lens.data_ptr()),
-                (INT, num_heads),
-                (INT, partition_size),
-                (INT, max_parts),
-            ],
-            stream,
-            max_parts * 4,
-            pdl=pdl,
-        )
-    return out if query.dtype == dtype else out.to(query.dtype)
