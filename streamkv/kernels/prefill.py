@@ -144,14 +144,32 @@ def paged_attention_prefill_varlen(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """See ops.paged_attention_prefill_varlen; ``tile`` overrides TILES (benchmarks)."""
-    num_tokens, num_heads, head = query.shape
+    _check_inputs(query, key_cache, value_cache)
+    head = query.shape[-1]
+    fp8 = is_fp8(key_cache.dtype)
+    # The kernel's T: the cache's 16-bit type, or the query's over an fp8 cache.
+    dtype = query.dtype if fp8 else key_cache.dtype
+    q = query if query.dtype == dtype and _rows_ok(query, head) else query.to(dtype).contiguous()
+    out = _checked_out(out, query)
+    if query.shape[0] == 0 or context_lens.shape[0] == 0:
+        return out
+    dst = out if out.dtype == dtype and _rows_ok(out, head) else torch.empty_like(q)
+    scale = scale * (k_scale if fp8 else 1.0)
+    _launch(dst, q, key_cache, value_cache, block_tables, cu_query_lens, context_lens, scale, tile)
+    if fp8 and v_scale != 1.0:
+        dst.mul_(v_scale)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """TypeError for a case without a kernel, ValueError for caches it cannot read."""
+    _, num_heads, head = query.shape
     _, num_kv_heads, block_size, cache_head = key_cache.shape
     cache_dtype = key_cache.dtype
     if not supports(cache_dtype, head, query.dtype) or value_cache.dtype != cache_dtype:
         raise TypeError(f"no prefill kernel for a {cache_dtype} cache with head size {head}")
-    fp8 = is_fp8(cache_dtype)
-    # The kernel's T: the cache's 16-bit type, or the query's over an fp8 cache.
-    dtype = query.dtype if fp8 else cache_dtype
     if cache_head != head or value_cache.shape != key_cache.shape:
         raise ValueError(f"query head size {head} vs caches {tuple(key_cache.shape)}")
     if num_heads % num_kv_heads:
@@ -162,26 +180,45 @@ def paged_attention_prefill_varlen(
         raise ValueError("KV caches must be contiguous")
     if key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16:
         raise ValueError("KV caches must be 16-byte aligned")
-    q = query if query.dtype == dtype and _rows_ok(query, head) else query.to(dtype).contiguous()
+
+
+def _checked_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The caller's ``out`` once checked, or a new one: [tokens, heads, head] of the query's
+    dtype."""
     if out is None:
-        out = torch.empty((num_tokens, num_heads, head), dtype=query.dtype, device=query.device)
-    elif out.shape != query.shape or out.dtype != query.dtype:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError("out must be a [tokens, heads, head] tensor of the query's dtype")
+    return out
+
+
+def _launch(
+    dst: torch.Tensor,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    tile: Tile | None,
+) -> None:
+    """One launch for every span of the step, into ``dst`` (q's dtype and row layout, as the
+    kernel writes). ``scale``: the softmax's, an fp8 cache's K scale folded in."""
+    num_tokens, num_heads, head = q.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
     num_spans = context_lens.shape[0]
-    if num_tokens == 0 or num_spans == 0:
-        return out
-    dst = out if out.dtype == dtype and _rows_ok(out, head) else torch.empty_like(q)
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
     cu = cu_query_lens.to(torch.int32).contiguous()
     ctx = context_lens.to(torch.int32).contiguous()
-
+    fp8 = is_fp8(key_cache.dtype)
     group = num_heads // num_kv_heads
     pack = head_pack(group)
     t = tile or TILES[head]
     tokens_per_cta = t.rows // pack
-    device = _device_index(query.device)
-    kernel = _kernel(DTYPE_NAMES[dtype], head, pack, t, device, FP8_CUDA_NAME if fp8 else None)
+    device = _device_index(q.device)
+    kernel = _kernel(DTYPE_NAMES[q.dtype], head, pack, t, device, FP8_CUDA_NAME if fp8 else None)
     # Span i's tiles start at slot cu[i] // tokens_per_cta + i (span_of in the kernel), so
     # this many slots cover every span without a host-side tile map; each slot is one CTA
     # per group of `pack` heads, the groups of a slot adjacent in the 1-D grid.
@@ -201,16 +238,11 @@ def paged_attention_prefill_varlen(
             (_P, cu.data_ptr()),
             (_P, ctx.data_ptr()),
             (_I, num_spans),
-            (_F, scale * (k_scale if fp8 else 1.0) * math.log2(math.e)),
+            (_F, scale * math.log2(math.e)),
             (_I, num_kv_heads),
             (_I, group),
             (_I, block_size.bit_length() - 1),
         ],
-        torch.cuda.current_stream(query.device).cuda_stream,
+        torch.cuda.current_stream(q.device).cuda_stream,
         t.shared_bytes(head, fp8),
     )
-    if fp8 and v_scale != 1.0:
-        dst.mul_(v_scale)
-    if dst is not out:
-        out.copy_(dst)
-    return out
