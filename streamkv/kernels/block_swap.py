@@ -95,11 +95,7 @@ def swap_blocks(
     mirror image, runs into staging then one scatter kernel. The transfers are asynchronous
     on the current stream: synchronise it before reading a host pool from the CPU.
     """
-    if len(src_caches) != len(dst_caches):
-        raise ValueError("src and dst have different numbers of layers")
-    block_bytes = check_pools(src_caches)
-    if check_pools(dst_caches) != block_bytes or src_caches[0].dtype != dst_caches[0].dtype:
-        raise ValueError("src and dst pools have different block shapes or dtypes")
+    block_bytes = _block_bytes(src_caches, dst_caches)
     pairs = [(int(s), int(d)) for s, d in block_mapping.tolist()]
     src_dev, dst_dev = src_caches[0].is_cuda, dst_caches[0].is_cuda
     device = (src_caches if src_dev else dst_caches)[0].device
@@ -121,32 +117,70 @@ def swap_blocks(
     staging_table = _strided_table(device, staging.data_ptr(), pitch, layers)
     stream = launch.stream(device)
     if src_dev:
-        pairs.sort(key=lambda p: p[1])
-        unit = copy_unit(block_bytes, staging.data_ptr(), *src_ptrs)
-        gather = _to_device([[s, i] for i, (s, _) in enumerate(pairs)], device)
-        move_blocks(pointer_table(device, src_ptrs), staging_table, gather, block_bytes, unit)
-        for i, first, length in _runs([d for _, d in pairs]):
-            _host_copy(
-                True,
-                staging.data_ptr() + i * block_bytes,
-                pitch,
-                dst_ptrs,
-                first * block_bytes,
-                length * block_bytes,
-                stream,
-            )
+        _out_to_host(pairs, src_ptrs, dst_ptrs, staging, staging_table, block_bytes, stream)
     else:
-        pairs.sort()
-        unit = copy_unit(block_bytes, staging.data_ptr(), *dst_ptrs)
-        for i, first, length in _runs([s for s, _ in pairs]):
-            _host_copy(
-                False,
-                staging.data_ptr() + i * block_bytes,
-                pitch,
-                src_ptrs,
-                first * block_bytes,
-                length * block_bytes,
-                stream,
-            )
-        scatter = _to_device([[i, d] for i, (_, d) in enumerate(pairs)], device)
-        move_blocks(staging_table, pointer_table(device, dst_ptrs), scatter, block_bytes, unit)
+        _in_from_host(pairs, src_ptrs, dst_ptrs, staging, staging_table, block_bytes, stream)
+
+
+def _block_bytes(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor]) -> int:
+    """The bytes of one layer's block, once src and dst pools are checked to match."""
+    if len(src_caches) != len(dst_caches):
+        raise ValueError("src and dst have different numbers of layers")
+    block_bytes = check_pools(src_caches)
+    if check_pools(dst_caches) != block_bytes or src_caches[0].dtype != dst_caches[0].dtype:
+        raise ValueError("src and dst pools have different block shapes or dtypes")
+    return block_bytes
+
+
+def _out_to_host(
+    pairs: list[tuple[int, int]],
+    src_ptrs: tuple[int, ...],
+    dst_ptrs: tuple[int, ...],
+    staging: torch.Tensor,
+    staging_table: torch.Tensor,
+    block_bytes: int,
+    stream: int,
+) -> None:
+    """Device -> host: gather into staging in destination order, then a copy per run."""
+    device, pitch = staging.device, len(pairs) * block_bytes
+    pairs.sort(key=lambda p: p[1])
+    unit = copy_unit(block_bytes, staging.data_ptr(), *src_ptrs)
+    gather = _to_device([[s, i] for i, (s, _) in enumerate(pairs)], device)
+    move_blocks(pointer_table(device, src_ptrs), staging_table, gather, block_bytes, unit)
+    for i, first, length in _runs([d for _, d in pairs]):
+        _host_copy(
+            True,
+            staging.data_ptr() + i * block_bytes,
+            pitch,
+            dst_ptrs,
+            first * block_bytes,
+            length * block_bytes,
+            stream,
+        )
+
+
+def _in_from_host(
+    pairs: list[tuple[int, int]],
+    src_ptrs: tuple[int, ...],
+    dst_ptrs: tuple[int, ...],
+    staging: torch.Tensor,
+    staging_table: torch.Tensor,
+    block_bytes: int,
+    stream: int,
+) -> None:
+    """Host -> device: a copy per run of source ids into staging, then one scatter."""
+    device, pitch = staging.device, len(pairs) * block_bytes
+    pairs.sort()
+    unit = copy_unit(block_bytes, staging.data_ptr(), *dst_ptrs)
+    for i, first, length in _runs([s for s, _ in pairs]):
+        _host_copy(
+            False,
+            staging.data_ptr() + i * block_bytes,
+            pitch,
+            src_ptrs,
+            first * block_bytes,
+            length * block_bytes,
+            stream,
+        )
+    scatter = _to_device([[i, d] for i, (_, d) in enumerate(pairs)], device)
+    move_blocks(staging_table, pointer_table(device, dst_ptrs), scatter, block_bytes, unit)
