@@ -91,6 +91,26 @@ class LLMEngine:
             max_num_seqs=config.scheduler.max_num_seqs,
             prefix_caching=config.cache.enable_prefix_caching,
         )
+        self._setup_step_parts()
+        self.groups: dict[str, SequenceGroup] = {}
+        # Async scheduling needs workers that fill pending input tokens on the device.
+        self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
+        self.pipeline = None
+        if self.async_scheduling:
+            self.pipeline = StepPipeline(
+                self._launch,
+                self._apply,
+                self._build,
+                self.outputs.advance,
+                self.structured,
+                sched.overlap_structured,
+            )
+        blocks = (num_device, num_cpu, config.cache.block_size)
+        logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens", *blocks)
+
+    def _setup_step_parts(self) -> None:
+        """What a step passes through around the scheduler: inputs, grammars, outputs, stats."""
+        info, bm = self.model_info, self.block_manager
         self.eos_token_ids = info.eos_token_ids
         self.structured = StructuredOutputManager(
             self.tokenizer, info.vocab_size, info.eos_token_ids
@@ -107,25 +127,6 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.stats_ = EngineStats(bm, self.scheduler, info.max_model_len)
-        self.groups: dict[str, SequenceGroup] = {}
-        # Async scheduling needs workers that fill pending input tokens on the device.
-        self.async_scheduling = sched.async_scheduling and executor.resolves_pending_tokens
-        self.pipeline = None
-        if self.async_scheduling:
-            self.pipeline = StepPipeline(
-                self._launch,
-                self._apply,
-                self._build,
-                self.outputs.advance,
-                self.structured,
-                sched.overlap_structured,
-            )
-        logger.info(
-            "KV cache: %d device blocks, %d CPU swap blocks of %d tokens",
-            num_device,
-            num_cpu,
-            config.cache.block_size,
-        )
 
     # -- requests -----------------------------------------------------------------------
     def defer_until_compiled(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
