@@ -124,8 +124,9 @@ def _converse(client, url: str, model: str, args: argparse.Namespace) -> int:
         if line.strip() == "/reset":
             messages.clear()
             print("(the conversation is forgotten)", file=sys.stderr)
-            continue
-        if not line.strip():
+        if line.strip() in ("/reset", ""):
+            if not interactive:  # --quick is one turn, whatever it says
+                return 0
             continue
         messages.append({"role": "user", "content": line})
         body = {
@@ -144,6 +145,8 @@ def _converse(client, url: str, model: str, args: argparse.Namespace) -> int:
                 return 1
             reply = None
         if reply is None:  # failed or stopped: forget the unanswered message
+            if not interactive:
+                return 1
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply})

@@ -185,3 +185,18 @@ def test_chat_talks_to_a_running_server(server):
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("[3 tokens in ") == 2 and "(the conversation is forgotten)" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quick", ["/reset", "  "])
+def test_chat_quick_is_one_turn_whatever_it_says(server, quick):
+    # --quick once looped for ever on a line that sends nothing (it re-read the same text).
+    r = subprocess.run(
+        [sys.executable, "-m", "streamkv.entrypoints.cli", "chat"]
+        + ["--url", server.url, "-q", quick],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert not r.stdout.strip()
