@@ -36,8 +36,6 @@ from streamkv.core.preemption import auto_mode, load_costs
 from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput, decode_rows, demands
 from streamkv.sequence import SequenceGroup, SequenceStatus
 
-__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "decode_rows", "demands"]
-
 _arrival = attrgetter("arrival_time")  # the FCFS order key (a C call, not a lambda per group)
 _TOO_BIG = "the request needs more KV-cache blocks than the whole pool has"
 _NEVER_FITS = (

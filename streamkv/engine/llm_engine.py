@@ -15,7 +15,8 @@ from streamkv.core.admission import EngineLimits, InvalidParameter, check_reques
 from streamkv.core.block_manager import create_block_manager
 from streamkv.core.block_pool import root_key
 from streamkv.core.preemption import device_profile
-from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.core.scheduler import Scheduler
+from streamkv.core.step_plan import SchedulerOutput
 from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamState, ending_tokens
 from streamkv.engine.detokenizer import Detokenizer
@@ -273,9 +274,8 @@ class LLMEngine:
         return outputs
 
     def _fail_step(self, sched: SchedulerOutput, error: StepFailed) -> list[SequenceGroup]:
-        """The worker could not run this step: its requests end with the error (their blocks
-        freed), but for groups that ended before (async scheduling: answered already);
-        requests outside the step, and later steps, go on. The requests to answer."""
+        """The worker could not run this step: its unfinished requests end with the error
+        (blocks freed); the rest, and later steps, go on. Returns the requests to answer."""
         failed = {s.group.request_id: s.group for s in sched.scheduled if not s.group.finished}
         for s in sched.scheduled:
             s.seq.num_pending = 0

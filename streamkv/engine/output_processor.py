@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Container
 
 from streamkv.core.block_manager import BlockManager
-from streamkv.core.scheduler import SchedulerOutput
+from streamkv.core.step_plan import SchedulerOutput
 from streamkv.engine import prompt_logprobs
 from streamkv.engine.beam_search import BeamContext, beam_step, ranked_beams
 from streamkv.engine.detokenizer import Detokenizer, check_stop_conditions, holdback

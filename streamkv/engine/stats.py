@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 from streamkv.core.block_manager import BlockManager
 from streamkv.core.kv_waste import WASTE_KINDS, KVWaste
-from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.core.scheduler import Scheduler
+from streamkv.core.step_plan import SchedulerOutput
 from streamkv.sequence import Sequence, SequenceGroup
 
 if TYPE_CHECKING:

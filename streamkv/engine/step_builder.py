@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamkv.core.scheduler import SchedulerOutput
+from streamkv.core.step_plan import SchedulerOutput
 from streamkv.engine.beam_search import beams_to_keep, ending_tokens
 from streamkv.messages import MASK_FOLLOWS, PENDING_TOKEN, NewSeq, SeqParams, SeqStep, StepInput
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus

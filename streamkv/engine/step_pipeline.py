@@ -45,7 +45,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Protocol
 
-from streamkv.core.scheduler import SchedulerOutput
+from streamkv.core.step_plan import SchedulerOutput
 from streamkv.executor.base import StepHandle
 from streamkv.messages import StepFailed
 from streamkv.sequence import RequestOutput, Sequence, SequenceGroup

@@ -8,7 +8,8 @@ import itertools
 
 from streamkv.config import SchedulerConfig
 from streamkv.core.block_manager import BlockManager
-from streamkv.core.scheduler import Scheduler, SchedulerOutput
+from streamkv.core.scheduler import Scheduler
+from streamkv.core.step_plan import SchedulerOutput
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 

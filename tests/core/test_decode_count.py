@@ -11,7 +11,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamkv.core.scheduler import decode_rows
+from streamkv.core.step_plan import decode_rows
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.core.sched_helpers import Sim, make_bm, make_scheduler

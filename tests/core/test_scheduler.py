@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput
 from streamkv.sequence import SequenceStatus
 from tests.core.sched_helpers import Sim, make_bm, make_scheduler, per_request, plan
 

@@ -64,7 +64,7 @@ def test_intervals_of_a_request_from_its_engine_times():
 def test_engine_stats_feed_the_request_metrics_in_one_pass():
     """A request that starts and finishes in one step (max_tokens=1) is counted."""
     from streamkv.core.block_manager import BlockManager
-    from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+    from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput
     from streamkv.engine.stats import EngineStats
 
     bm = BlockManager(16, num_device_blocks=8, num_cpu_blocks=0)
@@ -99,7 +99,7 @@ def test_a_requests_first_token_counts_as_generated_once():
     """vLLM's generation_tokens_total counts every sampled token, the prefill's first one too;
     with async scheduling the next step may begin before that token is set: not counted twice."""
     from streamkv.core.block_manager import BlockManager
-    from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+    from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput
     from streamkv.engine.stats import EngineStats
 
     bm = BlockManager(16, num_device_blocks=8, num_cpu_blocks=0)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from streamkv.core.block_manager import BlockManager
-from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput
 from streamkv.engine.stats import EngineStats
 from streamkv.sampling_params import SamplingParams
 from streamkv.sequence import Sequence, SequenceGroup

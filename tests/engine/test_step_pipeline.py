@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput
 from streamkv.engine.llm_engine import LLMEngine
 from streamkv.engine.step_pipeline import InFlight, StepPipeline
 from streamkv.entrypoints.llm import engine_config

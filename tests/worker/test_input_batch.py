@@ -139,7 +139,7 @@ def test_ranks_that_do_not_sample_keep_no_counts() -> None:
 
 # -- the engine's StepBuilder on hand-made scheduler outputs -----------------------------------
 def test_the_builder_sends_a_sequence_once_then_deltas() -> None:
-    from streamkv.core.scheduler import ScheduledSeq, SchedulerOutput
+    from streamkv.core.step_plan import ScheduledSeq, SchedulerOutput
     from streamkv.engine.step_builder import StepBuilder
     from streamkv.sequence import Sequence, SequenceGroup
 
