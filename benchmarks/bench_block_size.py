@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from streamkv.config import BLOCK_SIZES  # noqa: E402  (the sizes the engine and its kernels serve)
-from streamkv.kernels import ops  # noqa: E402
+from streamkv.kernels import ops, reference  # noqa: E402
 
 L2_ROTATE_BYTES = 256 << 20
 MAX_SETS = 16
@@ -68,8 +68,8 @@ def make_set(batch: int, ctx: int, block: int, heads: int, head: int, dtype, dev
     tables = perm.view(batch, per_seq)
     q = torch.randn((batch, heads, head), generator=gen, device=device, dtype=dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    kc = ops.gather_kv(k, tables, per_seq)[:, :, :ctx].contiguous()
-    vc = ops.gather_kv(v, tables, per_seq)[:, :, :ctx].contiguous()
+    kc = reference.gather_kv(k, tables, per_seq)[:, :, :ctx].contiguous()
+    vc = reference.gather_kv(v, tables, per_seq)[:, :, :ctx].contiguous()
     return {"q": q, "k": k, "v": v, "tables": tables, "lens": lens, "kc": kc, "vc": vc}
 
 

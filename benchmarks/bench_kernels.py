@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import decode_variants as dv  # noqa: E402
 from streamkv.kernels import decode_attention as da  # noqa: E402
 from streamkv.kernels import decode_kernels as dk  # noqa: E402
-from streamkv.kernels import launch, nvrtc, ops  # noqa: E402
+from streamkv.kernels import launch, nvrtc, ops, reference  # noqa: E402
 
 HEAD, Q_HEADS, KV_HEADS, BLOCK = 128, 32, 8, 16
 DTYPE = torch.bfloat16
@@ -397,8 +397,8 @@ def _time_sdpa(inputs: list, ctx: int, scale: float, iters: int, sets: int, row:
     contiguous = []
     for q, k, v, bt, _ in inputs:
         nb = bt.shape[1]
-        kc = ops.gather_kv(k, bt, nb)[:, :, :ctx].contiguous()
-        vc = ops.gather_kv(v, bt, nb)[:, :, :ctx].contiguous()
+        kc = reference.gather_kv(k, bt, nb)[:, :, :ctx].contiguous()
+        vc = reference.gather_kv(v, bt, nb)[:, :, :ctx].contiguous()
         contiguous.append((q, kc, vc))
     best = None
     for name in ("enable_gqa", "heads_as_rows"):

@@ -22,7 +22,6 @@ import torch
 
 from streamkv.kernels.reference import (
     copy_blocks_ref,
-    gather_kv,  # noqa: F401  (benchmarks call ops.gather_kv)
     paged_attention_decode_ref,
     paged_attention_prefill_varlen_ref,
     reshape_and_cache_ref,
