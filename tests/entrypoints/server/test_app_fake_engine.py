@@ -3,6 +3,7 @@ engine death, auth and origin checks, and a fuzz run proving bad input never get
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from streamkv.heap import YOUNG_THRESHOLD
 from tests.entrypoints.fake_engine import (
     CRASH_TOKEN,
     FakeEngine,
@@ -40,6 +42,17 @@ def test_health_is_503_while_loading_then_200():
         assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
         gate.set()
         wait_healthy(c)
+
+
+def test_a_ready_server_keeps_the_cyclic_gc_off_its_heap():
+    # streamkv/heap.py: once ready, the start-up heap is frozen and young collections rarer.
+    with make_client() as c:
+        wait_healthy(c)
+        deadline = time.monotonic() + 10
+        while gc.get_threshold()[0] != YOUNG_THRESHOLD and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+        assert gc.get_freeze_count() > 0
 
 
 def test_engine_death_gives_503_not_500_and_asks_the_server_to_exit():
