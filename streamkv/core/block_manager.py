@@ -249,7 +249,7 @@ class BlockManager(PreemptedGroups):
 
     # -- accounting ---------------------------------------------------------------------
     def num_shared_blocks(self) -> int:
-        return sum(1 for rc in self.device.ref_counts if rc > 1)
+        return self.device.num_shared
 
     def num_logical_blocks(self) -> int:
         return sum(len(t) for t in self.tables.values())

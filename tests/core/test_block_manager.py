@@ -18,6 +18,8 @@ def _check_refcounts(bm: BlockManager) -> None:
         expected = Counter(b for t in tables.values() for b in t)
         for block in range(pool.num_blocks):
             assert pool.ref_counts[block] == expected.get(block, 0), (block, pool.ref_counts[block])
+        # The shared-block count is kept incrementally; it must equal a scan.
+        assert pool.num_shared == sum(1 for rc in pool.ref_counts if rc > 1)
         free = list(pool._free) + list(pool._evictable)
         assert len(free) == len(set(free)), "a block is in the free list twice"
         assert not set(free) & set(expected), "a referenced block is free"
