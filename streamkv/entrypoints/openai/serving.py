@@ -147,10 +147,15 @@ class OpenAIServing:
                 raise request_failed(out.error)
         return final
 
+    async def _abort_after(self, streams: list[RequestStream]) -> None:
+        # A coroutine, so that starlette runs it on the loop: a plain function would take a
+        # worker-thread hop per request (py-spy: 14% of the loop in a burst of short ones).
+        self.abort_all(streams)
+
     def sse(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> SSEResponse:
         # The background task aborts even if the client left before the stream started.
         return SSEResponse(
-            chunks, ping=self.sse_keepalive, background=BackgroundTask(self.abort_all, streams)
+            chunks, ping=self.sse_keepalive, background=BackgroundTask(self._abort_after, streams)
         )
 
     # -- /v1/completions ------------------------------------------------------------------
