@@ -238,7 +238,8 @@ if [[ " $PARTS " == *" serve "* ]]; then
         --json-out "$OUT/pair_new_$i.json"
     done'
   step before_poisson 400 $SERVE --num-prompts 2000 --request-rate ${BEFORE_RATES:-32,16} \
-    --server-tree bench_inputs/before25 --engine-args "$E8B_ABS" --json-out "$OUT/before_poisson.json"
+    --server-tree bench_inputs/before25 --engine-args "$E8B_ABS" --server-log "$OUT/before_server.log" \
+    --json-out "$OUT/before_poisson.json"
 fi
 
 # The paper's evaluation on the H200 (issue 30; docs/paper.md, "Commands"): Fig 18a's
