@@ -25,3 +25,11 @@ def freeze_heap() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
+
+
+def refreeze_heap() -> None:
+    """After an engine restart: freeze again if this process froze its heap before (its
+    young threshold says so). Releasing the old in-process worker unfroze everything, so
+    that its cycles could be freed (``Worker.release``)."""
+    if gc.get_threshold()[0] == YOUNG_THRESHOLD:
+        freeze_heap()

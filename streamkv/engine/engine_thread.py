@@ -28,6 +28,7 @@ from streamkv.engine.reserved_prefixes import carry_prefixes
 from streamkv.engine.serving_logs import StatsLogger
 from streamkv.engine.tokenizer_lanes import TokenizerLanes
 from streamkv.engine.watchdog import STEP_TIMEOUT_S, StepClock, StepTimeout, StepWatchdog
+from streamkv.heap import refreeze_heap
 from streamkv.sequence import RequestOutput
 
 # The async engine's lines keep the one logger name they had before it was split in modules.
@@ -229,6 +230,7 @@ class EngineThread:
         except Exception:  # noqa: BLE001 - the engine serves on without them
             logger.exception("reserved prefixes could not be carried over the restart")
         self.engine, self.stats = engine, engine.stats()
+        refreeze_heap()  # the old in-process worker's release thawed the heap (heap.py)
         logger.warning("worker processes restarted in %.1f s", time.monotonic() - start)
         handed = threading.Event()
         self._post(self._side.restarted, handed, stalled)

@@ -5,11 +5,13 @@ ends the request, and the other parts with it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.request_book import EngineDeadError
+from streamkv.heap import YOUNG_THRESHOLD, freeze_heap
 from streamkv.sampling_params import SamplingParams
 from tests.entrypoints.server.test_async_engine import DyingEngine, run
 
@@ -45,6 +47,30 @@ def test_a_refused_sample_ends_its_request_and_aborts_the_other_samples():
         assert second.added == ["w#sample-0", "w#sample-2"]
         assert sorted(second.aborted) == ["w#sample-0", "w#sample-2"] and not second.requests
         assert engine.num_open_streams == 0
+        await engine.stop()
+
+    run(main())
+
+
+class ThawingEngine(DyingEngine):
+    """Its shutdown unfreezes the heap, as releasing an in-process worker does."""
+
+    def shutdown(self) -> None:
+        gc.unfreeze()
+        super().shutdown()
+
+
+def test_a_restart_freezes_the_heap_again():
+    async def main():
+        freeze_heap()  # as the server's lifespan does once the engine is ready
+        builds = [ThawingEngine(die_at=4, step_delay=0.002), DyingEngine(die_at=None)]
+        engine = AsyncEngine(lambda: builds.pop(0))
+        engine.start()
+        await engine.wait_ready()
+        stream = await engine.add_request("f", [9], SamplingParams(max_tokens=20))
+        outs = [o async for o in stream]
+        assert outs[-1].finished and not builds  # the second engine finished it
+        assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == YOUNG_THRESHOLD
         await engine.stop()
 
     run(main())
