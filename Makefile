@@ -53,7 +53,7 @@ bench-sharing: setup
 	$(BIN)/python benchmarks/bench_sharing.py
 
 lint: setup
-	$(BIN)/ruff check streamkv tests benchmarks load_tests
+	$(BIN)/ruff check streamkv tests benchmarks load_tests setup.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -7,7 +7,10 @@ from setuptools import find_namespace_packages, setup
 setup(
     # Namespace packages too: data folders such as models/presets are then packages
     # whose files package-data can list (setuptools warns about them otherwise).
-    packages=[*find_namespace_packages(include=["streamkv", "streamkv.*"], exclude=["*.__pycache__"]),
-              "streamkv.web", "streamkv.kernels_cu"],
+    packages=[
+        *find_namespace_packages(include=["streamkv", "streamkv.*"], exclude=["*.__pycache__"]),
+        "streamkv.web",
+        "streamkv.kernels_cu",
+    ],
     package_dir={"streamkv.web": "web", "streamkv.kernels_cu": "kernels_cu"},
 )
