@@ -302,3 +302,25 @@ def test_fuzzed_bodies_never_get_a_500(client, path, body, valid_prompt):
 def test_malformed_bodies_get_400(client, raw):
     r = client.post("/v1/completions", content=raw)
     assert r.status_code == 400, r.text
+
+
+def test_a_stream_ends_without_a_worker_thread_hop(client, monkeypatch):
+    # The SSE response's background abort is a coroutine: a plain function would go through
+    # anyio's thread pool once per streamed request (a burst's cost, docs/benchmarks.md).
+    import anyio.to_thread
+
+    hops = []
+    real = anyio.to_thread.run_sync
+
+    async def counting(func, *args, **kw):
+        hops.append(func)
+        return await real(func, *args, **kw)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+    for path, body in (
+        ("/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+    ):
+        r = client.post(path, json={**body, "max_tokens": 3})
+        assert r.status_code == 200 and sse_events(r.text)[0][-1] == "[DONE]"
+    assert hops == []
