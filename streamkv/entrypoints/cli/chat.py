@@ -119,12 +119,13 @@ def _converse(client, url: str, model: str, args: argparse.Namespace) -> int:
     messages: list[dict] = []
     while True:
         line = _read_line(args.quick)
-        if line is None or line.strip() in ("/exit", "/quit"):
+        command = line.strip() if line is not None else "/exit"
+        if command in ("/exit", "/quit"):
             return 0
-        if line.strip() == "/reset":
-            messages.clear()
-            print("(the conversation is forgotten)", file=sys.stderr)
-        if line.strip() in ("/reset", ""):
+        if command in ("/reset", ""):
+            if command:
+                messages.clear()
+                print("(the conversation is forgotten)", file=sys.stderr)
             if not interactive:  # --quick is one turn, whatever it says
                 return 0
             continue
