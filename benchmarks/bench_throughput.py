@@ -208,7 +208,12 @@ def main() -> int:
     ap.add_argument(
         "--baseline-batch-sizes", default="8,16", help="comma list; the best is the baseline"
     )
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="default: the engine's (256, or 1024 on a big GPU)",
+    )
     ap.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -287,6 +292,12 @@ def main() -> int:
         "streamkv on the first N requests, each --cb-output-len tokens, same run",
     )
     ap.add_argument("--cb-output-len", type=int, default=256)
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="run the requests once more with the step phases' host timers on "
+        "(benchmarks/step_phases.py; 'wait' is the host blocked on the device) and print them",
+    )
     ap.add_argument("--json-out", default="bench_results/throughput.json")
     args = ap.parse_args()
 
@@ -391,16 +402,19 @@ def main() -> int:
 
     device = torch.device(llm.engine.config.model.device)  # resolved by the engine
     dtype = resolve_dtype(llm.engine.config.model.dtype, device)
-    model_dir = str(llm.engine.model_info.model_dir)
-    if args.load_format == "dummy":
-        # The same shape with random weights, built on the device (values do not matter).
-        from transformers import AutoConfig
+    baselines = [int(x) for x in args.baseline_batch_sizes.split(",") if x]
+    hf = None
+    if args.cb_requests or baselines:  # transformers' copy of the model, only when compared
+        model_dir = str(llm.engine.model_info.model_dir)
+        if args.load_format == "dummy":
+            # The same shape with random weights, built on the device (values do not matter).
+            from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_dir)
-        with torch.device(device):
-            hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+            config = AutoConfig.from_pretrained(model_dir)
+            with torch.device(device):
+                hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad_id = 0
 
     run_streamkv(llm, requests[:4])  # warm-up
@@ -409,12 +423,21 @@ def main() -> int:
     rows.append(
         {
             "system": "streamkv",
-            "batch": f"continuous (<= {args.max_num_seqs})",
+            "batch": f"continuous (<= {llm.engine.config.scheduler.max_num_seqs})",
             "seconds": t,
             "output_tok_s": out_tokens / t,
         }
     )
     print(f"streamkv: {t:.1f}s, {out_tokens / t:.1f} output tok/s", flush=True)
+    phases = None
+    if args.phases:
+        from benchmarks.step_phases import PhaseClock, print_report
+
+        with PhaseClock() as clock:
+            t_p = run_streamkv(llm, requests)
+        steps = clock.calls["step"]
+        phases = {"seconds": t_p, "steps": steps, "report": clock.report(steps)}
+        print_report(f"streamkv with phase timers ({t_p:.1f}s)", phases["report"], steps)
     if args.cb_requests:
         from benchmarks.workloads import Request as _Req
 
@@ -449,7 +472,7 @@ def main() -> int:
             f"({made} tokens) -> {cb_tokens / t_s / (made / t_h):.2f}x",
             flush=True,
         )
-    for bs in [int(x) for x in args.baseline_batch_sizes.split(",") if x]:
+    for bs in baselines:
         t = run_static_batching(hf, requests, bs, pad_id)
         rows.append(
             {
@@ -497,6 +520,8 @@ def main() -> int:
         # the settings the engine resolved (the defaults depend on the device)
         "async_scheduling": llm.engine.async_scheduling,
         "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
+        "max_num_seqs": llm.engine.config.scheduler.max_num_seqs,
+        "phases": phases,
     }
     os.makedirs(os.path.dirname(args.json_out) or ".", exist_ok=True)
     with open(args.json_out, "w") as f:

@@ -35,7 +35,7 @@ def _targets():
         ("build", StepBuilder, "build"),
         ("submit", InProcessExecutor, "submit"),
         ("wait", LaunchedStep, "result"),
-        ("process", OutputProcessor, "process"),
+        ("process", OutputProcessor, "apply"),
         ("accept", OutputProcessor, "_accept_structured"),
         ("mask bytes", st.SequenceGrammar, "mask_bytes"),
         ("batch fill", st.StructuredOutputManager, "fill_masks"),

@@ -124,11 +124,22 @@ class CacheConfig:
 # stalls decodes for its whole length: the smaller budget keeps streams moving.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS = 8192
+# Sequences per step. A GPU with room for a large KV cache (70 GiB or more, vLLM's rule too)
+# runs up to 1024: past 256 a decode step's GEMMs cost the same per token while the weights
+# are read once for four times the tokens, so the offline ShareGPT run gains (docs/benchmarks.md
+# "Offline throughput"). The KV cache still bounds what is admitted.
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_LARGE_GPU_MAX_NUM_SEQS = 1024
+LARGE_GPU_BYTES = 70 * 2**30
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = arg(256, "most sequences in one step")
+    max_num_seqs: int | None = arg(
+        None,
+        f"most sequences in one step (default {DEFAULT_LARGE_GPU_MAX_NUM_SEQS} on a GPU of "
+        f"{LARGE_GPU_BYTES // 2**30} GiB or more, else {DEFAULT_MAX_NUM_SEQS})",
+    )
     max_num_batched_tokens: int | None = arg(
         None,
         "tokens computed per step (chunked prefill: decodes first, then prompt chunks); "
@@ -164,10 +175,11 @@ class SchedulerConfig:
 
     def verify(self) -> None:
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if (
-            self.max_num_batched_tokens is not None
+            self.max_num_seqs is not None
+            and self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.max_num_seqs
         ):
             # Every running sequence must be able to decode in one step: a group's sequences
@@ -177,18 +189,23 @@ class SchedulerConfig:
                 f"({self.max_num_seqs})."
             )
 
-    def on_device(self, device_type: str) -> SchedulerConfig:
+    def on_device(self, device_type: str, device_bytes: int = 0) -> SchedulerConfig:
         """This config with the device-dependent defaults filled in for a model on
-        ``device_type`` ("cuda" or "cpu")."""
+        ``device_type`` ("cuda" or "cpu") with ``device_bytes`` of memory."""
         gpu = device_type == "cuda"
         overlap = self.async_scheduling
         structured = self.overlap_structured
+        seqs = self.max_num_seqs
+        if seqs is None:
+            large = gpu and device_bytes >= LARGE_GPU_BYTES
+            seqs = DEFAULT_LARGE_GPU_MAX_NUM_SEQS if large else DEFAULT_MAX_NUM_SEQS
         budget = self.max_num_batched_tokens
         if budget is None:
             default = DEFAULT_GPU_MAX_NUM_BATCHED_TOKENS if gpu else DEFAULT_MAX_NUM_BATCHED_TOKENS
-            budget = max(default, self.max_num_seqs)
+            budget = max(default, seqs)
         return replace(
             self,
+            max_num_seqs=seqs,
             max_num_batched_tokens=budget,
             async_scheduling=gpu if overlap is None else overlap,
             overlap_structured=gpu if structured is None else structured,
@@ -198,7 +215,7 @@ class SchedulerConfig:
     def token_budget(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
 
 
 @dataclass

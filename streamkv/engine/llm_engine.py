@@ -48,14 +48,14 @@ class LLMEngine:
         info.verify_tensor_parallel(config.model.tensor_parallel_size)
         # The engine's own copy carries the resolved device ("auto" decided once, here) and
         # the scheduler's defaults for it; the caller's config is never changed after verify().
-        from streamkv.worker.worker import resolve_device
+        from streamkv.worker.worker import device_memory, resolve_device
 
         device = resolve_device(config.model.device)
         self.device_type = device.type
         self.config = config = dataclasses.replace(
             config,
             model=dataclasses.replace(config.model, device=str(device)),
-            scheduler=config.scheduler.on_device(device.type),
+            scheduler=config.scheduler.on_device(device.type, device_memory(device)),
         )
         owned = executor is None
         self.executor = executor = create_executor(config, info) if owned else executor

@@ -41,9 +41,12 @@ from streamkv.worker.input_batch import SeqInput
 
 logger = logging.getLogger(__name__)
 
-# Past a few hundred sequences a decode step is long enough that launch overhead no longer
-# matters, and every captured size costs capture time and graph memory (vLLM caps at 256 too).
-MAX_CAPTURE_BATCH = 256
+# Every batch up to the GPU default max_num_seqs is captured: eager steps are launch-bound
+# (2.5x slower at batch 128), and past 256 the ladder thins (steps of 16, then 32), where
+# padding a row costs little against a step that long. Each size costs capture time and
+# graph memory, logged at start-up.
+MAX_CAPTURE_BATCH = 1024
+_LADDER = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16), *range(544, MAX_CAPTURE_BATCH + 1, 32)]
 # The first context bucket: the decode kernel's longest partition, so at large batches
 # every context up to it runs unsplit, as an eager step would. Buckets then grow 4x: a
 # context in a bucket up to 4x its length wastes only idle CTAs and a short merge, while
@@ -53,14 +56,13 @@ CONTEXT_BUCKET_GROWTH = 4
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to the largest decode
-    batch the scheduler can form (``max_num_seqs``, capped at ``MAX_CAPTURE_BATCH``), which is
-    itself always captured."""
+    """Batch sizes to capture: 1, 2, 4, every multiple of 8 to 256, of 16 to 512, of 32
+    beyond, up to the largest decode batch the scheduler can form (``max_num_seqs``, capped
+    at ``MAX_CAPTURE_BATCH``), which is itself always captured."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     cap = min(max_num_seqs, MAX_CAPTURE_BATCH)
-    ladder = [1, 2, 4, *range(8, MAX_CAPTURE_BATCH + 1, 8)]
-    return [b for b in ladder if b < cap] + [cap]
+    return [b for b in _LADDER if b < cap] + [cap]
 
 
 def context_buckets(max_model_len: int) -> list[int]:

@@ -46,6 +46,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def device_memory(device: torch.device) -> int:
+    """Total bytes of ``device`` (0 for a CPU): picks the GPU defaults of SchedulerConfig.
+    Reads the device's properties only, so no CUDA context is made in the engine process."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # CPU matmuls in half precision are slow and far from the reference numerics.

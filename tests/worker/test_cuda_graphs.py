@@ -72,6 +72,10 @@ def test_capture_sizes():
     assert capture_sizes(4) == [1, 2, 4]
     assert capture_sizes(5) == [1, 2, 4, 5]  # max_num_seqs itself is always captured
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(300) == [1, 2, 4, *range(8, 257, 8), 272, 288, 300]
+    big = capture_sizes(1024)
+    assert big[-18:] == [*range(496, 513, 16), *range(544, 1025, 32)]
+    assert len(big) == 67 and big == sorted(set(big))
     assert capture_sizes(10_000)[-1] == MAX_CAPTURE_BATCH
     with pytest.raises(ValueError):
         capture_sizes(0)
