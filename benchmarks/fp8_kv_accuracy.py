@@ -1,12 +1,15 @@
-"""Accuracy of the fp8 KV cache against the model's own dtype on the embedded model
-(SmolLM2-135M unless --model), greedy. Prints a table, writes JSON.
+"""Accuracy of the fp8 KV cache (and, with --quantization fp8, of fp8 weights) against the
+model's own dtype on the embedded model (SmolLM2-135M unless --model), greedy. Prints a
+table, writes JSON.
 
     python benchmarks/fp8_kv_accuracy.py --num-prompts 32 --output-len 32
+    python benchmarks/fp8_kv_accuracy.py --num-prompts 32 --output-len 32 --quantization fp8
 
 Prompts are the first human turns of ShareGPT conversations from --skip on (held out: the
 throughput benchmarks sample the first ones), cut to --max-prompt-tokens. Each engine runs
 alone (one pool in memory at a time), with the same --cpu-kv-cache-space, so the block
-counts compare the pools' capacity too. Figures, per KV cache dtype:
+counts compare the pools' capacity too. The fp8 weights row keeps the default cache, so it
+measures the weights alone. Figures, per row:
 
 - greedy agreement: free-running generation, the tokens before each sequence's first
   difference from the default cache's, over all generated tokens (after a difference the
@@ -87,7 +90,13 @@ def teacher_forced(llm, texts: list[list[int]], starts: list[int]) -> list[list[
     return scored
 
 
-def run_engine(args, kv_cache_dtype: str, prompts: list[list[int]], ref: list[list[int]] | None):
+def run_engine(
+    args,
+    kv_cache_dtype: str,
+    prompts: list[list[int]],
+    ref: list[list[int]] | None,
+    quantization: str | None = None,
+):
     """Greedy generation, then the teacher-forced scoring of prompt + the reference continuation
     (its own continuation when ``ref`` is None: this engine is the reference)."""
     from streamkv.entrypoints.llm import LLM
@@ -97,6 +106,7 @@ def run_engine(args, kv_cache_dtype: str, prompts: list[list[int]], ref: list[li
         model=args.model,
         device=args.device,
         kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         num_swap_blocks=0,
         seed=0,
@@ -126,7 +136,9 @@ def run_engine(args, kv_cache_dtype: str, prompts: list[list[int]], ref: list[li
         llm.shutdown()
 
 
-def compare(name: str, run: dict, base: dict, ref: list[list[int]]) -> dict:
+def compare(
+    name: str, run: dict, base: dict, ref: list[list[int]], quantization: str | None = None
+) -> dict:
     agree = sum(first_difference(g, r) for g, r in zip(run["generated"], ref))
     total = sum(len(r) for r in ref)
     top1 = sum(top == tok for rows, r in zip(run["scored"], ref) for (_, top), tok in zip(rows, r))
@@ -142,6 +154,7 @@ def compare(name: str, run: dict, base: dict, ref: list[list[int]]) -> dict:
         ]
     return {
         "kv_cache_dtype": name,
+        "quantization": quantization,
         "kv_blocks": run["blocks"],
         "greedy_agreement": agree / total,
         "identical_sequences": sum(g == r for g, r in zip(run["generated"], ref)),
@@ -163,6 +176,12 @@ def main() -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument(
         "--kv-cache-dtype", default="fp8", choices=("fp8", "fp8_e4m3"), help="the cache to measure"
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=("fp8",),
+        help="also measure fp8 weights (with the default cache): one more row",
     )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument(
@@ -186,9 +205,13 @@ def main() -> None:
     ref = base["generated"]
     other = run_engine(args, args.kv_cache_dtype, prompts, ref)
     rows = [compare("auto", base, base, ref), compare(args.kv_cache_dtype, other, base, ref)]
+    if args.quantization is not None:
+        weights = run_engine(args, "auto", prompts, ref, quantization=args.quantization)
+        rows.append(compare("auto", weights, base, ref, quantization=args.quantization))
 
     header = (
         "kv cache",
+        "weights",
         "KV blocks",
         "greedy agreement",
         "identical seqs",
@@ -206,6 +229,7 @@ def main() -> None:
             " | ".join(
                 [
                     r["kv_cache_dtype"],
+                    r["quantization"] or "model dtype",
                     str(r["kv_blocks"]),
                     f"{100 * r['greedy_agreement']:.1f}%",
                     f"{r['identical_sequences']}/{r['sequences']}",

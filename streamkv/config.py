@@ -25,6 +25,9 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # vLLM's names: "auto" stores K/V in the model's dtype; "fp8" and "fp8_e4m3" (the same) store
 # float8_e4m3fn, half the bytes, so twice the blocks (docs/kernels.md, "FP8 KV cache").
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's name: "fp8" stores the decoder layers' weights as e4m3 with per-channel scales,
+# quantized at load time (docs/kernels.md, "FP8 weights"); None keeps the model's dtype.
+QUANTIZATIONS = ("fp8",)
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 
 
@@ -226,6 +229,12 @@ class ModelConfig:
     dtype: str = arg("auto", "auto, float32, float16 or bfloat16")
     device: str = arg("auto", "auto, cpu or cuda[:N]")
     load_format: str = arg("auto", "where weights come from", choices=LOAD_FORMATS)
+    quantization: str | None = arg(
+        None,
+        "fp8: decoder-layer weights in e4m3 with per-channel scales, quantized at load time "
+        "(default: none, the model's dtype)",
+        choices=QUANTIZATIONS,
+    )
     seed: int = arg(0, "random seed of the weights of load_format=dummy and of unseeded sampling")
     max_model_len: int | None = arg(None, "context length to serve (default: the model's own)")
     tensor_parallel_size: int = arg(
@@ -262,6 +271,10 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not supported.")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}."
+            )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
             raise ValueError(
                 "tokenizer must be a local directory, got "

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streamkv.kernels import gemv
+from streamkv.kernels import fused, gemv
+from streamkv.layers import fp8
 
 
 class ParallelLinear(nn.Module):
@@ -17,6 +18,9 @@ class ParallelLinear(nn.Module):
     sharded separately so every rank gets whole heads of each. With ``tp_size > 1`` a
     row-parallel layer all-reduces its output and a column-parallel one with
     ``gather_output`` all-gathers it (the default process group must be initialized).
+
+    ``quantize_fp8()`` (after the weights are loaded) swaps ``weight`` for ``weight_fp8`` and
+    its per-output-channel ``weight_scale``; the products then run ``fp8.fp8_linear``.
     """
 
     def __init__(
@@ -108,13 +112,38 @@ class ParallelLinear(nn.Module):
                 raise ValueError("missing bias weights")
             self.bias.data.copy_(torch.cat([self.shard(b, i) for i, b in enumerate(biases)]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def quantized(self) -> bool:
+        return hasattr(self, "weight_fp8")
+
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight by its e4m3 copy and per-output-channel scales, and free
+        it: one layer's weight is converted at a time, so a model's peak memory stays its
+        unquantized size plus one layer's fp32 temporaries."""
+        if self.quantized:
+            raise ValueError("this layer is already quantized")
+        if self.weight.is_cuda:
+            fp8.check_cuda_shape(*self.weight.shape)
+        q, scale = fp8.quantize_weight(self.weight.data)
+        del self.weight  # the only reference: its memory returns to the allocator
+        # Parameters (frozen), not buffers, so that model.parameters() counts them in the
+        # weights' size the worker logs.
+        self.weight_fp8 = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x W^T + b``, before any tensor-parallel reduction."""
+        if self.quantized:
+            return fp8.fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
         # gemv.linear is F.linear, with a kernel of our own for steps of a few tokens.
+        return gemv.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._product(x)
         if self.tp_size == 1:
-            return gemv.linear(x, self.weight, self.bias)
+            return out
         import torch.distributed as dist
 
-        out = gemv.linear(x, self.weight, self.bias)
         if self.parallel == "row":
             dist.all_reduce(out)
             return out
@@ -142,4 +171,6 @@ class ParallelLinear(nn.Module):
             raise ValueError(
                 "silu_and_mul needs a column-parallel gate/up projection of two equal outputs"
             )
+        if self.quantized:
+            return fused.silu_and_mul(self._product(x))
         return gemv.linear_silu_and_mul(x, self.weight, self.bias)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from streamkv.layers import fp8
 from streamkv.layers.linear import ParallelLinear
 from streamkv.models.common import ModelShape
 from streamkv.models.gguf import is_gguf_conversion
@@ -93,14 +94,18 @@ def build_model(
     tp_size: int = 1,
     seed: int = 0,
     config: dict | None = None,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """``config``: the model's config.json as already read (ModelInfo.hf_config), so a worker
-    does not read it again; None reads it here (tools and tests)."""
+    does not read it again; None reads it here (tools and tests). ``quantization="fp8"``
+    converts the decoder layers' weights once they are loaded (quantize_layers)."""
     model_dir = Path(model_dir)
     config = load_config(model_dir) if config is None else config
     cls = model_class(config)
     shape = ModelShape.from_config(config)
     load_format = effective_load_format(model_dir, load_format)
+    if quantization is not None:
+        check_quantization(quantization, dtype, device)
     start = time.perf_counter()
     # Parameters are allocated directly on the device (torch.empty, no default init).
     with torch.device(device):
@@ -109,20 +114,52 @@ def build_model(
         init_dummy(model, device, seed)
     else:
         model.load_weights(iter_safetensors(model_dir))
+    if quantization == "fp8":
+        quantize_layers(model)
     model.eval()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)  # so the load time below includes the async init
     n = num_parameters(model)
     logger.info(
-        "loaded %s (%s weights): %.1fM parameters, %s, %.2f GiB in %.1fs",
+        "loaded %s (%s weights): %.1fM parameters, %s%s, %.2f GiB in %.1fs",
         cls.__name__,
         load_format,
         n / 1e6,
         dtype,
+        " (decoder layers fp8)" if quantization == "fp8" else "",
         parameter_bytes(model) / 2**30,
         time.perf_counter() - start,
     )
     return model
+
+
+def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    if quantization != "fp8":
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if dtype != fp8.CUDA_OUT_DTYPE:
+        # torch._scaled_mm's row-wise scaling writes bf16 only; casting its output would
+        # quietly give an fp16 or fp32 model less precision than it asked for.
+        raise ValueError(f"quantization='fp8' on CUDA needs dtype bfloat16, got {dtype}")
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            "quantization='fp8' needs fp8 tensor cores (compute capability 8.9+, e.g. L4, "
+            f"H100, H200); {torch.cuda.get_device_name(device)} has "
+            f"{torch.cuda.get_device_capability(device)}"
+        )
+
+
+def quantize_layers(model: torch.nn.Module) -> None:
+    """FP8 weights for every linear layer inside the decoder layers (attention and MLP
+    projections). The embedding and the lm_head stay in the model's dtype: they are a small
+    share of a large model's weights, and the logits the sampler ranks come straight from
+    the lm_head (vLLM's fp8 keeps it unquantized too)."""
+    for layer in model.layers:
+        for module in layer.modules():
+            if isinstance(module, ParallelLinear):
+                module.quantize_fp8()
 
 
 def num_parameters(model: torch.nn.Module) -> int:

@@ -87,6 +87,7 @@ class Worker:
             tp_size=mc.tensor_parallel_size,
             seed=mc.seed,
             config=self.hf_config,
+            quantization=mc.quantization,
         )
         self.cache: CacheEngine | None = None
         # Every rank computes the same logits; only rank 0 samples and answers the engine, and

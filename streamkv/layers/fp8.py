@@ -1,0 +1,93 @@
+"""FP8 (e4m3) weights of a linear layer, ``--quantization fp8``: one fp32 scale per output
+channel of the weight, computed at load time, and one per token of the activation, computed
+on every call.
+
+``fp8_linear`` on CUDA is one ``torch._scaled_mm`` with row-wise scales (fp32 accumulate, the
+scales applied to the accumulator, the bias added, the output written in bf16); anywhere else
+it is the reference with the same numerics: both fp8 operands widened to fp32 with their
+scales, an fp32 product, the output cast to the input's dtype. Every op works on device
+tensors of fixed shapes, so a call can be captured in a CUDA graph (docs/kernels.md, "FP8
+weights").
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# The smallest scale: an all-zero row (a dead channel, padding) then quantizes to zeros,
+# never to 0 / 0.
+MIN_SCALE = 1e-12
+# torch._scaled_mm's row-wise kernels need both inner and output sizes aligned to 16 bytes of
+# fp8, and write bf16 only.
+CUDA_ALIGN = 16
+CUDA_OUT_DTYPE = torch.bfloat16
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] -> (fp8 [R, K], fp32 scale [R, 1]): each row divided by amax(|row|) / 448 and
+    rounded to the nearest e4m3 value, so a row's largest element lands on 448."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    # The clamp only guards rounding at the edge: |x / scale| <= 448 by construction.
+    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] weight -> (float8_e4m3fn [N, K], per-output-channel fp32 scale [N])."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_weight takes a [N, K] weight, got shape {tuple(w.shape)}")
+    q, scale = _quantize_rows(w)
+    return q, scale.view(-1)
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activation -> (float8_e4m3fn [M, K], per-token fp32 scale [M, 1])."""
+    return _quantize_rows(x)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of an fp8 tensor with a scale per row (``scale`` of shape [R] or [R, 1])."""
+    return q.float() * scale.view(-1, 1)
+
+
+def check_cuda_shape(out_features: int, in_features: int) -> None:
+    """Raise if torch._scaled_mm cannot take a weight of this (local) shape."""
+    if out_features % CUDA_ALIGN or in_features % CUDA_ALIGN:
+        raise ValueError(
+            f"quantization='fp8' on CUDA needs weight sizes that are multiples of {CUDA_ALIGN} "
+            f"(torch._scaled_mm); this rank's shard is [{out_features}, {in_features}]"
+        )
+
+
+def fp8_linear(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + b`` with W stored as (``w_fp8`` [N, K], ``w_scale`` [N]) and x [..., K]
+    quantized per token on the fly; the output is [..., N] in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x_fp8, x_scale = quantize_activation(x2)
+    if x.is_cuda:
+        if x.dtype != CUDA_OUT_DTYPE:
+            raise ValueError(
+                f"fp8_linear on CUDA writes bf16 (torch._scaled_mm with row-wise scales), "
+                f"got a {x.dtype} input"
+            )
+        # mat2 must be column-major: the transpose of the row-major [N, K] weight is.
+        out = torch._scaled_mm(
+            x_fp8,
+            w_fp8.t(),
+            scale_a=x_scale,
+            scale_b=w_scale.view(1, -1),
+            bias=bias,
+            out_dtype=x.dtype,
+        )
+    else:
+        out = dequantize(x_fp8, x_scale) @ dequantize(w_fp8, w_scale).t()
+        if bias is not None:
+            out = out + bias.float()
+        out = out.to(x.dtype)
+    return out.view(*lead, w_fp8.shape[0])
