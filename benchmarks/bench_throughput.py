@@ -250,6 +250,12 @@ def main() -> int:
         help="KV cache element type (docs/kernels.md, 'FP8 KV cache')",
     )
     ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=("fp8",),
+        help="fp8 weights (docs/kernels.md, 'FP8 weights'); default: the model's dtype",
+    )
+    ap.add_argument(
         "--workload-file",
         default=None,
         help="JSON of [[prompt ids], output len] pairs; written with --save-workload",
@@ -334,6 +340,7 @@ def main() -> int:
         "num_kv_blocks": blocks,
         "num_swap_blocks": 0,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "device": args.device,
         "dtype": args.dtype,
         "load_format": args.load_format,
