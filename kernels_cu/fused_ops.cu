@@ -1,6 +1,6 @@
 // Elementwise work around the matmuls, one launch each instead of a chain of torch ops:
 // residual add + RMSNorm (and + LayerNorm for OPT), plain RMSNorm, rotary embedding in
-// place on q and k, SiLU-and-mul.
+// place on q and k, SiLU-and-mul, and the per-token fp8 quantization of an activation.
 //
 // Every kernel is templated on the element type T and on N, the elements one thread moves
 // per access: 16 / sizeof(T) (one 16-byte vector) when the rows and pointers allow it, 1
@@ -9,6 +9,7 @@
 // results differ from them only by the order of the fp32 reductions.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "pdl.cuh"
 
@@ -218,6 +219,54 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x
     o.v[j] = from_f<T>(__fmul_rn(s, to_f(u.v[j])));
   }
   store<T, N>(out + t * out_stride, p, o);
+}
+
+// Max over the CTA (blockDim.x a multiple of 32); every thread gets it.
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float partial[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // a previous call's readers are done with `partial`
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  v = lane < blockDim.x / 32 ? partial[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Per-token fp8 (e4m3) quantization of an activation [tokens, k] (k % N == 0), one CTA per
+// row, bit for bit layers/fp8.py's _quantize_rows: scale[t] = max(amax|x[t]| / 448, 1e-12)
+// and q[t] = e4m3(x[t] / scale[t]), both IEEE divisions, rounded to nearest even.
+// |x / scale| <= 448 up to the scale's rounding, so __NV_SATFINITE is the reference's clamp.
+// (NaN inputs differ: a NaN element stays NaN here, torch's amax makes the whole row NaN.)
+// q is e4m3 bytes; the second pass re-reads the row from L1 / L2.
+template <typename T, int N>
+__global__ void quant_fp8_rows_kernel(unsigned char* __restrict__ q, float* __restrict__ scale,
+                                      const T* __restrict__ x, long long q_stride,
+                                      long long x_stride, int k) {
+  pdl_enter();
+  const long long row = blockIdx.x;
+  const int packs = k / N;
+  const T* xr = x + row * x_stride;
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+    const Pack<T, N> a = load<T, N>(xr, i);
+#pragma unroll
+    for (int j = 0; j < N; ++j) amax = fmaxf(amax, fabsf(to_f(a.v[j])));
+  }
+  const float s = fmaxf(__fdiv_rn(block_max(amax), 448.f), 1e-12f);
+  if (threadIdx.x == 0) scale[row] = s;
+  unsigned char* qr = q + row * q_stride;
+  for (int i = threadIdx.x; i < packs; i += blockDim.x) {
+    const Pack<T, N> a = load<T, N>(xr, i);
+    Pack<unsigned char, N> o;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      o.v[j] = __nv_cvt_float_to_fp8(__fdiv_rn(to_f(a.v[j]), s), __NV_SATFINITE, __NV_E4M3);
+    store<unsigned char, N>(qr, i, o);
+  }
 }
 
 }  // namespace streamkv

@@ -1,6 +1,7 @@
 """FP8 (e4m3) weights of a linear layer, ``--quantization fp8``: one fp32 scale per output
 channel of the weight, computed at load time, and one per token of the activation, computed
-on every call.
+on every call: on CUDA by one kernel (``fused_cuda.quant_fp8_rows``, kernels_cu/fused_ops.cu)
+whose bytes and scales are the torch reference's, ``_quantize_rows``.
 
 ``fp8_linear`` on CUDA is one ``torch._scaled_mm`` with row-wise scales (fp32 accumulate, the
 scales applied to the accumulator, the bias added, the output written in bf16); anywhere else
@@ -23,13 +24,19 @@ MIN_SCALE = 1e-12
 # fp8, and write bf16 only.
 CUDA_ALIGN = 16
 CUDA_OUT_DTYPE = torch.bfloat16
+# The per-token kernel's element types (one NVRTC program each, kernels/fused_cuda.py).
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, K] -> (fp8 [R, K], fp32 scale [R, 1]): each row divided by amax(|row|) / 448 and
     rounded to the nearest e4m3 value, so a row's largest element lands on 448."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # Divided by a tensor, not the number 448: torch divides a CUDA tensor by a Python scalar
+    # as a product with its fp32 reciprocal (1 ulp off the quotient for about half the rows),
+    # a CPU one exactly; by a tensor both divide exactly, as the CUDA kernel does.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     # The clamp only guards rounding at the edge: |x / scale| <= 448 by construction.
     q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
@@ -45,6 +52,10 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] activation -> (float8_e4m3fn [M, K], per-token fp32 scale [M, 1])."""
+    if x.is_cuda and x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.stride(-1) == 1:
+        from streamkv.kernels import fused_cuda
+
+        return fused_cuda.quant_fp8_rows(x)
     return _quantize_rows(x)
 
 

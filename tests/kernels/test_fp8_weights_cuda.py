@@ -1,12 +1,15 @@
-"""FP8 weights on a GPU: ``torch._scaled_mm`` with row-wise scales against the CPU reference
-over the same fp8 operands, inside a CUDA graph, and a tiny Llama served with
-``quantization="fp8"`` against its bf16 run. The CPU tests are tests/models/test_fp8_weights.py."""
+"""FP8 weights on a GPU: the per-token quantization kernel (kernels_cu/fused_ops.cu) against
+the torch reference byte for byte and inside a CUDA graph, ``torch._scaled_mm`` with row-wise
+scales against the exact product of the same fp8 operands, inside a CUDA graph, and a tiny
+Llama served with ``quantization="fp8"`` against its bf16 run. The CPU tests are
+tests/models/test_fp8_weights.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from streamkv.kernels import fused_cuda, launch
 from streamkv.layers import fp8
 from streamkv.sampling_params import SamplingParams
 from tests.tiny_models import KERNEL_HEADS
@@ -27,6 +30,28 @@ def _fp8_tensor_cores():
         pytest.skip("fp8 products need compute capability 8.9+")
 
 
+def _assert_is_the_product(got: torch.Tensor, xq, xs, wq, ws, bias) -> None:
+    """``got`` (bf16) is the exact product of the fp8 operands up to what _scaled_mm may do:
+    sum in any order in Hopper's fp8 tensor-core accumulator, which keeps about 14 bits (2^-13
+    of the sum of |terms|; the H200 measured 1.09x a 2^-24 * K bound at M = 200), and round to
+    bf16 (half an ulp, 2^-8 of the value) once at the end, or once more before the bias is
+    added (2^-8 of the product). The mean error is held near one rounding's, so a scale off by
+    1% or applied to the wrong row or channel fails here, not only in the model's accuracy."""
+    xd, wd = fp8.dequantize(xq, xs).double(), fp8.dequantize(wq, ws).double()
+    prod = xd @ wd.t()
+    mag = xd.abs() @ wd.abs().t()
+    if bias is not None:
+        want, mag = prod + bias.double(), mag + bias.double().abs()
+    else:
+        want = prod
+    tol = 2.0**-8 * (want.abs() + prod.abs()) + 2.0**-13 * mag
+    err = (got.double() - want).abs()
+    worst = int((err / tol).argmax())
+    assert bool((err <= tol).all()), (float(err.view(-1)[worst]), float(tol.view(-1)[worst]))
+    # One bf16 rounding averages about 2^-9.5 of the value (measured 1.4e-3 on the CPU).
+    assert float(err.mean()) <= 2.0**-8 * float(want.abs().mean())
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_scaled_mm_matches_the_cpu_reference(m: int, bias: bool) -> None:
@@ -35,16 +60,93 @@ def test_scaled_mm_matches_the_cpu_reference(m: int, bias: bool) -> None:
     x = _rand(m, k, seed=2).to(torch.bfloat16)
     b = _rand(n, seed=3).to(torch.bfloat16) if bias else None
     q, scale = fp8.quantize_weight(w)
-    want = fp8.fp8_linear(x, q, scale, b)  # CPU: the reference path
     got = fp8.fp8_linear(x.cuda(), q.cuda(), scale.cuda(), None if b is None else b.cuda()).cpu()
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    # The same fp8 operands: only the accumulation order and the bf16 output rounding differ.
-    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
-    # The activation quantized on the GPU is the CPU's, byte for byte.
+    # The activation quantized on the GPU (the kernel) is the CPU's, byte for byte.
     xq_cpu, xs_cpu = fp8.quantize_activation(x)
     xq, xs = fp8.quantize_activation(x.cuda())
     assert torch.equal(xq.cpu().view(torch.uint8), xq_cpu.view(torch.uint8))
     assert torch.equal(xs.cpu(), xs_cpu)
+    # The same fp8 operands: only the accumulation order and the bf16 rounding differ. (The
+    # CPU path's bf16 output is a second rounding: compare both with the exact product.)
+    _assert_is_the_product(got, xq_cpu, xs_cpu, q, scale, b)
+    _assert_is_the_product(fp8.fp8_linear(x, q, scale, b), xq_cpu, xs_cpu, q, scale, b)
+
+
+# --- the per-token quantization kernel --------------------------------------------------
+
+
+def _activation_rows(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows the kernel must get exactly right: Gaussian rows from 1e-3 to 1e3, a zero row, a
+    row with one huge element (the rest fall to e4m3 subnormals and signed zeros), a row of
+    tiny values (the 1e-12 floor on the scale), a row of one repeated value."""
+    x = _rand(12, k, seed=20) * torch.logspace(-3, 3, 12)[:, None]
+    x[1] = 0.0
+    x[4, k // 3] = -2e3
+    x[7] = _rand(k, seed=21) * 1e-14
+    x[9] = 0.75
+    return x.to(dtype)
+
+
+def _assert_same_quantization(x: torch.Tensor) -> None:
+    q, scale = fused_cuda.quant_fp8_rows(x)
+    want_q, want_scale = fp8._quantize_rows(x.cpu())
+    assert q.dtype == fp8.FP8_DTYPE and q.shape == x.shape and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (x.shape[0], 1)
+    assert torch.equal(scale.cpu(), want_scale)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    # The torch path on the GPU agrees too (its scale is an exact division there as well).
+    ref_q, ref_scale = fp8._quantize_rows(x)
+    assert torch.equal(ref_scale, scale) and torch.equal(
+        ref_q.view(torch.uint8), q.view(torch.uint8)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [16, 4096, 14336, 1001])
+def test_quant_kernel_equals_the_reference_byte_for_byte(dtype: torch.dtype, k: int) -> None:
+    # 14336 bf16 is 1,792 vectors for 1,024 threads (a second round); 1001 is the scalar path.
+    x = _activation_rows(k, dtype).cuda()
+    want_width = 1 if k == 1001 else fused_cuda.vector_width(launch.DTYPE_NAMES[dtype])
+    assert fused_cuda._width(dtype, k, x) == want_width
+    _assert_same_quantization(x)
+
+
+def test_quant_kernel_takes_strided_rows_and_many_tokens() -> None:
+    wide = _rand(1024, 4096 + 64, seed=22).to(torch.bfloat16).cuda()
+    x = wide[:, 32 : 32 + 4096]  # 16-byte aligned rows of stride 4160: the vector path
+    assert fused_cuda._width(x.dtype, 4096, x) == 8 and x.stride(0) == 4160
+    _assert_same_quantization(x)
+    odd = wide[:, 1:4097]  # 2-byte offset: the scalar path
+    assert fused_cuda._width(odd.dtype, 4096, odd) == 1
+    _assert_same_quantization(odd)
+    q, scale = fused_cuda.quant_fp8_rows(x[:0])
+    assert q.shape == (0, 4096) and scale.shape == (0, 1)
+
+
+def test_fp8_linear_uses_the_kernel_and_it_replays_in_a_graph(monkeypatch) -> None:
+    calls = []
+    real = fused_cuda.quant_fp8_rows
+    monkeypatch.setattr(fused_cuda, "quant_fp8_rows", lambda x: calls.append(x.shape) or real(x))
+    q, scale = fp8.quantize_weight(_rand(256, 512, seed=23, std=0.02).cuda())
+    fp8.fp8_linear(torch.ones(2, 3, 512, dtype=torch.bfloat16, device="cuda"), q, scale)
+    assert calls == [(6, 512)]
+
+    src = torch.empty(64, 512, dtype=torch.bfloat16, device="cuda")
+    seeds = (30, 31, 32)
+    want = []
+    for seed in seeds:
+        src.copy_(_rand(64, 512, seed=seed).to(torch.bfloat16))
+        want.append([t.clone() for t in fp8.quantize_activation(src)])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_q, out_scale = fp8.quantize_activation(src)
+    for seed, (want_q, want_scale) in zip(seeds, want, strict=True):
+        src.copy_(_rand(64, 512, seed=seed).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(out_scale, want_scale)
 
 
 def test_fp8_linear_in_a_cuda_graph_equals_eager() -> None:
