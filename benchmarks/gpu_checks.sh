@@ -6,7 +6,7 @@
 # back at most 8 files). With two or more GPUs the tensor-parallel checks run at the end.
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh               # everything (~17 min)
-#     PARTS=speed OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # the GPU step's figures (~8 min)
+#     PARTS=speed OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # the speed figures (past one call's 10 min: use STEPS)
 #     PARTS=eval OUT=/tmp/gpu bash benchmarks/gpu_checks.sh    # recovery, structured outputs,
 #                                       # swap vs recompute, the paper's Fig 12 point (~9 min)
 #     PARTS=serve OUT=/tmp/gpu bash benchmarks/gpu_checks.sh   # the served figures (issue 25):
@@ -101,6 +101,11 @@ if [[ " $PARTS " == *" speed "* ]]; then
   step fp8_tests 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv_cache.py
   step throughput_fp8 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --kv-cache-dtype fp8 \
     --json-out "$OUT/throughput_fp8.json"
+  # FP8 weights (docs/kernels.md, "FP8 weights"): _scaled_mm and the fused activation
+  # quantization against the CPU reference, graphs, the tiny engine; then the throughput twin.
+  step fp8w_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_weights_cuda.py
+  step throughput_fp8w 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --quantization fp8 \
+    --json-out "$OUT/throughput_fp8w.json"
   # The multiprocess executor (a worker process at TP 1, pipelined steps) against the in-process
   # one, 400 ShareGPT requests x <= 256 tokens, same call, greedy outputs compared.
   step throughput_mp 150 python3 benchmarks/bench_throughput.py --compare-executors $M8B \
