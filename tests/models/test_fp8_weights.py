@@ -278,13 +278,15 @@ def test_embedded_model_agrees_with_its_unquantized_run(make_llm) -> None:
     # Teacher-forced over the unquantized run's text: fp8's most likely token is the
     # reference's greedy one at most positions (free-running greedy parts earlier on a
     # 135M model: docs/kernels.md, "FP8 weights").
+    from benchmarks.fp8_kv_accuracy import teacher_forced
+
     texts = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in ref]
-    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-    scored = quant.generate(prompt_token_ids=texts, sampling_params=scoring, use_tqdm=False)
-    agree = total = 0
-    for out, o, text in zip(scored, ref, texts):
-        for i in range(len(o.prompt_token_ids), len(text)):
-            entry = out.prompt_logprobs[i]
-            agree += min(entry.items(), key=lambda kv: kv[1].rank)[0] == text[i]
-            total += 1
+    starts = [len(o.prompt_token_ids) for o in ref]
+    scored = teacher_forced(quant, texts, starts)
+    agree = sum(
+        top == text[start + i]
+        for rows, text, start in zip(scored, texts, starts)
+        for i, (_, top) in enumerate(rows)
+    )
+    total = sum(len(rows) for rows in scored)
     assert agree >= FLOOR * total, (agree, total)
