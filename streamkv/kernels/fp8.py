@@ -23,8 +23,9 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_DTYPE
 
 
-def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale, saturated to ±448, as float8_e4m3fn (round to nearest even)."""
+def quantize(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """x / scale, saturated to ±448, as float8_e4m3fn (round to nearest even); ``scale`` a
+    number or a tensor that broadcasts (fp8 weights' per-row scales, layers/fp8.py)."""
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# The number format and its rounding are the FP8 KV cache's (kernels/fp8.py); only the
+# scales differ: per row here, per layer there.
+from streamkv.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize
+
+__all__ = ["FP8_DTYPE", "FP8_MAX"]  # re-exported for the layer's callers and tests
 # The smallest scale: an all-zero row (a dead channel, padding) then quantizes to zeros,
 # never to 0 / 0.
 MIN_SCALE = 1e-12
@@ -37,9 +40,8 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # as a product with its fp32 reciprocal (1 ulp off the quotient for about half the rows),
     # a CPU one exactly; by a tensor both divide exactly, as the CUDA kernel does.
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
-    # The clamp only guards rounding at the edge: |x / scale| <= 448 by construction.
-    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    # The saturation only guards rounding at the edge: |x / scale| <= 448 by construction.
+    return quantize(x, scale), scale
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,9 @@ class ParallelLinear(nn.Module):
         self.out_splits = out_splits
         self.gather_output = gather_output
         self.has_bias = bias  # of the whole layer (a row-parallel bias lives on rank 0 only)
+        # A plain flag, read on every product: hasattr on a Module raises through its
+        # __getattr__ when the attribute is missing, about a microsecond a call.
+        self.quantized = False
         if parallel == "column":
             if any(o % tp_size for o in out_splits):
                 raise ValueError(f"output sizes {out_splits} do not divide by tp_size {tp_size}")
@@ -112,10 +115,6 @@ class ParallelLinear(nn.Module):
                 raise ValueError("missing bias weights")
             self.bias.data.copy_(torch.cat([self.shard(b, i) for i, b in enumerate(biases)]))
 
-    @property
-    def quantized(self) -> bool:
-        return hasattr(self, "weight_fp8")
-
     def quantize_fp8(self) -> None:
         """Replace the loaded weight by its e4m3 copy and per-output-channel scales, and free
         it: one layer's weight is converted at a time, so a model's peak memory stays its
@@ -130,6 +129,7 @@ class ParallelLinear(nn.Module):
         # weights' size the worker logs.
         self.weight_fp8 = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.quantized = True
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``x W^T + b``, before any tensor-parallel reduction."""

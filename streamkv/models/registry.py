@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from streamkv.config import QUANTIZATIONS
 from streamkv.layers import fp8
 from streamkv.layers.linear import ParallelLinear
 from streamkv.models.common import ModelShape
@@ -134,8 +135,10 @@ def build_model(
 
 
 def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
-    if quantization != "fp8":
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}"
+        )
     device = torch.device(device)
     if device.type != "cuda":
         return
