@@ -443,8 +443,18 @@ def main() -> int:
         with PhaseClock() as clock:
             t_p = run_streamkv(llm, requests)
         steps = clock.calls["step"]
-        phases = {"seconds": t_p, "steps": steps, "report": clock.report(steps)}
-        print_report(f"streamkv with phase timers ({t_p:.1f}s)", phases["report"], steps)
+        phases = {
+            "seconds": t_p,
+            "steps": steps,
+            "report": clock.report(steps),
+            "timeline": clock.timeline_report(),
+        }
+        print_report(
+            f"streamkv with phase timers ({t_p:.1f}s)",
+            phases["report"],
+            steps,
+            timeline=phases["timeline"],
+        )
     if args.cb_requests:
         from benchmarks.workloads import Request as _Req
 

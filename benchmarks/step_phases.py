@@ -62,6 +62,10 @@ class PhaseClock:
         self._sync_debug = sync_debug
         self._saved: list[tuple[object, str, object]] = []
         self._warnings = None
+        # One entry per engine step: (rows, tokens) of the schedule it made, its host
+        # seconds and the seconds of it spent blocked on the device.
+        self.timeline: list[tuple[int, int, float, float]] = []
+        self._shape, self._wait = (0, 0), 0.0
 
     def __enter__(self) -> PhaseClock:
         for phase, owner, name in _targets():
@@ -95,13 +99,47 @@ class PhaseClock:
 
         def timed(*a, **kw):
             start = time.perf_counter()
+            out = None
             try:
-                return fn(*a, **kw)
+                out = fn(*a, **kw)
+                return out
             finally:
-                seconds[phase] += time.perf_counter() - start
+                dt = time.perf_counter() - start
+                seconds[phase] += dt
                 calls[phase] += 1
+                self._note(phase, out, dt)
 
         return timed
+
+    def _note(self, phase: str, out, dt: float) -> None:
+        if phase == "schedule" and out is not None:
+            self._shape = (len(out.scheduled), out.num_batched_tokens)
+        elif phase == "wait":
+            self._wait += dt
+        elif phase == "step":
+            self.timeline.append((*self._shape, dt, self._wait))
+            self._shape, self._wait = (0, 0), 0.0
+
+    def timeline_report(self) -> list[dict]:
+        """The steps binned by rows: how many, their host and blocked seconds, and how many
+        never blocked (under 0.2 ms), the steps whose host work the device waited on."""
+        edges = (1, 64, 128, 256, 512, 1024, 1 << 30)
+        bins = []
+        for lo, hi in zip(edges, edges[1:]):
+            for prompt in (False, True):
+                rows = [t for t in self.timeline if lo <= t[0] < hi and (t[1] > t[0]) == prompt]
+                if rows:
+                    bins.append(
+                        {
+                            "rows": f"{lo}-{hi - 1}" if hi < 1 << 30 else f">={lo}",
+                            "prompt": prompt,
+                            "steps": len(rows),
+                            "step_s": round(sum(t[2] for t in rows), 4),
+                            "wait_s": round(sum(t[3] for t in rows), 4),
+                            "unblocked": sum(t[3] < 2e-4 for t in rows),
+                        }
+                    )
+        return bins
 
     def _record_sync(self, message, category, filename, lineno, file=None, line=None) -> None:
         frames = [
@@ -131,11 +169,24 @@ class PhaseClock:
         }
 
 
-def print_report(title: str, report: dict, steps: int, syncs: Counter | None = None) -> None:
+def print_report(
+    title: str,
+    report: dict,
+    steps: int,
+    syncs: Counter | None = None,
+    timeline: list[dict] | None = None,
+) -> None:
     print(f"\n{title}: host time by phase over {steps} engine steps (inclusive)")
     print(f"{'phase':<12}{'ms':>10}{'calls':>8}{'ms/step':>10}")
     for phase, r in report.items():
         print(f"{phase:<12}{r['ms']:>10.2f}{r['calls']:>8}{r['ms_per_step']:>10.3f}")
+    if timeline:
+        print(f"\n{'rows':<10}{'prompt':>7}{'steps':>7}{'host s':>9}{'wait s':>9}{'unblocked':>10}")
+        for b in timeline:
+            print(
+                f"{b['rows']:<10}{'yes' if b['prompt'] else 'no':>7}{b['steps']:>7}"
+                f"{b['step_s'] - b['wait_s']:>9.3f}{b['wait_s']:>9.3f}{b['unblocked']:>10}"
+            )
     if syncs:
         print(
             "host-device syncs: " + ", ".join(f"{where} x{n}" for where, n in syncs.most_common(8))
