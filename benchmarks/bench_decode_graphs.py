@@ -69,8 +69,14 @@ def build(args) -> Worker:
             device="cuda",
             load_format="dummy",
             max_model_len=args.max_model_len,
+            quantization=args.quantization,
         ),
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks, num_swap_blocks=0),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=num_blocks,
+            num_swap_blocks=0,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes)),
     )
     config.verify()
@@ -196,6 +202,8 @@ def main() -> int:
         "--steps", type=int, default=50, help="timed decode steps per batch size and mode"
     )
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quantization", default=None, help="fp8: e4m3 weights (docs/kernels.md)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
         "--max-model-len",

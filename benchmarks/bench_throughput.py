@@ -27,6 +27,7 @@ def run_streamkv(llm, requests, keep: list | None = None) -> float:
     params = [
         SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len) for r in requests
     ]
+    llm.reset_prefix_cache()  # every run cold: no prompt hits the blocks of an earlier one
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=[r.prompt_ids for r in requests], sampling_params=params)
     elapsed = time.perf_counter() - start

@@ -263,6 +263,9 @@ class BlockManager(PreemptedGroups):
         held = table_waste(self.tables, groups, self.block_size, max_model_len)
         return KVUsage(held, held)
 
+    def reset_prefix_cache(self) -> None:
+        self.device.reset_prefix_cache()
+
     def check_no_leaks(self) -> None:
         """Raise unless no table is left and the only references are reserved-prefix pins."""
         if self.tables or self.cpu_tables:

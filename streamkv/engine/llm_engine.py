@@ -194,6 +194,11 @@ class LLMEngine:
         self.groups.pop(request_id, None)
         return self.outputs.make_output(group) if group is not None else None
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt blocks that no request holds (vLLM's name)."""
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts: its outputs are still to be processed (async scheduling).
         live = self.pipeline is not None and self.pipeline.has_live_step()

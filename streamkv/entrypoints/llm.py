@@ -87,6 +87,11 @@ class LLM:
         """Stop the worker processes (if any) now, rather than at interpreter exit."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (its blocks return to the free list), so that
+        the next requests compute their prompts cold. Reserved prefixes stay."""
+        self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

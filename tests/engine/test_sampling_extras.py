@@ -141,7 +141,7 @@ def test_allowed_tokens_that_min_tokens_bans_are_refused(llm):
 
 def test_cache_salt_isolates_prefix_cache_hits(llm):
     engine = llm.engine
-    engine.block_manager.device.reset_prefix_cache()
+    llm.reset_prefix_cache()
     bm = engine.block_manager
 
     def hits(rid: str, salt: str | None) -> int:
@@ -156,3 +156,5 @@ def test_cache_salt_isolates_prefix_cache_hits(llm):
         hits("a2", "tenant-a") == 32
     )  # the same salt: its 4 whole prompt blocks (the 5th holds the last token)
     assert hits("u2", None) == 32
+    llm.reset_prefix_cache()  # every cached block forgotten: the same prompt computes cold
+    assert hits("u3", None) == 0
