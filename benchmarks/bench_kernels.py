@@ -274,6 +274,7 @@ def bench_attention(
     sweep: bool,
     group: int = Q_HEADS // KV_HEADS,
     head: int = HEAD,
+    bound: int | None = None,
 ) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 100003 + ctx)
     kv_bytes = 2 * batch * ctx * KV_HEADS * head * 2
@@ -288,18 +289,20 @@ def bench_attention(
         "q_heads": KV_HEADS * group,
         "bytes": io_bytes,
         "rotated_sets": sets,
+        "bound": bound or ctx,
     }
+    mcl = bound or ctx  # max_context_len: a CUDA graph's bucket bound, or the batch's own
 
     def ours(partition=None, **variant):
         """The production kernel, or a variant (dv.DecodeVariant's fields) of it."""
         kv = dv.DecodeVariant(**variant)
         if kv == dv.PRODUCTION and partition is None:
             return lambda: [
-                da.paged_attention_decode(q, k, v, bt, lens, scale, ctx)
+                da.paged_attention_decode(q, k, v, bt, lens, scale, mcl)
                 for q, k, v, bt, lens in inputs
             ]
         return lambda: [
-            dv.launch_variant(kv, q, k, v, bt, lens, scale, ctx, partition)
+            dv.launch_variant(kv, q, k, v, bt, lens, scale, mcl, partition)
             for q, k, v, bt, lens in inputs
         ]
 
@@ -607,6 +610,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 16384])
     p.add_argument("--iters", type=int, default=30, help="timed replays per measurement")
+    p.add_argument(
+        "--bound",
+        type=int,
+        default=None,
+        help="max_context_len the kernels get, as a decode graph's context bucket gives it "
+        "(default: each row's context)",
+    )
     p.add_argument("--no-sweep", action="store_true", help="skip the partition-size sweep")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument(
@@ -662,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch, ctx in points:
             try:
                 row = bench_attention(
-                    batch, ctx, args.iters, copy_gbs, not args.no_sweep, group, head
+                    batch, ctx, args.iters, copy_gbs, not args.no_sweep, group, head, args.bound
                 )
             except Exception as e:  # out of memory, or a failure: keep the other sizes
                 row = {"batch": batch, "context": ctx, "skipped": f"{type(e).__name__}: {e}"}
