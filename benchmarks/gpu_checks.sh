@@ -102,10 +102,16 @@ if [[ " $PARTS " == *" speed "* ]]; then
   step throughput_fp8 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --kv-cache-dtype fp8 \
     --json-out "$OUT/throughput_fp8.json"
   # FP8 weights (docs/kernels.md, "FP8 weights"): _scaled_mm and the fused activation
-  # quantization against the CPU reference, graphs, the tiny engine; then the throughput twin.
+  # quantization and the small-batch scale kernel against the CPU reference, graphs, the tiny
+  # engine; then the throughput twin.
   step fp8w_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_weights_cuda.py
+  # The products alone at decode batch sizes: bf16, row-wise fp8, the small-batch path.
+  step fp8_gemm 120 python3 benchmarks/bench_fp8_gemm.py --out "$OUT/fp8_gemm.json"
   step throughput_fp8w 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --quantization fp8 \
     --json-out "$OUT/throughput_fp8w.json"
+  # Both fp8 options together.
+  step throughput_fp8w_kv 200 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --quantization fp8 \
+    --kv-cache-dtype fp8 --json-out "$OUT/throughput_fp8w_kv.json"
   # The multiprocess executor (a worker process at TP 1, pipelined steps) against the in-process
   # one, 400 ShareGPT requests x <= 256 tokens, same call, greedy outputs compared.
   step throughput_mp 150 python3 benchmarks/bench_throughput.py --compare-executors $M8B \

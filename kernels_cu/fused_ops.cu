@@ -1,6 +1,7 @@
 // Elementwise work around the matmuls, one launch each instead of a chain of torch ops:
 // residual add + RMSNorm (and + LayerNorm for OPT), plain RMSNorm, rotary embedding in
-// place on q and k, SiLU-and-mul, and the per-token fp8 quantization of an activation.
+// place on q and k, SiLU-and-mul, the per-token fp8 quantization of an activation, and
+// the scales of a small batch's fp8 product.
 //
 // Every kernel is templated on the element type T and on N, the elements one thread moves
 // per access: 16 / sizeof(T) (one 16-byte vector) when the rows and pointers allow it, 1
@@ -267,6 +268,32 @@ __global__ void quant_fp8_rows_kernel(unsigned char* __restrict__ q, float* __re
       o.v[j] = __nv_cvt_float_to_fp8(__fdiv_rn(to_f(a.v[j]), s), __NV_SATFINITE, __NV_E4M3);
     store<unsigned char, N>(qr, i, o);
   }
+}
+
+// The scales of fp8_linear's small-batch product (layers/fp8.py): acc [rows, cols] is the
+// fp32 product of the unscaled fp8 operands, and out[r] = T(acc[r] * row_scale[r] *
+// col_scale (+ bias)), the epilogue a row-wise torch._scaled_mm applies to the same
+// accumulator. bias may be null. Grid (rows, packs / blockDim), cols % N == 0.
+template <typename T, int N>
+__global__ void scale_fp8_product_kernel(T* __restrict__ out, const float* __restrict__ acc,
+                                         const float* __restrict__ row_scale,
+                                         const float* __restrict__ col_scale,
+                                         const T* __restrict__ bias, int cols) {
+  pdl_enter();
+  const long long r = blockIdx.x;
+  const int p = blockIdx.y * blockDim.x + threadIdx.x;
+  if (p >= cols / N) return;
+  const Pack<float, N> a = load<float, N>(acc + r * cols, p);
+  const Pack<float, N> c = load<float, N>(col_scale, p);
+  const float s = row_scale[r];
+  Pack<T, N> o;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    float v = __fmul_rn(__fmul_rn(a.v[j], s), c.v[j]);
+    if (bias != nullptr) v = __fadd_rn(v, to_f(bias[p * N + j]));
+    o.v[j] = from_f<T>(v);
+  }
+  store<T, N>(out + r * cols, p, o);
 }
 
 }  // namespace streamkv

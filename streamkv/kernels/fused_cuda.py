@@ -21,6 +21,7 @@ TEMPLATES = {
     "rotary": "rotary_embedding_kernel<{t}, {n}>",
     "silu_and_mul": "silu_and_mul_kernel<{t}, {n}>",
     "quant_fp8_rows": "quant_fp8_rows_kernel<{t}, {n}>",
+    "scale_fp8_product": "scale_fp8_product_kernel<{t}, {n}>",
 }
 SILU_THREADS = 256
 
@@ -238,3 +239,47 @@ def quant_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pdl=launch.use_pdl(x.device),
     )
     return q, scale
+
+
+def scale_fp8_product(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[rows, cols] fp32 product of unscaled fp8 operands -> ``dtype`` [rows, cols] with
+    each row's and column's scale (and the bias) applied: layers/fp8.py's small-batch path."""
+    rows, cols = acc.shape
+    floats = (acc, row_scale, col_scale)
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in floats) or (
+        row_scale.numel(),
+        col_scale.numel(),
+    ) != (rows, cols):
+        raise ValueError("scale_fp8_product takes a contiguous fp32 product and its scales")
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous {dtype} vector")
+    out = torch.empty((rows, cols), dtype=dtype, device=acc.device)
+    if rows == 0:
+        return out
+    # A pack is n outputs and n fp32 inputs: twice the out vector's bytes, so acc's rows and
+    # the column scales must be 32-byte aligned for it as well.
+    n = _width(dtype, cols, out, *([] if bias is None else [bias]))
+    if any(t.data_ptr() % (4 * n) for t in (acc, col_scale)):
+        n = 1
+    packs = cols // n
+    _get("scale_fp8_product", out, n).launch(
+        (rows, -(-packs // SILU_THREADS), 1),
+        (SILU_THREADS, 1, 1),
+        [
+            (PTR, out.data_ptr()),
+            (PTR, acc.data_ptr()),
+            (PTR, row_scale.data_ptr()),
+            (PTR, col_scale.data_ptr()),
+            (PTR, 0 if bias is None else bias.data_ptr()),
+            (INT, cols),
+        ],
+        launch.stream(acc.device),
+        pdl=launch.use_pdl(acc.device),
+    )
+    return out

@@ -4,9 +4,14 @@ on every call: on CUDA by one kernel (``fused_cuda.quant_fp8_rows``, kernels_cu/
 whose bytes and scales are the torch reference's, ``_quantize_rows``.
 
 ``fp8_linear`` on CUDA is one ``torch._scaled_mm`` with row-wise scales (fp32 accumulate, the
-scales applied to the accumulator, the bias added, the output written in bf16); anywhere else
-it is the reference with the same numerics: both fp8 operands widened to fp32 with their
-scales, an fp32 product, the output cast to the input's dtype. Every op works on device
+scales applied to the accumulator, the bias added, the output written in bf16). For at most
+``SMALL_BATCH`` rows it is instead ``_scaled_mm`` with unit per-tensor scales into fp32 and one
+kernel that applies the same scales and bias (``fused_cuda.scale_fp8_product``): the same
+numerics, and on an H200 (benchmarks/bench_fp8_gemm.py) 1.3-1.9x faster at 8-128 rows,
+because cuBLASLt's row-wise kernels use 128x128 tiles without split-K, so llama3-8b's 4096-
+wide projections run on 32 CTAs for 132 multiprocessors. Anywhere else it is the reference
+with the same numerics: both fp8 operands widened to fp32 with their scales, an fp32 product,
+the output cast to the input's dtype. Every op works on device
 tensors of fixed shapes, so a call can be captured in a CUDA graph (docs/kernels.md, "FP8
 weights").
 """
@@ -27,6 +32,10 @@ MIN_SCALE = 1e-12
 # fp8, and write bf16 only.
 CUDA_ALIGN = 16
 CUDA_OUT_DTYPE = torch.bfloat16
+# The most rows that take the small-batch product (the per-tensor kernels, then the scales):
+# below it the row-wise kernels starve the GPU; above it the fp32 product's extra bytes
+# cost more than they save (benchmarks/bench_fp8_gemm.py).
+SMALL_BATCH = 256
 # The per-token kernel's element types (one NVRTC program each, kernels/fused_cuda.py).
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -76,10 +85,15 @@ def check_cuda_shape(out_features: int, in_features: int) -> None:
 
 
 def fp8_linear(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    unit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W^T + b`` with W stored as (``w_fp8`` [N, K], ``w_scale`` [N]) and x [..., K]
-    quantized per token on the fly; the output is [..., N] in x's dtype."""
+    quantized per token on the fly; the output is [..., N] in x's dtype. ``unit`` is a
+    device scalar 1.0 for the small-batch path (made here if not given)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     x_fp8, x_scale = quantize_activation(x2)
@@ -90,6 +104,15 @@ def fp8_linear(
                 f"got a {x.dtype} input"
             )
         # mat2 must be column-major: the transpose of the row-major [N, K] weight is.
+        if x2.shape[0] <= SMALL_BATCH:
+            from streamkv.kernels import fused_cuda
+
+            unit = torch.ones((), device=x.device) if unit is None else unit
+            acc = torch._scaled_mm(
+                x_fp8, w_fp8.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32
+            )
+            out = fused_cuda.scale_fp8_product(acc, x_scale, w_scale, bias, x.dtype)
+            return out.view(*lead, w_fp8.shape[0])
         out = torch._scaled_mm(
             x_fp8,
             w_fp8.t(),

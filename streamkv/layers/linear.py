@@ -129,12 +129,15 @@ class ParallelLinear(nn.Module):
         # weights' size the worker logs.
         self.weight_fp8 = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        # The unit scales of the small-batch product (fp8.fp8_linear), made once here: a
+        # tensor made inside a CUDA graph's capture would live in the graph's pool.
+        self.register_buffer("fp8_unit", torch.ones((), device=q.device), persistent=False)
         self.quantized = True
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``x W^T + b``, before any tensor-parallel reduction."""
         if self.quantized:
-            return fp8.fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
+            return fp8.fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias, self.fp8_unit)
         # gemv.linear is F.linear, with a kernel of our own for steps of a few tokens.
         return gemv.linear(x, self.weight, self.bias)
 

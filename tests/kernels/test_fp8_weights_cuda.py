@@ -52,7 +52,9 @@ def _assert_is_the_product(got: torch.Tensor, xq, xs, wq, ws, bias) -> None:
     assert float(err.mean()) <= 2.0**-8 * float(want.abs().mean())
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 200])
+# Up to fp8.SMALL_BATCH rows the product is per-tensor _scaled_mm plus the scale kernel;
+# past it, row-wise _scaled_mm.
+@pytest.mark.parametrize("m", [1, 3, 16, 200, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_scaled_mm_matches_the_cpu_reference(m: int, bias: bool) -> None:
     n, k = 384, 512
@@ -149,14 +151,16 @@ def test_fp8_linear_uses_the_kernel_and_it_replays_in_a_graph(monkeypatch) -> No
         assert torch.equal(out_scale, want_scale)
 
 
-def test_fp8_linear_in_a_cuda_graph_equals_eager() -> None:
-    n, k, m = 256, 512, 8
+@pytest.mark.parametrize("m", [8, 300])
+def test_fp8_linear_in_a_cuda_graph_equals_eager(m: int) -> None:
+    n, k = 256, 512
     q, scale = fp8.quantize_weight(_rand(n, k, seed=4, std=0.02).cuda())
     bias = _rand(n, seed=5).to(torch.bfloat16).cuda()
     src = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+    unit = torch.ones((), device="cuda")  # as ParallelLinear.fp8_unit
 
     def step() -> torch.Tensor:
-        return fp8.fp8_linear(src, q, scale, bias)
+        return fp8.fp8_linear(src, q, scale, bias, unit)
 
     want = []
     for seed in (10, 11, 12):
@@ -175,6 +179,40 @@ def test_fp8_linear_in_a_cuda_graph_equals_eager() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+# --- the small-batch product's scales -----------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_scale_kernel_is_the_torch_epilogue_bit_for_bit(bias: bool, aligned: bool) -> None:
+    rows, cols = 5, 4096 + 16
+    base = torch.empty(rows * cols + 1, device="cuda")
+    acc = (base[:-1] if aligned else base[1:]).view(rows, cols)  # 4 bytes off: scalar path
+    acc.copy_(_rand(rows, cols, seed=40).cuda() * 1e3)
+    rs = _rand(rows, 1, seed=41).abs().cuda()
+    cs = _rand(cols, seed=42).abs().cuda() * 1e-3
+    b = _rand(cols, seed=43).to(torch.bfloat16).cuda() if bias else None
+    got = fused_cuda.scale_fp8_product(acc, rs, cs, b, torch.bfloat16)
+    want = acc * rs * cs  # fp32, in the kernel's order: (acc * row) * column (+ bias)
+    if b is not None:
+        want = want + b.float()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32 product"):
+        fused_cuda.scale_fp8_product(acc.half(), rs, cs, b, torch.bfloat16)
+
+
+def test_small_batches_take_the_per_tensor_product(monkeypatch) -> None:
+    calls = []
+    real = fused_cuda.scale_fp8_product
+    monkeypatch.setattr(
+        fused_cuda, "scale_fp8_product", lambda acc, *a: calls.append(acc.shape) or real(acc, *a)
+    )
+    q, scale = fp8.quantize_weight(_rand(256, 512, seed=44, std=0.02).cuda())
+    for m in (1, fp8.SMALL_BATCH, fp8.SMALL_BATCH + 1):
+        fp8.fp8_linear(torch.ones(m, 512, dtype=torch.bfloat16, device="cuda"), q, scale)
+    assert calls == [(1, 256), (fp8.SMALL_BATCH, 256)]
 
 
 def test_a_non_bf16_input_is_refused_clearly() -> None:

@@ -1,0 +1,145 @@
+"""The fp8 weights' products at decode batch sizes, against bf16 and the weight-read floor.
+
+    python benchmarks/bench_fp8_gemm.py --rows 8 32 64 128 256 512 --out fp8_gemm.json
+
+For llama3-8b's four projections of one layer (qkv, o, gate_up, down), at each row count,
+the GPU time (a CUDA graph of 10 calls, replayed; median of --repeats) of:
+
+- ``bf16``: the unquantized product (``gemv.linear``, what a bf16 model runs);
+- ``rowwise``: ``torch._scaled_mm`` with per-token and per-channel scales in the kernel;
+- ``per_tensor``: ``_scaled_mm`` with unit per-tensor scales into fp32, then
+  ``fused_cuda.scale_fp8_product`` (the same scales and result): the path ``fp8_linear``
+  takes up to ``layers/fp8.SMALL_BATCH`` rows;
+- ``fp8_linear``: the layer's whole product as the model runs it (the per-token
+  quantization kernel, then whichever of the two the row count picks).
+
+The floor is the fp8 weight bytes at the device-to-device copy bandwidth measured in the
+same run. Prints a table (us per layer) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from streamkv.kernels import fused_cuda, gemv  # noqa: E402
+from streamkv.layers import fp8  # noqa: E402
+
+# llama3-8b, one layer: (in, out) of each projection.
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+
+
+def graph_us(fn, repeats: int, calls: int = 10, replays: int = 20) -> float:
+    """Median GPU microseconds of one call of ``fn``, captured ``calls`` times in a graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays / calls)
+    return statistics.median(times)
+
+
+def copy_gbs() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_us(lambda: dst.copy_(src), 3, calls=2, replays=5)
+    return 2 * src.numel() / us / 1e3
+
+
+def time_shape(m: int, k: int, n: int, repeats: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    wq, ws = fp8.quantize_weight(w)
+    xq, xs = fp8.quantize_activation(x)
+    unit = torch.ones((), device="cuda")
+    ws_row = ws.view(1, -1)
+
+    def rowwise():
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16)
+
+    def per_tensor():
+        acc = torch._scaled_mm(xq, wq.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+        return fused_cuda.scale_fp8_product(acc, xs, ws, None, torch.bfloat16)
+
+    return {
+        "bf16": graph_us(lambda: gemv.linear(x, w, None), repeats),
+        "rowwise": graph_us(rowwise, repeats),
+        "per_tensor": graph_us(per_tensor, repeats),
+        "fp8_linear": graph_us(lambda: fp8.fp8_linear(x, wq, ws, None, unit), repeats),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 128, 256, 512, 1024])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gbs = copy_gbs()
+    floor_us = sum(k * n for k, n in SHAPES.values()) / gbs / 1e3
+    rows = []
+    for m in args.rows:
+        per = {name: time_shape(m, k, n, args.repeats) for name, (k, n) in SHAPES.items()}
+        total = {path: sum(p[path] for p in per.values()) for path in next(iter(per.values()))}
+        rows.append({"rows": m, "per_shape_us": per, "layer_us": total})
+    print(
+        f"{torch.cuda.get_device_name()}: llama3-8b layer (qkv, o, gate_up, down), us per "
+        f"layer; fp8 weight-read floor {floor_us:.1f} us at {gbs:.0f} GB/s; "
+        f"SMALL_BATCH = {fp8.SMALL_BATCH}"
+    )
+    paths = list(rows[0]["layer_us"])
+    print(f"{'rows':>6}" + "".join(f"{p:>12}" for p in paths) + f"{'row/tensor':>12}")
+    for r in rows:
+        t = r["layer_us"]
+        print(
+            f"{r['rows']:>6}"
+            + "".join(f"{t[p]:>12.1f}" for p in paths)
+            + f"{t['rowwise'] / t['per_tensor']:>12.2f}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "copy_gbs": gbs,
+                    "floor_us": floor_us,
+                    "small_batch": fp8.SMALL_BATCH,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
