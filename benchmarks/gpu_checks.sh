@@ -219,6 +219,9 @@ if [[ " $PARTS " == *" serve "* ]]; then
     step serve_burst 170 $SERVE --num-prompts 1000 --request-rate inf --offline --engine-args "$E8B" \
       --json-out "$OUT/serve_burst$([ "$i" = 1 ] || echo "_$i").json"
   done
+  # The same burst with fp8 weights and the fp8 KV cache (the fastest offline configuration).
+  step serve_burst_fp8 200 $SERVE --num-prompts 1000 --request-rate inf --offline \
+    --engine-args "$E8B --quantization fp8 --kv-cache-dtype fp8" --json-out "$OUT/serve_burst_fp8.json"
   # The same with py-spy attached (`--nonblocking`: it samples without stopping the server).
   step serve_burst_spy 120 $SERVE --num-prompts 1000 --request-rate inf --engine-args "$E8B" \
     --py-spy "$OUT/pyspy_burst" --json-out "$OUT/serve_burst_spy.json"
