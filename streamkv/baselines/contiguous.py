@@ -91,6 +91,9 @@ class ContiguousBlockManager:
         self.num_cow_copies = 0  # blocks copied into a forked child's own run
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Nothing to forget: contiguous runs share no prompt prefixes."""
+
     # -- admission ----------------------------------------------------------------------
     def run_blocks_for(self, group: SequenceGroup) -> int:
         final = final_len(

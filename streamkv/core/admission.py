@@ -77,6 +77,10 @@ def check_request(
 def _check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab: int) -> None:
     if len(prompt_token_ids) == 0:
         raise InvalidParameter("prompt", "the prompt is empty")
+    if params.resumed_output_tokens >= len(prompt_token_ids):
+        raise InvalidParameter(
+            "resumed_output_tokens", "resumed_output_tokens must be less than the prompt's length."
+        )
     _check_ids("prompt", prompt_token_ids, vocab)
     # Token ids of the parameters index the logits in the worker: an id past the vocabulary
     # would fail the whole batch's step, so it is refused here, for this request alone.

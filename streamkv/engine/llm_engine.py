@@ -160,11 +160,6 @@ class LLMEngine:
                 "allowed_token_ids holds only tokens that end the "
                 "output, which min_tokens bans for the first tokens.",
             )
-        if params.resumed_output_tokens >= len(prompt_token_ids):
-            raise InvalidParameter(
-                "resumed_output_tokens",
-                "resumed_output_tokens must be less than the prompt's length.",
-            )
         params.check_max_logprobs(self.config.model.max_logprobs)
         self.structured.admit(params)  # compiles (cached) or refuses the grammar
         seq = Sequence(
@@ -196,8 +191,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prompt blocks that no request holds (vLLM's name)."""
-        if self.block_manager.enable_prefix_caching:
-            self.block_manager.reset_prefix_cache()
+        self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts: its outputs are still to be processed (async scheduling).
