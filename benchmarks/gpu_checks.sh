@@ -87,7 +87,7 @@ if [[ " $PARTS " == *" speed "* ]]; then
   step throughput_256 150 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --max-num-seqs 256 \
     --json-out "$OUT/throughput_256.json"
   # 400 of them x 256 tokens against transformers' own continuous batching (generate_batch) in
-  # the same run; 20,000 KV blocks leave room for transformers' copy of the model.
+  # the same run, the engine (20,000 KV blocks) shut down before transformers' copy is built.
   step throughput_cb 200 python3 benchmarks/bench_throughput.py $M8B --workload-file bench_inputs/sharegpt_1000.json \
     --num-requests 400 --max-output-len 256 --baseline-batch-sizes= --num-kv-blocks 20000 \
     --cb-requests 400 --cb-output-len 256 --json-out "$OUT/throughput_cb.json"
