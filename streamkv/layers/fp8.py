@@ -7,7 +7,7 @@ whose bytes and scales are the torch reference's, ``_quantize_rows``.
 scales applied to the accumulator, the bias added, the output written in bf16). For at most
 ``SMALL_BATCH`` rows it is instead ``_scaled_mm`` with unit per-tensor scales into fp32 and one
 kernel that applies the same scales and bias (``fused_cuda.scale_fp8_product``): the same
-numerics, and on an H200 (benchmarks/bench_fp8_gemm.py) 1.3-1.9x faster at 8-128 rows,
+numerics, and on an H200 (benchmarks/bench_fp8_gemm.py) 1.2-1.7x faster at 8-128 rows,
 because cuBLASLt's row-wise kernels use 128x128 tiles without split-K, so llama3-8b's 4096-
 wide projections run on 32 CTAs for 132 multiprocessors. Anywhere else it is the reference
 with the same numerics: both fp8 operands widened to fp32 with their scales, an fp32 product,
