@@ -35,13 +35,14 @@ browser:
 		|| echo "warning: could not install chromium; the browser tests will skip"; \
 	else echo "note: chromium needs root to install (apt-get install -y chromium); the browser tests will skip"; fi
 
+# --durations names the slowest tests at the end: where the suite's time goes on a CI box.
 test: setup
-	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 # Skips the tests marked slow: those on the real model, with worker processes or a server,
 # or over a few seconds each on the 2-core CPU box.
 test-fast: setup
-	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+	STREAMKV_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -ra -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 serve: setup
 	$(BIN)/streamkv serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
