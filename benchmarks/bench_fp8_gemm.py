@@ -3,7 +3,8 @@
     python benchmarks/bench_fp8_gemm.py --rows 8 32 64 128 256 512 --out fp8_gemm.json
 
 For llama3-8b's four projections of one layer (qkv, o, gate_up, down), at each row count,
-the GPU time (a CUDA graph of 10 calls, replayed; median of --repeats) of:
+the GPU time (10 calls captured as one CUDA graph, bench_kernels.gpu_time_ms's median of
+--repeats replays) of:
 
 - ``bf16``: the unquantized product (``gemv.linear``, what a bf16 model runs);
 - ``rowwise``: ``torch._scaled_mm`` with per-token and per-channel scales in the kernel;
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode_graphs import copy_bandwidth_gbs  # noqa: E402
+from benchmarks.bench_kernels import gpu_time_ms  # noqa: E402
 from streamkv.kernels import fused_cuda, gemv  # noqa: E402
 from streamkv.layers import fp8  # noqa: E402
 
@@ -37,29 +38,10 @@ from streamkv.layers import fp8  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
-def graph_us(fn, repeats: int, calls: int = 10, replays: int = 20) -> float:
-    """Median GPU microseconds of one call of ``fn``, captured ``calls`` times in a graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays / calls)
-    return statistics.median(times)
+def call_us(fn, repeats: int, calls: int = 10) -> float:
+    """GPU microseconds of one call of ``fn``: ``calls`` of them replayed as one CUDA graph,
+    timed by bench_kernels.gpu_time_ms (median of ``repeats``, device time only)."""
+    return gpu_time_ms(lambda: [fn() for _ in range(calls)], repeats) * 1e3 / calls
 
 
 def time_shape(m: int, k: int, n: int, repeats: int) -> dict:
@@ -79,10 +61,10 @@ def time_shape(m: int, k: int, n: int, repeats: int) -> dict:
         return fused_cuda.scale_fp8_product(acc, xs, ws, None, torch.bfloat16)
 
     return {
-        "bf16": graph_us(lambda: gemv.linear(x, w, None), repeats),
-        "rowwise": graph_us(rowwise, repeats),
-        "per_tensor": graph_us(per_tensor, repeats),
-        "fp8_linear": graph_us(lambda: fp8.fp8_linear(x, wq, ws, None, unit), repeats),
+        "bf16": call_us(lambda: gemv.linear(x, w, None), repeats),
+        "rowwise": call_us(rowwise, repeats),
+        "per_tensor": call_us(per_tensor, repeats),
+        "fp8_linear": call_us(lambda: fp8.fp8_linear(x, wq, ws, None, unit), repeats),
     }
 
 
@@ -91,7 +73,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 128, 256, 512, 1024])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
