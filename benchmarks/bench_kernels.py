@@ -137,13 +137,17 @@ def paged_inputs(
     group: int = 4,
     extra: int = 0,
     head: int = HEAD,
+    cache_dtype=None,
 ):
-    """Random pool with a random block table per sequence (+ `extra` unused blocks)."""
+    """Random pool with a random block table per sequence (+ `extra` unused blocks), in
+    ``cache_dtype`` (default: the query's)."""
     counts = [-(-c // BLOCK) for c in ctx]
     num_blocks = sum(counts) + extra
     shape = (num_blocks, KV_HEADS, BLOCK, head)
     key = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     value = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    if cache_dtype is not None:
+        key, value = key.to(cache_dtype), value.to(cache_dtype)
     perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
     tables = torch.zeros((batch, max(counts)), dtype=torch.int32, device="cuda")
     first = 0
@@ -275,13 +279,20 @@ def bench_attention(
     group: int = Q_HEADS // KV_HEADS,
     head: int = HEAD,
     bound: int | None = None,
+    cache_dtype=None,
 ) -> dict:
+    """One batch x context point. With an fp8 ``cache_dtype`` (unit scales) SDPA is skipped:
+    flash SDPA reads 16-bit K/V only."""
     gen = torch.Generator(device="cuda").manual_seed(batch * 100003 + ctx)
-    kv_bytes = 2 * batch * ctx * KV_HEADS * head * 2
+    fp8 = cache_dtype is not None
+    kv_bytes = 2 * batch * ctx * KV_HEADS * head * (1 if fp8 else 2)
     io_bytes = kv_bytes + 2 * batch * KV_HEADS * group * head * 2
     sets = max(1, min(32, -(-L2_ROTATE_BYTES // kv_bytes)))
     scale = head**-0.5
-    inputs = [paged_inputs(batch, [ctx] * batch, gen, group=group, head=head) for _ in range(sets)]
+    inputs = [
+        paged_inputs(batch, [ctx] * batch, gen, group=group, head=head, cache_dtype=cache_dtype)
+        for _ in range(sets)
+    ]
     row: dict = {
         "batch": batch,
         "context": ctx,
@@ -290,6 +301,7 @@ def bench_attention(
         "bytes": io_bytes,
         "rotated_sets": sets,
         "bound": bound or ctx,
+        "kv_cache_dtype": str(cache_dtype or DTYPE).removeprefix("torch."),
     }
     mcl = bound or ctx  # max_context_len: a CUDA graph's bucket bound, or the batch's own
 
@@ -335,7 +347,7 @@ def bench_attention(
 
     time_default()
 
-    best = _time_sdpa(inputs, ctx, scale, iters, sets, row)
+    best = None if fp8 else _time_sdpa(inputs, ctx, scale, iters, sets, row)
     time_default()
     ms = statistics.median(default_ms)
     row.update(
@@ -569,7 +581,7 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
 
 def print_attention_tables(rows: list[dict], gpu: str, copy_gbs: float) -> None:
     print(
-        f"\nDecode attention, {DTYPE}, head {HEAD}, {KV_HEADS} KV heads, block {BLOCK}, "
+        f"\nDecode attention, {DTYPE} queries, head {HEAD}, {KV_HEADS} KV heads, block {BLOCK}, "
         f"{gpu}; copy {copy_gbs:.0f} GB/s; ours: the production kernel per case "
         f"(streamkv/kernels/decode_attention.py)"
     )
@@ -588,6 +600,7 @@ def print_attention_tables(rows: list[dict], gpu: str, copy_gbs: float) -> None:
             ("context", "context", "d"),
             ("head", "head", "d"),
             ("q_heads", "q heads", "d"),
+            ("kv_cache_dtype", "cache", "s"),
             ("ours_us", "ours us", ".1f"),
             ("ours_gbs", "GB/s", ".0f"),
             ("of_copy_bw", "of copy", ".2f"),
@@ -636,6 +649,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only-attention", action="store_true", help="skip the cache-op and swap timings"
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="fp8: decode attention over an e4m3 cache (unit scales; no SDPA); "
+        "its bytes, so its bandwidth, are half bf16's",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -672,7 +692,15 @@ def main(argv: list[str] | None = None) -> int:
         for batch, ctx in points:
             try:
                 row = bench_attention(
-                    batch, ctx, args.iters, copy_gbs, not args.no_sweep, group, head, args.bound
+                    batch,
+                    ctx,
+                    args.iters,
+                    copy_gbs,
+                    not args.no_sweep,
+                    group,
+                    head,
+                    args.bound,
+                    cache_dtype,
                 )
             except Exception as e:  # out of memory, or a failure: keep the other sizes
                 row = {"batch": batch, "context": ctx, "skipped": f"{type(e).__name__}: {e}"}
@@ -684,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
         return rows
 
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     rows = time_rows("attention", [(b, c) for b in args.batches for c in args.contexts])
     other = []
     for group in args.other_groups:

@@ -142,6 +142,14 @@ def print_comparison(result: dict) -> None:
     )
 
 
+def print_rows(rows: list[dict], ratio: float | None) -> None:
+    print(f"{'system':<22}{'batch':<22}{'seconds':>10}{'out tok/s':>12}")
+    for r in rows:
+        print(f"{r['system']:<22}{r['batch']:<22}{r['seconds']:>10.1f}{r['output_tok_s']:>12.1f}")
+    if ratio is not None:  # static baselines were run
+        print(f"streamkv / best static baseline = {ratio:.2f}x")
+
+
 def run_static_batching(model, requests, batch_size: int, pad_id: int) -> float:
     """transformers generate, FCFS batches of ``batch_size``, left-padded; each batch runs
     until its longest requested output (EOS suppressed, as with ignore_eos)."""
@@ -530,8 +538,7 @@ def main() -> int:
             flush=True,
         )
     static = [r["output_tok_s"] for r in rows if r["system"] == "transformers static"]
-    best_base = max(static) if static else float("nan")
-    ratio = rows[0]["output_tok_s"] / best_base
+    ratio = rows[0]["output_tok_s"] / max(static) if static else None
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -545,10 +552,7 @@ def main() -> int:
         f"{len(requests)} ShareGPT requests: {in_tokens} prompt tokens, {out_tokens} output tokens "
         f"(output cap {args.max_output_len}), torch threads {torch.get_num_threads()}"
     )
-    print(f"{'system':<22}{'batch':<22}{'seconds':>10}{'out tok/s':>12}")
-    for r in rows:
-        print(f"{r['system']:<22}{r['batch']:<22}{r['seconds']:>10.1f}{r['output_tok_s']:>12.1f}")
-    print(f"streamkv / best static baseline = {ratio:.2f}x")
+    print_rows(rows, ratio)
     result = {
         "args": vars(args),
         "num_requests": len(requests),
