@@ -267,8 +267,9 @@ fi
 # kernel sweep and the capacity points, OPT-13B's shape on an A100-40GB's KV pool, one JSON a
 # point under $OUT/h200/ (load_tests/capacity_point.sh). PAPER_GROUPS picks the groups, each
 # one device call of under 10 minutes. Beside each step: its estimated device seconds (the
-# simulated run's length x 0.385, the session-5 H200 points' ratio, + ~30 s of engine start)
-# and capacity; its limit is the point's MAX_DURATION + 60 s, so a slow point is cut, not lost.
+# simulated run's length x 0.385, the ratio the first H200 capacity points showed, + ~30 s
+# of engine start) and capacity; its limit is the point's MAX_DURATION + 60 s, so a slow
+# point is cut, not lost.
 #     PARTS=paper PAPER_GROUPS=a OUT=$OUT bash benchmarks/gpu_checks.sh   # then b, then c
 # Carry bench_inputs (sharegpt-1000.json, alpaca-3000.json: load_tests/capacity_point.sh
 # says how they are made) and .whl.

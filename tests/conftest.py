@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -85,18 +87,29 @@ def hf_model(hf_model_dir):
     return model
 
 
-_ENGINES: dict = {}
+# The engines make_llm built, newest last. Each holds its own copy of the model (~1 GB of
+# RSS on the CPU box), so only the last _KEEP stay cached: a suite that kept every
+# configuration grew one pytest process to ~18 GB, close to CI's 24 GiB. An engine dropped
+# from the cache lives on while a test or fixture still holds it; _LIVE sees it until then.
+_KEEP = 2
+_ENGINES: OrderedDict = OrderedDict()
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 @pytest.fixture(scope="session")
 def make_llm():
-    """make_llm(**kwargs) -> a cached LLM for that configuration."""
+    """make_llm(**kwargs) -> an LLM for that configuration, cached while among the last few
+    asked for."""
     from streamkv.entrypoints.llm import LLM
 
     def make(**kwargs):
         key = tuple(sorted(kwargs.items()))
         if key not in _ENGINES:
             _ENGINES[key] = LLM(**kwargs)
+            _LIVE.add(_ENGINES[key])
+            while len(_ENGINES) > _KEEP:
+                _ENGINES.popitem(last=False)
+        _ENGINES.move_to_end(key)
         return _ENGINES[key]
 
     yield make
@@ -106,9 +119,8 @@ def make_llm():
 @pytest.fixture(autouse=True)
 def _no_leaked_blocks():
     yield
-    for llm in _ENGINES.values():
-        bm = llm.engine.block_manager
-        bm.check_no_leaks()
+    for llm in list(_LIVE):
+        llm.engine.block_manager.check_no_leaks()
 
 
 @pytest.fixture(autouse=True)
