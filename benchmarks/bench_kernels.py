@@ -133,7 +133,7 @@ def paged_inputs(
     batch: int,
     ctx: list[int],
     gen,
-    dtype=DTYPE,
+    dtype=None,
     group: int = 4,
     extra: int = 0,
     head: int = HEAD,
@@ -141,6 +141,7 @@ def paged_inputs(
 ):
     """Random pool with a random block table per sequence (+ `extra` unused blocks), in
     ``cache_dtype`` (default: the query's)."""
+    dtype = dtype or DTYPE
     counts = [-(-c // BLOCK) for c in ctx]
     num_blocks = sum(counts) + extra
     shape = (num_blocks, KV_HEADS, BLOCK, head)
@@ -650,6 +651,12 @@ def main(argv: list[str] | None = None) -> int:
         "--only-attention", action="store_true", help="skip the cache-op and swap timings"
     )
     p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16"),
+        default="bfloat16",
+        help="the queries' (and a 16-bit cache's) type",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "fp8"),
         default="auto",
@@ -657,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:
         "its bytes, so its bandwidth, are half bf16's",
     )
     args = p.parse_args(argv)
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
