@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype",
         choices=("bfloat16", "float16"),
         default="bfloat16",
-        help="the queries' (and a 16-bit cache's) type",
+        help="the element type of every timed tensor (queries, caches, swaps) but an fp8 cache",
     )
     p.add_argument(
         "--kv-cache-dtype",
