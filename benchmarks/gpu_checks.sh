@@ -91,6 +91,18 @@ if [[ " $PARTS " == *" speed "* ]]; then
   step throughput_cb 200 python3 benchmarks/bench_throughput.py $M8B --workload-file bench_inputs/sharegpt_1000.json \
     --num-requests 400 --max-output-len 256 --baseline-batch-sizes= --num-kv-blocks 20000 \
     --cb-requests 400 --cb-output-len 256 --json-out "$OUT/throughput_cb.json"
+  # Why that ratio stops short of 12x (docs/benchmarks.md, "Offline throughput"): the same
+  # 400 x 256 as a workload of its own, with the per-step timeline; its 400-row decode step
+  # profiled; one layer's GEMMs at every graph size from 240 to 1024 rows.
+  step cb_phases 150 bash -c 'python3 -c "import json, sys; d = json.load(open(sys.argv[1]));
+json.dump([[p, 256] for p, _ in d[:400]], open(sys.argv[2], \"w\"))" bench_inputs/sharegpt_1000.json \
+      /tmp/sharegpt_400x256.json && python3 benchmarks/bench_throughput.py '"$M8B"' \
+      --workload-file /tmp/sharegpt_400x256.json --num-requests 400 --max-output-len 256 \
+      --baseline-batch-sizes= --num-kv-blocks 20000 --phases --json-out "$OUT/cb_phases.json"'
+  step decode_graphs_400 110 python3 benchmarks/bench_decode_graphs.py --batch-sizes 256 400 --context 230 \
+    --steps 20 --no-eager --profile --profile-steps 5 --out "$OUT/dg_400.json"
+  step gemm_ladder 120 python3 benchmarks/bench_fp8_gemm.py --rows 240 248 $(seq 256 16 512) \
+    $(seq 544 32 1024) --out "$OUT/gemm_ladder.json"
   # The same 1,000 without async scheduling.
   step throughput_sync 80 python3 benchmarks/bench_throughput.py $M8B $SHAREGPT --no-async-scheduling \
     --json-out "$OUT/throughput_sync.json"
@@ -120,6 +132,20 @@ if [[ " $PARTS " == *" speed "* ]]; then
   # Decode steps with graphs at batch 1 and 256, context 512 (the whole step, GPU time by kernel kind).
   step decode_graphs_512 110 python3 benchmarks/bench_decode_graphs.py --model llama3-8b --dtype bfloat16 \
     --batch-sizes 1 256 --context 512 --steps 30 --no-eager --out "$OUT/decode_graphs.json"
+  # The decode step at 256 x 512 against issue 27's 9 / 7.5 ms (docs/kernels.md), profiled:
+  # bf16, the fp8 cache, fp8 weights too.
+  step decode_step_512 200 bash -c 'for c in bf16: "fp8kv:--kv-cache-dtype fp8" \
+      "fp8w_kv:--quantization fp8 --kv-cache-dtype fp8"; do
+      python3 benchmarks/bench_decode_graphs.py --batch-sizes 1 256 --context 512 --steps 30 --no-eager \
+        --max-model-len 4096 --profile --profile-steps 5 ${c#*:} --label ${c%%:*} --out "$OUT/dg512_${c%%:*}.json"
+    done'
+  # Decode attention alone over a 16-bit and an fp8 cache, bf16 and fp16 queries
+  # (docs/kernels.md, "FP8 KV cache": what the fp8 cache's halved bytes buy).
+  step attention_fp8 150 bash -c 'for q in bfloat16 float16; do for c in auto fp8; do
+      python3 benchmarks/bench_kernels.py --dtype $q --kv-cache-dtype $c --bound 1024 --contexts 700 \
+        --batches 8 32 64 128 256 512 --no-sweep --skip-checks --only-attention --other-groups \
+        --other-heads --out "$OUT/attn_q${q}_$c.json"
+    done; done'
   # Sampling modes against greedy, 400 requests x 256 tokens, one engine.
   step sampling 110 python3 benchmarks/bench_sampling.py $M8B --num-requests 400 --output-len 256 \
     --max-num-seqs 256 --json-out "$OUT/sampling.json"
