@@ -660,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-dtype",
         choices=("auto", "fp8"),
         default="auto",
-        help="fp8: decode attention over an e4m3 cache (unit scales; no SDPA); "
-        "its bytes, so its bandwidth, are half bf16's",
+        help="fp8: decode attention over an e4m3 cache (unit scales; no SDPA; its bytes, so "
+        "its bandwidth, are half bf16's); the cache-op and swap timings stay in --dtype",
     )
     args = p.parse_args(argv)
     global DTYPE
