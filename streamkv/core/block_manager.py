@@ -238,7 +238,8 @@ class BlockManager(PreemptedGroups):
         for key in self._pending.pop(seq.seq_id, ()):
             if self._computing.get(key) == seq.seq_id:
                 del self._computing[key]
-        self.reserved.forget(seq.seq_id)
+        if self.reserved.computing:
+            self.reserved.forget(seq.seq_id)
         for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
             for block in tables.pop(seq.seq_id, ()):
                 pool.decref(block)

@@ -136,8 +136,7 @@ class ReservedPrefixes:
 
     def forget(self, seq_id: int) -> None:
         """The sequence's blocks are going: a prefix it was computing stays pending."""
-        if self.computing:
-            self.computing.pop(seq_id, None)
+        self.computing.pop(seq_id, None)
 
     # -- accounting ---------------------------------------------------------------------
     def pins(self) -> dict[int, int]:

@@ -133,7 +133,8 @@ class LLMEngine:
     def defer_until_compiled(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
         """True when ``params``' grammar compiles now on a compile thread: ``add_request``
         waits for ``resume`` (the engine thread never compiles a grammar: issue 26)."""
-        return self.structured.defer(params, resume)
+        structured = params.structured_outputs is not None
+        return structured and self.structured.defer(params, resume)
 
     def add_request(
         self,
@@ -161,15 +162,17 @@ class LLMEngine:
                 "output, which min_tokens bans for the first tokens.",
             )
         params.check_max_logprobs(self.config.model.max_logprobs)
-        self.structured.admit(params)  # compiles (cached) or refuses the grammar
+        grammar = None
+        if params.structured_outputs is not None:  # compiles (cached) or refuses it
+            grammar = self.structured.new_grammar(params)
         seq = Sequence(
             next(self._seq_ids),
             list(prompt_token_ids),
             params.resumed_sample_index,
             cache_root=root_key(params.cache_salt),
         )
-        seq.grammar = self.structured.new_grammar(params)
-        if seq.grammar is not None and params.resumed_output_tokens:
+        seq.grammar = grammar
+        if grammar is not None and params.resumed_output_tokens:
             # A request resumed after a restart: its grammar stands where the outputs before
             # the restart (now the prompt's tail) left it, not at its start.
             for token in prompt_token_ids[len(prompt_token_ids) - params.resumed_output_tokens :]:

@@ -9,9 +9,9 @@ Life of a structured sequence:
   compile thread under a time budget, cached by a digest of its canonical form
   (engine/grammar_compiler.py). The server's engine thread never compiles: ``defer``
   starts the compile and the submission comes back once it is done (engine_commands.py).
-  ``admit`` (LLMEngine.add_request) then finds the outcome, so a spec past a limit or one
-  the grammar engine refuses is an InvalidParameter before the request queues;
-  ``new_grammar`` gives the prompt's sequence its matcher.
+  ``new_grammar`` (LLMEngine.add_request) then finds the outcome, so a spec past a limit
+  or one the grammar engine refuses is an InvalidParameter before the request queues, and
+  gives the prompt's sequence its matcher.
 - The mask of a sequence's *next* token is filled when it is needed, from the matcher's
   state after the last accepted token: by the step builder, which sends it as
   ``SeqStep.token_mask``, or, when the step was built while that token was still being
@@ -163,26 +163,18 @@ class StructuredOutputManager:
         self._setup_lock = threading.Lock()  # the first compiles may run on two threads
         self._cache = CompileCache(self._compile, COMPILE_CACHE_SIZE, compile_timeout_s)
 
-    def admit(self, params: SamplingParams) -> None:
-        """Compile the request's grammar (cached); InvalidParameter if it cannot be. Waits
-        for the compile (at most its budget) unless ``defer`` ran first."""
-        if params.structured_outputs is not None:
-            self._compiled(params.structured_outputs)
-
     def defer(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
         """True when the request's grammar is compiling now, off this thread: ``resume`` is
         called (on a compile thread) once it is done, and the request should be added then.
-        False when there is nothing to wait for (no grammar, or its outcome is cached)."""
-        spec = params.structured_outputs
-        if spec is None or self.tokenizer is None:
+        False when there is nothing to wait for (its outcome is cached)."""
+        if self.tokenizer is None:
             return False
-        return self._cache.request(*spec.key(), resume)
+        return self._cache.request(*params.structured_outputs.key(), resume)
 
-    def new_grammar(self, params: SamplingParams) -> SequenceGrammar | None:
-        spec = params.structured_outputs
-        if spec is None:
-            return None
-        compiled = self._compiled(spec)  # sets xgrammar up
+    def new_grammar(self, params: SamplingParams) -> SequenceGrammar:
+        """A fresh matcher for a structured request; InvalidParameter if its grammar does
+        not compile. Waits for the compile (at most its budget) unless ``defer`` ran first."""
+        compiled = self._compiled(params.structured_outputs)  # sets xgrammar up
         xgr = self.xgrammar.get()
         matcher = xgr.GrammarMatcher(compiled)
         return SequenceGrammar(

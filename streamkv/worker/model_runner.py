@@ -1,5 +1,5 @@
 """Runs one step: its tensors (input ids, positions, slot mapping, block tables; built in
-worker/step_tensors.py, decodes first), the model, and the sampler. On CUDA, a decode-only
+worker/input_batch.py, decodes first), the model, and the sampler. On CUDA, a decode-only
 step replays a captured graph instead (worker/cuda_graphs.py).
 
 ``launch`` never waits for the device (async scheduling): it returns a StepResult whose
@@ -25,11 +25,10 @@ from streamkv.layers.sampler import Sampler
 from streamkv.layers.token_mask import TokenMask
 from streamkv.messages import MASK_FOLLOWS, StepOutput
 from streamkv.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from streamkv.worker.input_batch import ProtocolError, SeqInput
+from streamkv.worker.input_batch import ProtocolError, SeqInput, prepare_step
 from streamkv.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
 from streamkv.worker.prompt_logprobs import score_prompts
 from streamkv.worker.sampling_table import PLAIN, SamplingTable
-from streamkv.worker.step_tensors import prepare_step
 
 
 class ModelRunner:
@@ -84,7 +83,7 @@ class ModelRunner:
         self, seqs: list[SeqInput]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[SeqInput]]:
         """Input ids, positions, attention metadata and the rows' order, decodes first
-        (worker/step_tensors.py)."""
+        (worker/input_batch.py)."""
         return prepare_step(seqs, self.block_size, self.device)
 
     def _pending_gather(self, rows: list[SeqInput]):
