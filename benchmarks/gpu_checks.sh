@@ -67,6 +67,11 @@ if [[ " $PARTS " == *" speed "* ]]; then
     tests/worker/test_sampler.py tests/worker/test_cuda_graphs.py tests/kernels/test_prefill_attention.py \
     tests/engine/test_async_scheduling_cuda.py tests/worker/test_async_cuda.py tests/executor/test_async_mp_cuda.py \
     tests/kernels/test_sampling_kernel.py
+  # Which streamkv files one streaming request runs through on the GPU (docs/architecture.md,
+  # "A request's lifecycle"): the embedded model's shapes with dummy weights, mp executor.
+  step request_path 150 python3 benchmarks/trace_request_path.py --model bench_inputs/smollm2-tokenizer \
+    --device cuda --server-arg=--load-format --server-arg=dummy --exclude-idle \
+    --json-out "$OUT/request_path_cuda.json"
   # The decode GEMV (1-4 rows) and the kernels launched with programmatic dependent launch:
   # every kernel test, the decode matrix in bf16 only (fp16/fp32 in FULL=1's kernel_tests).
   step kernel_checks 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
