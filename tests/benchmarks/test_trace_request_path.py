@@ -192,6 +192,13 @@ def test_one_traced_request_on_the_cpu(tmp_path):
         "streamkv/worker/model_runner.py",
         "streamkv/models/llama.py",
     } <= files
+    # Features a plain request does not ask for stay off its path (docs/architecture.md).
+    unasked = {
+        "streamkv/engine/structured.py",
+        "streamkv/worker/prompt_logprobs.py",
+        "streamkv/layers/token_mask.py",
+    }
+    assert not unasked & files
     roles = {p["role"]: p for p in result["processes"]}
     assert "streamkv/worker/model_runner.py" in roles["rank"]["files"]
     assert "streamkv/worker/model_runner.py" not in roles["server"]["files"]
