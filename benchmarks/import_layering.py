@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.trace_request_path import git_commit  # noqa: E402
 
 
 def package_of(module: str) -> str | None:
@@ -77,6 +79,8 @@ def layering(tree: Path) -> dict[str, dict[str, dict[str, int]]]:
         lambda: defaultdict(lambda: {"top": 0, "lazy": 0})
     )
     pkg_root = tree / "streamkv"
+    # `from streamkv import LLM` names no module: only real subpackages and modules count.
+    known = {p.stem for p in pkg_root.iterdir() if p.is_dir() or p.suffix == ".py"}
     for path in sorted(pkg_root.rglob("*.py")):
         rel = path.relative_to(tree).with_suffix("")
         module = ".".join(rel.parts).removesuffix(".__init__")
@@ -85,12 +89,7 @@ def layering(tree: Path) -> dict[str, dict[str, dict[str, int]]]:
             continue
         for imported, top in imports_of(ast.parse(path.read_text()), module):
             dst = package_of(imported)
-            if (
-                dst is None
-                or dst == src
-                or not (pkg_root / dst).exists()
-                and not (pkg_root / f"{dst}.py").exists()
-            ):
+            if dst is None or dst == src or dst not in known:
                 continue
             out[src][dst]["top" if top else "lazy"] += 1
     return {s: dict(d) for s, d in out.items()}
@@ -126,13 +125,6 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             strong(v)
     return sorted(groups)
-
-
-def git_commit(tree: Path) -> str | None:
-    r = subprocess.run(
-        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return r.stdout.strip() or None
 
 
 def main(argv: list[str] | None = None) -> int:

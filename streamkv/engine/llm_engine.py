@@ -133,8 +133,7 @@ class LLMEngine:
     def defer_until_compiled(self, params: SamplingParams, resume: Callable[[], None]) -> bool:
         """True when ``params``' grammar compiles now on a compile thread: ``add_request``
         waits for ``resume`` (the engine thread never compiles a grammar: issue 26)."""
-        structured = params.structured_outputs is not None
-        return structured and self.structured.defer(params, resume)
+        return params.structured_outputs is not None and self.structured.defer(params, resume)
 
     def add_request(
         self,
